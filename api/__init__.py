@@ -1,0 +1,1 @@
+"""The composition root: HTTP app, CLI, config, metrics."""

@@ -1,0 +1,1 @@
+"""KV-cache event wire: vLLM structs, subscriber, replay, engine-side publisher."""

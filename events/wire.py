@@ -1,0 +1,259 @@
+"""vLLM KV-cache event structs, as every vLLM release from 0.9 to 0.33 puts them on the wire.
+
+The schema is the types: one decoder call turns a payload into typed structs, and the
+decoder is the validator. Two layouts exist:
+
+* up to vLLM 0.23 each event is a positional msgpack array with its tag first
+  (``["BlockStored", hashes, parent, ...]``); fields were appended over releases
+  (medium 0.10.2, lora_name 0.14, extra_keys 0.17, group_idx 0.20, spec kind/window
+  0.22) and trailing fields at their default may be omitted;
+* from vLLM 0.24 each event is a msgpack map with a ``"type"`` key, fields at their
+  default omitted, and new fields added since (locality 0.26, ownership 0.29,
+  session_id 0.30, lookahead_token_ids 0.33).
+
+msgspec cannot put array-like and map-like structs in one union, so each layout has its
+own struct family; the map structs subclass the array ones, so ``isinstance(event,
+BlockStored)`` holds for both and consumers never see the layout. Fields this project
+does not use are left out: msgspec ignores unknown map keys and extra trailing array
+items, so newer vLLM fields never break decoding.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any
+
+import msgspec
+
+#: A block hash as vLLM publishes it: a uint64 (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``,
+#: the default) or the raw digest bytes (``=0``).
+BlockHash = Annotated[int, msgspec.Meta(ge=0, le=2**64 - 1)] | bytes
+
+#: The most block hashes one event may carry. A scheduler step stores at most
+#: max_num_batched_tokens / block_size blocks (a few thousand); anything near this bound
+#: is corrupt or hostile, and applying it would stall every other pod.
+MAX_HASHES_PER_EVENT = 65_536
+
+_U64_MASK = 2**64 - 1
+
+
+class Layout(enum.Enum):
+    """How a vLLM release lays out events inside a batch."""
+
+    ARRAY = "array"  # vLLM <= 0.23
+    MAP = "map"  # vLLM >= 0.24
+
+
+class KVCacheEvent(msgspec.Struct, tag=True, array_like=True, frozen=True, gc=False):
+    """Base of the array-layout events (vLLM <= 0.23); the tag is the first item."""
+
+
+class BlockStored(KVCacheEvent, tag="BlockStored"):
+    """Blocks newly cached by an engine, in prefix order.
+
+    ``token_ids`` covers exactly the new full blocks; ``parent_block_hash`` is the block
+    before the first new one (None at the start of a sequence). CPU-offload events may be
+    placeholders with ``token_ids=[]`` and ``block_size=0``.
+    """
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None  # 0.10.2
+    lora_name: str | None = None  # 0.14
+    extra_keys: list[Any] | None = None  # 0.17: one entry (tuple or None) per block
+    group_idx: int | None = None  # 0.20
+    kv_cache_spec_kind: str | None = None  # 0.22
+    kv_cache_spec_sliding_window: int | None = None  # 0.22
+
+
+class BlockRemoved(KVCacheEvent, tag="BlockRemoved"):
+    """Blocks an engine evicted from one medium (and, since 0.20, one KV-cache group)."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = None  # 0.10.2
+    group_idx: int | None = None  # 0.20
+
+
+class AllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
+    """The engine dropped its whole prefix cache (reset_prefix_cache, sleep, ...)."""
+
+
+class BlockStoredMap(BlockStored, array_like=False, tag_field="type", tag="BlockStored"):
+    """BlockStored in the map layout of vLLM >= 0.24."""
+
+
+class BlockRemovedMap(BlockRemoved, array_like=False, tag_field="type", tag="BlockRemoved"):
+    """BlockRemoved in the map layout of vLLM >= 0.24."""
+
+
+class AllBlocksClearedMap(
+    AllBlocksCleared, array_like=False, tag_field="type", tag="AllBlocksCleared"
+):
+    """AllBlocksCleared in the map layout of vLLM >= 0.24."""
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
+    """One scheduler step's events: ``[ts, events, data_parallel_rank]``.
+
+    ``ts`` is the engine's wall clock (seconds) when the batch was made; releases before
+    data parallelism omit the rank.
+    """
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+class _MapBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlockStoredMap | BlockRemovedMap | AllBlocksClearedMap]
+    data_parallel_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+class _RawBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+_KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+
+
+class DecodeError(ValueError):
+    """A payload that yields no usable batch; ``reason`` is a short metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class DecodedBatch(msgspec.Struct, gc=False):
+    """A decoded batch plus what was skipped inside it (``reason -> count``)."""
+
+    batch: EventBatch
+    layout: Layout
+    skipped: dict[str, int] = {}
+
+
+class BatchDecoder:
+    """Decodes payloads of either layout, fast path first.
+
+    The fast path is one msgspec call for the layout the caller saw last from the same
+    stream (a stream never switches layout unless its engine is upgraded). Only when
+    both layouts fail does the slow path run: it decodes events one at a time so one
+    unknown or malformed event costs that event, not the batch around it.
+    """
+
+    def __init__(self) -> None:
+        self._decoders = {
+            Layout.ARRAY: msgspec.msgpack.Decoder(_ArrayBatch),
+            Layout.MAP: msgspec.msgpack.Decoder(_MapBatch),
+        }
+        self._raw = msgspec.msgpack.Decoder(_RawBatch)
+        self._array_event = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+        self._map_event = msgspec.msgpack.Decoder(
+            BlockStoredMap | BlockRemovedMap | AllBlocksClearedMap
+        )
+        self._tag_probe = msgspec.msgpack.Decoder(Any)
+
+    def decode(self, payload: bytes, prefer: Layout = Layout.ARRAY) -> DecodedBatch:
+        """Decode one payload; raise DecodeError when nothing in it is usable."""
+        first = self._decoders[prefer]
+        try:
+            batch = first.decode(payload)
+            layout = prefer
+        except msgspec.DecodeError:
+            layout = Layout.MAP if prefer is Layout.ARRAY else Layout.ARRAY
+            try:
+                batch = self._decoders[layout].decode(payload)
+            except msgspec.DecodeError:
+                return self._decode_event_by_event(payload)
+        oversized = _count_oversized(batch.events)
+        if oversized:
+            batch.events = [e for e in batch.events if _size_ok(e)]
+            return DecodedBatch(_as_batch(batch), layout, {"too_many_hashes": oversized})
+        return DecodedBatch(_as_batch(batch), layout)
+
+    def _decode_event_by_event(self, payload: bytes) -> DecodedBatch:
+        try:
+            raw = self._raw.decode(payload)
+        except msgspec.ValidationError as exc:
+            raise DecodeError("invalid_batch", str(exc)) from None
+        except msgspec.DecodeError as exc:
+            raise DecodeError("malformed_msgpack", str(exc)) from None
+        skipped: dict[str, int] = {}
+        events: list[Event] = []
+        layout = Layout.ARRAY
+        for item in raw.events:
+            event, reason = self._decode_one(item)
+            if event is None:
+                skipped[reason] = skipped.get(reason, 0) + 1
+                continue
+            if not _size_ok(event):
+                skipped["too_many_hashes"] = skipped.get("too_many_hashes", 0) + 1
+                continue
+            if isinstance(event, BlockStoredMap | BlockRemovedMap | AllBlocksClearedMap):
+                layout = Layout.MAP
+            events.append(event)
+        batch = EventBatch(raw.ts, events, raw.data_parallel_rank)
+        return DecodedBatch(batch, layout, skipped)
+
+    def _decode_one(self, item: msgspec.Raw) -> tuple[Event | None, str]:
+        for decoder in (self._array_event, self._map_event):
+            try:
+                return decoder.decode(item), ""
+            except msgspec.DecodeError:
+                continue
+        try:
+            value = self._tag_probe.decode(item)
+        except msgspec.DecodeError:
+            return None, "invalid_event"
+        tag = None
+        if isinstance(value, list) and value:
+            tag = value[0]
+        elif isinstance(value, dict):
+            tag = value.get("type")
+        if isinstance(tag, str) and tag not in _KNOWN_TAGS:
+            return None, "unknown_event_type"
+        return None, "invalid_event"
+
+
+def _size_ok(event: Event) -> bool:
+    hashes = getattr(event, "block_hashes", None)
+    return hashes is None or len(hashes) <= MAX_HASHES_PER_EVENT
+
+
+def _count_oversized(events: list[Event]) -> int:
+    return sum(1 for e in events if not _size_ok(e))
+
+
+def _as_batch(batch: _ArrayBatch | _MapBatch) -> EventBatch:
+    return EventBatch(batch.ts, batch.events, batch.data_parallel_rank)
+
+
+def hash_to_int(block_hash: int | bytes) -> int:
+    """The uint64 vLLM publishes for a digest: its last 8 bytes, big-endian."""
+    if type(block_hash) is int:
+        return block_hash
+    return int.from_bytes(block_hash, "big") & _U64_MASK
+
+
+def hashes_to_ints(block_hashes: list[int | bytes]) -> list[int]:
+    """Block hashes as uint64s; the common all-int list is returned as is."""
+    for h in block_hashes:
+        if type(h) is not int:
+            return [hash_to_int(x) for x in block_hashes]
+    return block_hashes  # type: ignore[return-value]

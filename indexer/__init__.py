@@ -1,0 +1,1 @@
+"""The block index: vLLM-compatible keys, backends, applying event batches."""

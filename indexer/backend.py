@@ -1,0 +1,141 @@
+"""The backend contract: what every index store (memory, Redis) must do, and nothing more.
+
+The index holds, per model, which members (pods, or a pod's data-parallel rank) hold
+each block key, and in which tier. Every backend passes the same contract suite
+(``tests/test_backend_contract.py``); metrics and tracing wrap a backend instead of
+living inside it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Tier(enum.IntEnum):
+    """Where a member holds a block. Lower is better: a block held in several tiers by
+    one member counts in the best one."""
+
+    GPU = 0
+    CPU = 1
+    STORAGE = 2
+
+    @classmethod
+    def from_medium(cls, medium: str | None) -> Tier:
+        """vLLM's ``medium`` field (None means GPU); raises ValueError when unknown."""
+        if medium is None:
+            return cls.GPU
+        try:
+            return cls[medium.upper()]
+        except KeyError:
+            raise ValueError(f"unknown medium {medium!r}") from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+TIERS = tuple(Tier)
+
+
+class Op(enum.Enum):
+    STORE = "store"
+    REMOVE = "remove"
+    CLEAR = "clear"
+
+
+@dataclass(slots=True)
+class Change:
+    """One change to the index, as produced from an event.
+
+    STORE and REMOVE touch ``keys`` of ``model`` for ``member`` in ``tier`` only.
+    CLEAR drops everything ``member`` holds, in every model, in ``tier`` or (tier None)
+    in every tier.
+    """
+
+    op: Op
+    member: str
+    model: str = ""
+    tier: Tier | None = Tier.GPU
+    keys: Sequence[int] = ()
+
+
+@dataclass(slots=True)
+class MemberMatch:
+    """How long a prefix of the looked-up chain one member holds.
+
+    ``by_tier[t]`` counts blocks of the matched prefix whose best tier is ``t``; the
+    counts add up to ``matched_blocks``.
+    """
+
+    member: str
+    matched_blocks: int
+    by_tier: tuple[int, int, int]
+
+
+@dataclass(slots=True)
+class MemberStats:
+    """What one member holds: ``blocks[model][tier] = count``."""
+
+    member: str
+    blocks: dict[str, dict[Tier, int]] = field(default_factory=dict)
+
+    def total(self, tier: Tier | None = None) -> int:
+        return sum(
+            n for by_tier in self.blocks.values() for t, n in by_tier.items() if tier in (None, t)
+        )
+
+
+@dataclass(slots=True)
+class IndexStats:
+    """Index-wide figures for metrics and /index/pods."""
+
+    members: int
+    blocks: dict[Tier, int]  # (block, member) entries per tier
+    keys: int  # distinct (model, block key) pairs held by anyone
+    evictions: int = 0
+    capacity: int | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class BackendError(RuntimeError):
+    """Base class for backend failures."""
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot be reached (Redis down); callers answer 503 and retry later."""
+
+
+class IndexBackend(Protocol):
+    """A block-key → members index. Writers call from one thread; readers from any."""
+
+    def apply(self, changes: Sequence[Change]) -> None:
+        """Apply changes in order. A backend may batch them (one round trip for Redis)."""
+
+    def clear_member(self, member: str) -> int:
+        """Drop everything ``member`` holds, in every model and tier; return the entries
+        dropped. Costs time proportional to that member's blocks, never a full scan."""
+
+    def lookup(
+        self, model: str, keys: Sequence[int], members: Collection[str] | None = None
+    ) -> list[MemberMatch]:
+        """For the ordered chain ``keys``, each member's longest consecutive prefix held
+        in any tier. Only members with at least one matched block are returned, best
+        first (ties by member id). ``members`` restricts the answer to those members."""
+
+    def member_stats(self, member: str) -> MemberStats | None:
+        """What ``member`` holds, or None when it holds nothing."""
+
+    def members(self) -> list[str]:
+        """Every member holding at least one block."""
+
+    def stats(self) -> IndexStats:
+        """Index-wide counts."""
+
+    def ping(self) -> None:
+        """Return when the backend answers; raise BackendUnavailable otherwise."""
+
+    def close(self) -> None:
+        """Release connections and threads."""

@@ -1,0 +1,1 @@
+"""Prompt to block keys to per-pod cached-prefix scores."""

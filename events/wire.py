@@ -26,8 +26,10 @@ from typing import Annotated, Any
 import msgspec
 
 #: A block hash as vLLM publishes it: a uint64 (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``,
-#: the default) or the raw digest bytes (``=0``).
-BlockHash = Annotated[int, msgspec.Meta(ge=0, le=2**64 - 1)] | bytes
+#: the default) or the raw digest bytes (``=0``). Only the lower bound is checked: msgpack
+#: has no integer above 2**64 - 1, and msgspec rejects an ``le`` bound beyond int64 at
+#: decoder construction (msgspec 0.19-0.22).
+BlockHash = Annotated[int, msgspec.Meta(ge=0)] | bytes
 
 #: The most block hashes one event may carry. A scheduler step stores at most
 #: max_num_batched_tokens / block_size blocks (a few thousand); anything near this bound
@@ -126,6 +128,24 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+#: Highest data-parallel rank accepted by :class:`BatchEnvelope`; a larger one is corrupt
+#: input and would otherwise open a bogus stream.
+MAX_DP_RANK = 4095
+
+
+class BatchEnvelope(msgspec.Struct, array_like=True, gc=False):
+    """``[ts, events, data_parallel_rank]`` with the events left undecoded.
+
+    Cheap to decode (the event list is skipped over, not parsed): enough to route a
+    payload to its stream - in bind mode the rank inside the payload is the only way to
+    tell a pod's data-parallel ranks apart - before the full decode.
+    """
+
+    ts: float
+    events: msgspec.Raw
+    data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_DP_RANK)] | None = None
 
 
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})

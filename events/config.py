@@ -1,0 +1,71 @@
+"""Subscriber settings: one typed struct, decodable from the service's config file."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the subscriber listens, buffers, recovers and reports.
+
+    Defaults suit a cluster of up to a few hundred engines on vLLM's default settings.
+    """
+
+    #: Bind mode subscribes to this topic prefix; topics must be ``kv@<pod>@<model>``.
+    #: Connect mode subscribes to everything (vLLM's default topic is ``""``).
+    topic_filter: str = "kv@"
+    #: Messages waiting per stream (pod and DP rank). When full, the newest message is
+    #: dropped and counted; the gap it leaves is recovered by replay.
+    queue_capacity: int = 4096
+    #: Payloads above this are skipped and counted (ZMQ's own hard cap is 256 MiB).
+    max_payload_bytes: int = 16 * 1024 * 1024
+    #: Bind mode: the engines' replay port (``replay_endpoint`` of ``--kv-events-config``)
+    #: for rank 0; rank r uses ``replay_port + r``. None or 0: no replay in bind mode.
+    replay_port: int | None = None
+    #: Total time one replay fetch may take before the gap is declared unrecoverable.
+    replay_timeout_s: float = 2.0
+    #: Most batches one replay fetch accepts (vLLM buffers 10,000 by default).
+    replay_max_batches: int = 20_000
+    #: Replays run on this many worker threads, so one dead endpoint delays no other pod.
+    replay_workers: int = 4
+    #: On the first message of a stream with seq > 0, fetch seq 0.. by replay first.
+    catch_up_on_first_contact: bool = True
+    #: Serving port for pod addresses that carry none (topics, connect endpoints).
+    default_serving_port: int | None = None
+    #: Model for connect-mode messages whose topic and PodEndpoint name none.
+    default_model: str | None = None
+    #: Most batches the applier takes from one stream before turning to the next.
+    batches_per_turn: int = 64
+    #: ZMQ receive high-water mark per SUB socket (vLLM's PUB default is 100,000).
+    receive_hwm: int = 100_000
+    #: Most streams tracked at once; messages that would open another are skipped.
+    max_streams: int = 4096
+    #: First and longest wait before retrying a stream whose sink delivery failed.
+    retry_initial_s: float = 0.5
+    retry_max_s: float = 10.0
+    #: After forget_pod, messages from that pod are ignored this long, so stragglers of
+    #: a deleted pod cannot re-create its entries.
+    forget_quiet_s: float = 2.0
+    #: Each kind of bad-input log line is written at most once per interval.
+    log_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        positive = {
+            "queue_capacity": self.queue_capacity,
+            "max_payload_bytes": self.max_payload_bytes,
+            "replay_timeout_s": self.replay_timeout_s,
+            "replay_max_batches": self.replay_max_batches,
+            "replay_workers": self.replay_workers,
+            "batches_per_turn": self.batches_per_turn,
+            "receive_hwm": self.receive_hwm,
+            "max_streams": self.max_streams,
+            "retry_initial_s": self.retry_initial_s,
+            "retry_max_s": self.retry_max_s,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"SubscriberConfig.{name} must be > 0, got {value}")
+        if self.replay_port is not None and not 0 <= self.replay_port < 65536:
+            raise ValueError(f"SubscriberConfig.replay_port {self.replay_port} is not a port")
+        if self.forget_quiet_s < 0:
+            raise ValueError("SubscriberConfig.forget_quiet_s must be >= 0")

@@ -1,0 +1,64 @@
+"""What the subscriber can tell about its streams, as plain data.
+
+No metrics library here: the service reads these numbers and exports them (the metrics
+wrapper lives in ``api/``). Counters only ever increase; states are derived.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    """A snapshot of one engine stream (a pod's data-parallel rank).
+
+    ``state`` is ``"live"`` (in sequence), ``"replaying"`` (fetching missed batches or
+    catching up), ``"resync"`` (waiting to retry after the sink failed), or ``"gapped"``
+    (batches were lost for good: the index may lack some of this engine's blocks or keep
+    some it evicted, until the engine restarts or the pod is forgotten).
+    ``last_seq`` is the last seq delivered to the sink (-1 before any), ``first_seq`` the
+    first one (> 0 when kvindex joined after the engine started and could not catch up).
+    ``last_batch_ts`` is the engine's clock, ``last_received_at`` the subscriber's.
+    """
+
+    pod: str
+    rank: int
+    member: str
+    model: str
+    state: str
+    last_seq: int
+    first_seq: int | None
+    last_batch_ts: float | None
+    last_received_at: float | None
+    received: int
+    delivered: int
+    duplicates: int
+    gaps: int
+    missed_batches: int
+    replays_ok: int
+    replays_failed: int
+    restarts: int
+    queue_overflows: int
+    decode_errors: int
+    sink_errors: int
+    queue_depth: int
+    layout: str
+    replay_endpoint: str | None
+
+
+class ReasonCounts:
+    """Thread-safe counts by reason (a short label such as ``"bad_topic"``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def add(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)

@@ -1,0 +1,262 @@
+"""Block keys identical to vLLM's prefix-cache hashes.
+
+vLLM hashes each *full* block of ``block_size`` tokens as::
+
+    digest_i = H((digest_{i-1} or NONE_HASH, tuple(tokens_i), extra_keys_i))
+
+and publishes the digest's last 8 bytes as a big-endian uint64. Because kvindex can
+recompute these keys from a prompt, the index stores the engine's own hashes and a
+prompt's chain can be looked up directly. Facts below were checked against vLLM's
+``vllm/utils/hashing.py`` and ``vllm/v1/core/kv_cache_utils.py`` (0.33):
+
+* ``sha256``: SHA-256 of ``pickle.dumps(x, protocol=5)`` (the default since 0.10.2);
+  ``sha256_cbor``: SHA-256 of ``cbor2.dumps(x, canonical=True)``; ``xxhash`` /
+  ``xxhash_cbor``: xxh3_128 of the same serialisations.
+* ``NONE_HASH = H(seed)``. The seed is ``PYTHONHASHSEED`` when set. When unset, since
+  0.29 the sha256 variants use the fixed string ``"vllm-none-hash"`` (every pod agrees)
+  and the xxhash variants a random per-process seed (no two pods agree, nothing to
+  reproduce). Before 0.29 an unset seed was random for every algorithm.
+* ``extra_keys`` is None for a block without extras, else a tuple in the order LoRA,
+  multimodal, cache salt, prompt embeds. Up to 0.30 items are bare (the adapter name on
+  every block, the salt on block 0); from 0.31 they are tagged: ``("lora", name, path)``
+  and ``("cache_salt", salt)``.
+* With lookahead hashing (0.33, ``num_hash_lookahead_tokens`` L > 0) each block's extra
+  keys become ``(E, t_1, ..., t_L)``: E is the usual extra keys (or None) and t are the
+  L tokens after the block, so only blocks followed by L tokens are hashed.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import cbor2
+import xxhash
+
+_U64_MASK = 2**64 - 1
+
+#: The seed vLLM >= 0.29 derives NONE_HASH from for sha256 variants when PYTHONHASHSEED
+#: is unset.
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+
+
+class HashAlgo(enum.StrEnum):
+    """vLLM's ``--prefix-caching-hash-algo`` values."""
+
+    SHA256 = "sha256"
+    SHA256_CBOR = "sha256_cbor"
+    XXHASH = "xxhash"
+    XXHASH_CBOR = "xxhash_cbor"
+
+    @property
+    def seed_is_random_when_unset(self) -> bool:
+        """Whether vLLM (>= 0.29) picks a random per-process seed when none is set."""
+        return self in (HashAlgo.XXHASH, HashAlgo.XXHASH_CBOR)
+
+
+class ExtraKeyStyle(enum.StrEnum):
+    """How LoRA and cache-salt extra keys are spelled inside the hash input."""
+
+    BARE = "bare"  # vLLM <= 0.30: "my-lora", "salt"
+    TAGGED = "tagged"  # vLLM >= 0.31: ("lora", name, path), ("cache_salt", salt)
+
+
+def _pickle(value: Any) -> bytes:
+    return pickle.dumps(value, protocol=5)
+
+
+def _cbor(value: Any) -> bytes:
+    return cbor2.dumps(value, canonical=True)
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+_DIGESTS: dict[HashAlgo, tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]] = {
+    HashAlgo.SHA256: (_pickle, _sha256),
+    HashAlgo.SHA256_CBOR: (_cbor, _sha256),
+    HashAlgo.XXHASH: (_pickle, xxhash.xxh3_128_digest),
+    HashAlgo.XXHASH_CBOR: (_cbor, xxhash.xxh3_128_digest),
+}
+
+
+class KeyConfigError(ValueError):
+    """A hash configuration that cannot reproduce any engine's keys."""
+
+
+def hash_value(algo: HashAlgo, value: Any) -> bytes:
+    """vLLM's ``H(value)`` for ``algo``: serialise, then digest."""
+    serialise, digest = _DIGESTS[algo]
+    return digest(serialise(value))
+
+
+def published(digest: bytes) -> int:
+    """The uint64 vLLM publishes for a digest (its last 8 bytes, big-endian)."""
+    return int.from_bytes(digest, "big") & _U64_MASK
+
+
+@dataclass(frozen=True, slots=True)
+class HashConfig:
+    """Everything that decides an engine's block hashes.
+
+    ``seed`` is the pods' ``PYTHONHASHSEED`` (None when unset: vLLM's default rule).
+    """
+
+    algo: HashAlgo = HashAlgo.SHA256
+    block_size: int = 16
+    seed: str | None = None
+    extra_key_style: ExtraKeyStyle = ExtraKeyStyle.TAGGED
+    lookahead_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise KeyConfigError(f"block size must be positive, got {self.block_size}")
+        if self.lookahead_tokens < 0:
+            raise KeyConfigError("lookahead tokens must be >= 0")
+
+    @property
+    def reproducible(self) -> bool:
+        """False when the pods' NONE_HASH is random per process (xxhash, no seed)."""
+        return self.seed is not None or not self.algo.seed_is_random_when_unset
+
+    def describe(self) -> str:
+        seed = "unset" if self.seed is None else repr(self.seed)
+        return f"{self.algo.value}, block size {self.block_size}, seed {seed}"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockExtras:
+    """Per-request inputs that enter block hashes besides tokens.
+
+    ``lora_path`` is needed only for the tagged style (vLLM >= 0.31 hashes the adapter's
+    path; events publish only its name).
+    """
+
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+
+    def for_block(self, index: int, style: ExtraKeyStyle) -> tuple[Any, ...] | None:
+        """The ``extra_keys`` tuple of block ``index`` (None when it has none)."""
+        items: list[Any] = []
+        if self.lora_name is not None:
+            if style is ExtraKeyStyle.BARE:
+                items.append(self.lora_name)
+            else:
+                if self.lora_path is None:
+                    raise KeyConfigError(
+                        f"LoRA adapter {self.lora_name!r} needs its path for vLLM >= 0.31 "
+                        "hashes; add it to the model's `loras` in the model config"
+                    )
+                items.append(("lora", self.lora_name, self.lora_path))
+        if index == 0 and self.cache_salt:
+            if style is ExtraKeyStyle.BARE:
+                items.append(self.cache_salt)
+            else:
+                items.append(("cache_salt", self.cache_salt))
+        return tuple(items) if items else None
+
+
+NO_EXTRAS = BlockExtras()
+
+
+@dataclass(slots=True)
+class BlockHasher:
+    """Computes vLLM block-hash chains for one HashConfig.
+
+    Hashing is the hot path of ``/score`` (pickle + SHA-256 per block), so results are
+    memoised per (parent digest, block tokens, extras): prompts that share a system
+    prompt or a chat history re-hash only their new blocks. The memo is two generations
+    of dicts, swapped when the young one fills, which bounds memory at ``2 * memo_size``
+    entries without per-hit LRU bookkeeping.
+    """
+
+    config: HashConfig
+    memo_size: int = 65_536
+    _none_hash: bytes = field(init=False)
+    _young: dict[tuple[bytes, tuple[int, ...], Any], bytes] = field(init=False)
+    _old: dict[tuple[bytes, tuple[int, ...], Any], bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.config.reproducible:
+            raise KeyConfigError(
+                f"{self.config.algo.value} with PYTHONHASHSEED unset uses a random seed in "
+                "every vLLM process, so no block key can be reproduced: set PYTHONHASHSEED "
+                "on every pod and the same --hash-seed here, or use --key-mode tokens"
+            )
+        self._none_hash = none_hash(self.config.algo, self.config.seed)
+        self._young = {}
+        self._old = {}
+
+    @property
+    def none_hash(self) -> bytes:
+        return self._none_hash
+
+    def digests(
+        self,
+        tokens: Sequence[int],
+        extras: BlockExtras = NO_EXTRAS,
+        parent: bytes | None = None,
+        first_block_index: int = 0,
+    ) -> list[bytes]:
+        """Digests of every full block of ``tokens`` (chained from ``parent``).
+
+        ``first_block_index`` is the position of ``tokens[0]``'s block in its sequence
+        (extras such as the cache salt apply to block 0 only).
+        """
+        cfg = self.config
+        size = cfg.block_size
+        lookahead = cfg.lookahead_tokens
+        algo = cfg.algo
+        style = cfg.extra_key_style
+        count = (len(tokens) - lookahead) // size if len(tokens) >= lookahead else 0
+        previous = parent if parent else self._none_hash
+        young, old = self._young, self._old
+        plain = extras == NO_EXTRAS and not lookahead
+        out: list[bytes] = []
+        for i in range(count):
+            start = i * size
+            block = tuple(tokens[start : start + size])
+            if plain:
+                extra = None
+            else:
+                extra = extras.for_block(first_block_index + i, style)
+                if lookahead:
+                    extra = (extra, *tokens[start + size : start + size + lookahead])
+            memo_key = (previous, block, extra)
+            digest = young.get(memo_key)
+            if digest is None:
+                digest = old.get(memo_key)
+                if digest is None:
+                    digest = hash_value(algo, (previous, block, extra))
+                young[memo_key] = digest
+            out.append(digest)
+            previous = digest
+        if len(young) > self.memo_size:
+            self._old, self._young = young, {}
+        return out
+
+    def keys(
+        self,
+        tokens: Sequence[int],
+        extras: BlockExtras = NO_EXTRAS,
+        parent: bytes | None = None,
+        first_block_index: int = 0,
+    ) -> list[int]:
+        """Published uint64 keys of every full block of ``tokens``."""
+        return [published(d) for d in self.digests(tokens, extras, parent, first_block_index)]
+
+
+def none_hash(algo: HashAlgo, seed: str | None) -> bytes:
+    """vLLM's NONE_HASH for ``algo`` and the pods' PYTHONHASHSEED (None = unset, the
+    >= 0.29 default rule for sha256 variants)."""
+    if seed is None:
+        if algo.seed_is_random_when_unset:
+            raise KeyConfigError(f"{algo.value} with an unset seed is random per process")
+        seed = DEFAULT_NONE_HASH_SEED
+    return hash_value(algo, seed)

@@ -1,0 +1,83 @@
+"""Per-model keying settings: how each model's block keys are made.
+
+Block size, hash algorithm, seed and extra-key style are properties of the engines
+serving a model, so they are configured per model with global defaults. The catalog is
+built once by the composition root from CLI flags and the model config file.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvindex.indexer.keys import BlockHasher, HashConfig, KeyConfigError
+
+
+class KeyMode(enum.StrEnum):
+    """What the index is keyed by.
+
+    ``engine``: the engine's own block hashes (the default). Scores are exact and
+    events need nothing but their hashes, but kvindex must reproduce the pods' hash
+    configuration, which the ingest check verifies.
+
+    ``tokens``: kvindex's own hash chain over each event's ``token_ids``. Choose it only
+    when the engines' hashes cannot be reproduced (xxhash with PYTHONHASHSEED unset, a
+    custom hash); it needs token ids in every BlockStored (vLLM >= 0.9 sends them) and
+    keeps an engine-hash -> own-key map per pod so removals still resolve, which costs
+    roughly 150 bytes per cached block per pod.
+    """
+
+    ENGINE = "engine"
+    TOKENS = "tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelKeying:
+    """How one model's keys are made."""
+
+    hash: HashConfig = field(default_factory=HashConfig)
+    key_mode: KeyMode = KeyMode.ENGINE
+    loras: Mapping[str, str] = field(default_factory=dict)  # adapter name -> path
+
+    def lora_path(self, name: str) -> str | None:
+        return self.loras.get(name)
+
+
+class ModelCatalog:
+    """Keying settings per model, falling back to the global default.
+
+    Hashers are built lazily and shared, so their memo of recently hashed blocks serves
+    both ingest checks and scoring.
+    """
+
+    def __init__(
+        self, default: ModelKeying | None = None, models: Mapping[str, ModelKeying] | None = None
+    ) -> None:
+        self.default = default or ModelKeying()
+        self._models = dict(models or {})
+        self._hashers: dict[str, BlockHasher] = {}
+        for name, keying in self._models.items():
+            if keying.key_mode is KeyMode.ENGINE and not keying.hash.reproducible:
+                raise KeyConfigError(
+                    f"model {name!r}: {keying.hash.algo.value} with no seed cannot be "
+                    "reproduced; set hash_seed (the pods' PYTHONHASHSEED) or key_mode: tokens"
+                )
+
+    def configured(self) -> list[str]:
+        return sorted(self._models)
+
+    def is_configured(self, model: str) -> bool:
+        return model in self._models
+
+    def keying(self, model: str) -> ModelKeying:
+        return self._models.get(model, self.default)
+
+    def hasher(self, model: str) -> BlockHasher:
+        """The engine-hash chain builder for ``model`` (raises KeyConfigError when the
+        model's configuration cannot reproduce engine hashes)."""
+        hasher = self._hashers.get(model)
+        if hasher is None:
+            hasher = BlockHasher(self.keying(model).hash)
+            self._hashers[model] = hasher
+        return hasher

@@ -1,0 +1,128 @@
+"""Token-content keys: kvindex's own block-hash chain, for engines it cannot reproduce.
+
+When the pods' hashes cannot be recomputed (xxhash with an unset seed gives every engine
+process its own random NONE_HASH), the index is keyed by a chain kvindex computes itself
+from each BlockStored's ``token_ids``; ``/score`` computes the same chain from the
+prompt. Removals carry only engine hashes, so each member keeps an engine-hash →
+own-key map, learned from its stores.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from kvindex.indexer.keys import BlockExtras
+
+_ROOT = b"kvindex-content-root"
+
+
+class TokenRangeError(ValueError):
+    """A token id outside 0..2^32-1 (no vocabulary is that large)."""
+
+
+@dataclass(slots=True)
+class ContentHasher:
+    """Builds content keys: ``key_i = xxh3_64(key_{i-1} || tokens_i || extras_i)``.
+
+    Keys depend only on token content, LoRA name and cache salt, so every pod serving
+    the same prompt gets the same keys whatever its engine's hash seed.
+    """
+
+    block_size: int
+
+    def keys(
+        self,
+        tokens: Sequence[int],
+        extras: BlockExtras = BlockExtras(),
+        parent: int | None = None,
+        first_block_index: int = 0,
+    ) -> list[int]:
+        size = self.block_size
+        count = len(tokens) // size
+        if count == 0:
+            return []
+        try:
+            packed = array("I", tokens[: count * size]).tobytes()
+        except OverflowError:
+            raise TokenRangeError("token ids must be in 0..4294967295") from None
+        lora = (extras.lora_name or "").encode()
+        salt = (extras.cache_salt or "").encode()
+        previous = _ROOT if parent is None else parent.to_bytes(8, "big")
+        step = size * 4
+        out: list[int] = []
+        for i in range(count):
+            extra = lora + b"\x00" + salt if first_block_index + i == 0 and salt else lora
+            key = xxhash.xxh3_64_intdigest(previous + packed[i * step : (i + 1) * step] + extra)
+            out.append(key)
+            previous = key.to_bytes(8, "big")
+        return out
+
+
+class EngineKeyMap:
+    """Per member: engine hash → (own key, tiers holding it as a bitmask).
+
+    An entry lives while any tier of that member holds the block, so a GPU eviction
+    does not lose the mapping a later CPU-tier removal needs.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[str, dict[int, tuple[int, int]]] = {}
+
+    def learn(self, member: str, tier: int, engine_keys: Sequence[int], own_keys: Sequence[int]) -> None:
+        table = self._maps.setdefault(member, {})
+        bit = 1 << tier
+        for engine, own in zip(engine_keys, own_keys, strict=False):
+            entry = table.get(engine)
+            table[engine] = (own, bit if entry is None else entry[1] | bit)
+
+    def resolve(self, member: str, engine_key: int) -> int | None:
+        entry = self._maps.get(member, {}).get(engine_key)
+        return None if entry is None else entry[0]
+
+    def resolve_many(self, member: str, tier: int, engine_keys: Sequence[int]) -> tuple[list[int], int]:
+        """Own keys for ``engine_keys`` (also marking ``tier``); and how many were unknown."""
+        table = self._maps.get(member, {})
+        bit = 1 << tier
+        out: list[int] = []
+        for engine in engine_keys:
+            entry = table.get(engine)
+            if entry is not None:
+                out.append(entry[0])
+                table[engine] = (entry[0], entry[1] | bit)
+        return out, len(engine_keys) - len(out)
+
+    def forget(self, member: str, tier: int, engine_keys: Sequence[int]) -> list[int]:
+        """Own keys of ``engine_keys`` removed from ``tier``; unmaps them when no tier is left."""
+        table = self._maps.get(member)
+        if not table:
+            return []
+        bit = 1 << tier
+        out: list[int] = []
+        for engine in engine_keys:
+            entry = table.get(engine)
+            if entry is None:
+                continue
+            own, tiers = entry
+            out.append(own)
+            tiers &= ~bit
+            if tiers:
+                table[engine] = (own, tiers)
+            else:
+                del table[engine]
+        return out
+
+    def clear(self, member: str, tier: int | None = None) -> None:
+        table = self._maps.get(member)
+        if not table:
+            return
+        if tier is None:
+            del self._maps[member]
+            return
+        self.forget(member, tier, list(table))
+
+    def size(self, member: str) -> int:
+        return len(self._maps.get(member, {}))

@@ -1,0 +1,133 @@
+"""The ingest hash check: a misconfiguration is diagnosed, a healthy pod stays ok."""
+
+from __future__ import annotations
+
+from kvindex.events.wire import BlockStored
+from kvindex.indexer.keys import BlockExtras, BlockHasher, ExtraKeyStyle, HashAlgo, HashConfig
+from kvindex.indexer.models import ModelCatalog, ModelKeying
+from kvindex.indexer.verify import CheckState, HashVerifier
+
+TOKENS = list(range(100, 164))
+
+
+def verifier_for(config: HashConfig, loras: dict[str, str] | None = None) -> HashVerifier:
+    catalog = ModelCatalog(ModelKeying(hash=config, loras=loras or {}))
+    return HashVerifier(catalog.keying, catalog.hasher)
+
+
+def stored(engine: HashConfig, tokens: list[int] = TOKENS, extras: BlockExtras = BlockExtras(), **kw) -> BlockStored:
+    hashes = BlockHasher(engine).keys(tokens, extras)
+    return BlockStored(hashes, None, tokens, engine.block_size, **kw)
+
+
+def test_matching_configuration_is_ok() -> None:
+    verifier = verifier_for(HashConfig())
+    for _ in range(3):
+        verifier.observe("p:1", "m", stored(HashConfig()))
+    check = verifier.status("p:1")
+    assert check.state is CheckState.OK
+    assert check.checked_events == 3 and check.failed_events == 0
+    assert verifier.mismatches_total == 0
+
+
+def test_cbor_pods_diagnosed_when_kvindex_assumes_pickle() -> None:
+    verifier = verifier_for(HashConfig(algo=HashAlgo.SHA256))
+    pods = HashConfig(algo=HashAlgo.SHA256_CBOR)
+    for _ in range(2):
+        verifier.observe("p:1", "m", stored(pods))
+    check = verifier.status("p:1")
+    assert check.state is CheckState.MISMATCH
+    assert "sha256_cbor" in check.diagnosis
+    assert check.action.startswith("set hash_algo: sha256_cbor")
+    assert verifier.mismatches_total == 2
+
+
+def test_block_size_mismatch_names_the_setting() -> None:
+    verifier = verifier_for(HashConfig(block_size=16))
+    pods = HashConfig(block_size=32)
+    verifier.observe("p:1", "m", stored(pods))
+    check = verifier.status("p:1")
+    assert check.state is CheckState.MISMATCH
+    assert "block_size: 32" in check.action
+
+
+def test_seed_mismatch_is_diagnosed() -> None:
+    verifier = verifier_for(HashConfig(seed="7"))
+    verifier.observe("p:1", "m", stored(HashConfig(seed=None)))
+    verifier.observe("p:1", "m", stored(HashConfig(seed=None)))
+    check = verifier.status("p:1")
+    assert check.state is CheckState.MISMATCH
+    assert "hash_seed: unset" in check.action
+
+
+def test_unreproducible_engine_suggests_tokens_mode() -> None:
+    verifier = verifier_for(HashConfig())
+    random_seed_engine = HashConfig(algo=HashAlgo.XXHASH, seed="per-process-random")
+    verifier.observe("p:1", "m", stored(random_seed_engine))
+    check = verifier.status("p:1")
+    assert check.state is CheckState.MISMATCH
+    assert "key_mode: tokens" in check.action
+
+
+def test_extra_key_style_mismatch_is_diagnosed() -> None:
+    # Pods on vLLM <= 0.30 hash the bare salt; kvindex configured for >= 0.31.
+    verifier = verifier_for(HashConfig(extra_key_style=ExtraKeyStyle.TAGGED))
+    old = HashConfig(extra_key_style=ExtraKeyStyle.BARE)
+    for _ in range(2):
+        verifier.observe(
+            "p:1", "m", stored(old, extras=BlockExtras(cache_salt="s"), extra_keys=[["s"], None, None, None])
+        )
+    check = verifier.status("p:1")
+    assert check.state is CheckState.MISMATCH
+    assert "extra_key_style: bare" in check.action
+
+
+def test_lora_with_configured_path_verifies() -> None:
+    verifier = verifier_for(HashConfig(), loras={"ad": "/loras/ad"})
+    extras = BlockExtras("ad", "/loras/ad")
+    event = stored(HashConfig(), extras=extras, lora_name="ad", extra_keys=[["ad"]] * 4)
+    verifier.observe("p:1", "m", event)
+    assert verifier.status("p:1").state is CheckState.OK
+
+
+def test_lora_without_path_is_skipped_not_misjudged() -> None:
+    verifier = verifier_for(HashConfig())
+    extras = BlockExtras("ad", "/loras/ad")
+    event = stored(HashConfig(), extras=extras, lora_name="ad", extra_keys=[["ad"]] * 4)
+    verifier.observe("p:1", "m", event)
+    check = verifier.status("p:1")
+    assert check.state is CheckState.UNVERIFIED
+    assert check.skipped_events == 1 and "path" in check.skip_reason
+
+
+def test_events_that_cannot_be_chained_are_not_checked() -> None:
+    verifier = verifier_for(HashConfig())
+    child = BlockStored([1, 2], 12345, TOKENS[:32], 16)  # uint64 parent: truncated digest
+    placeholder = BlockStored([1, 2], None, [], 0, medium="CPU")
+    verifier.observe("p:1", "m", child)
+    verifier.observe("p:1", "m", placeholder)
+    assert verifier.status("p:1").checked_events == 0
+
+
+def test_one_odd_event_does_not_flip_a_healthy_pod() -> None:
+    verifier = verifier_for(HashConfig())
+    for _ in range(5):
+        verifier.observe("p:1", "m", stored(HashConfig()))
+    verifier.observe("p:1", "m", stored(HashConfig(algo=HashAlgo.SHA256_CBOR)))
+    assert verifier.status("p:1").state is CheckState.OK
+
+
+def test_sampling_after_the_first_events() -> None:
+    catalog = ModelCatalog()
+    verifier = HashVerifier(catalog.keying, catalog.hasher, full_checks=4, sample_every=10)
+    for _ in range(24):
+        verifier.observe("p:1", "m", stored(HashConfig()))
+    # 4 full checks, then events 10 and 20 of the sampled phase.
+    assert verifier.status("p:1").checked_events == 6
+
+
+def test_reset_forgets_history() -> None:
+    verifier = verifier_for(HashConfig())
+    verifier.observe("p:1", "m", stored(HashConfig(algo=HashAlgo.SHA256_CBOR)))
+    verifier.reset("p:1")
+    assert verifier.status("p:1").state is CheckState.UNVERIFIED

@@ -169,18 +169,19 @@ NO_EXTRAS = BlockExtras()
 class BlockHasher:
     """Computes vLLM block-hash chains for one HashConfig.
 
-    Hashing is the hot path of ``/score`` (pickle + SHA-256 per block), so results are
-    memoised per (parent digest, block tokens, extras): prompts that share a system
-    prompt or a chat history re-hash only their new blocks. The memo is two generations
-    of dicts, swapped when the young one fills, which bounds memory at ``2 * memo_size``
-    entries without per-hit LRU bookkeeping.
+    Hashing is the hot path of ``/score`` (pickle + SHA-256 per block, ~1.4 µs), so each
+    block's (digest, published key) is memoised per (parent digest, block tokens,
+    extras): prompts that share a system prompt or a chat history re-hash only their new
+    blocks, and a memo hit costs building the block's token tuple and one dict lookup.
+    The memo is two generations of dicts, swapped when the young one fills, which bounds
+    memory at ``2 * memo_size`` entries without per-hit LRU bookkeeping.
     """
 
     config: HashConfig
     memo_size: int = 65_536
     _none_hash: bytes = field(init=False)
-    _young: dict[tuple[bytes, tuple[int, ...], Any], bytes] = field(init=False)
-    _old: dict[tuple[bytes, tuple[int, ...], Any], bytes] = field(init=False)
+    _young: dict[tuple[bytes, tuple[int, ...], Any], tuple[bytes, int]] = field(init=False)
+    _old: dict[tuple[bytes, tuple[int, ...], Any], tuple[bytes, int]] = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.config.reproducible:
@@ -209,37 +210,7 @@ class BlockHasher:
         ``first_block_index`` is the position of ``tokens[0]``'s block in its sequence
         (extras such as the cache salt apply to block 0 only).
         """
-        cfg = self.config
-        size = cfg.block_size
-        lookahead = cfg.lookahead_tokens
-        algo = cfg.algo
-        style = cfg.extra_key_style
-        count = (len(tokens) - lookahead) // size if len(tokens) >= lookahead else 0
-        previous = parent if parent else self._none_hash
-        young, old = self._young, self._old
-        plain = extras == NO_EXTRAS and not lookahead
-        out: list[bytes] = []
-        for i in range(count):
-            start = i * size
-            block = tuple(tokens[start : start + size])
-            if plain:
-                extra = None
-            else:
-                extra = extras.for_block(first_block_index + i, style)
-                if lookahead:
-                    extra = (extra, *tokens[start + size : start + size + lookahead])
-            memo_key = (previous, block, extra)
-            digest = young.get(memo_key)
-            if digest is None:
-                digest = old.get(memo_key)
-                if digest is None:
-                    digest = hash_value(algo, (previous, block, extra))
-                young[memo_key] = digest
-            out.append(digest)
-            previous = digest
-        if len(young) > self.memo_size:
-            self._old, self._young = young, {}
-        return out
+        return [d for d, _ in self._chain(tokens, extras, parent, first_block_index)]
 
     def keys(
         self,
@@ -249,7 +220,46 @@ class BlockHasher:
         first_block_index: int = 0,
     ) -> list[int]:
         """Published uint64 keys of every full block of ``tokens``."""
-        return [published(d) for d in self.digests(tokens, extras, parent, first_block_index)]
+        return [k for _, k in self._chain(tokens, extras, parent, first_block_index)]
+
+    def _chain(
+        self,
+        tokens: Sequence[int],
+        extras: BlockExtras,
+        parent: bytes | None,
+        first_block_index: int,
+    ) -> list[tuple[bytes, int]]:
+        cfg = self.config
+        size = cfg.block_size
+        lookahead = cfg.lookahead_tokens
+        algo = cfg.algo
+        style = cfg.extra_key_style
+        count = (len(tokens) - lookahead) // size if len(tokens) >= lookahead else 0
+        previous = parent if parent else self._none_hash
+        young, old = self._young, self._old
+        plain = extras == NO_EXTRAS and not lookahead
+        extra = None
+        out: list[tuple[bytes, int]] = []
+        for i in range(count):
+            start = i * size
+            block = tuple(tokens[start : start + size])
+            if not plain:
+                extra = extras.for_block(first_block_index + i, style)
+                if lookahead:
+                    extra = (extra, *tokens[start + size : start + size + lookahead])
+            memo_key = (previous, block, extra)
+            entry = young.get(memo_key)
+            if entry is None:
+                entry = old.get(memo_key)
+                if entry is None:
+                    digest = hash_value(algo, memo_key)
+                    entry = (digest, int.from_bytes(digest[-8:], "big"))
+                young[memo_key] = entry
+            out.append(entry)
+            previous = entry[0]
+        if len(young) > self.memo_size:
+            self._old, self._young = young, {}
+        return out
 
 
 def none_hash(algo: HashAlgo, seed: str | None) -> bytes:

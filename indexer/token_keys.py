@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvindex.indexer.keys import BlockExtras
+from kvindex.indexer.keys import NO_EXTRAS, BlockExtras
 
 _ROOT = b"kvindex-content-root"
 
@@ -37,7 +37,7 @@ class ContentHasher:
     def keys(
         self,
         tokens: Sequence[int],
-        extras: BlockExtras = BlockExtras(),
+        extras: BlockExtras = NO_EXTRAS,
         parent: int | None = None,
         first_block_index: int = 0,
     ) -> list[int]:
@@ -72,7 +72,9 @@ class EngineKeyMap:
     def __init__(self) -> None:
         self._maps: dict[str, dict[int, tuple[int, int]]] = {}
 
-    def learn(self, member: str, tier: int, engine_keys: Sequence[int], own_keys: Sequence[int]) -> None:
+    def learn(
+        self, member: str, tier: int, engine_keys: Sequence[int], own_keys: Sequence[int]
+    ) -> None:
         table = self._maps.setdefault(member, {})
         bit = 1 << tier
         for engine, own in zip(engine_keys, own_keys, strict=False):
@@ -83,7 +85,9 @@ class EngineKeyMap:
         entry = self._maps.get(member, {}).get(engine_key)
         return None if entry is None else entry[0]
 
-    def resolve_many(self, member: str, tier: int, engine_keys: Sequence[int]) -> tuple[list[int], int]:
+    def resolve_many(
+        self, member: str, tier: int, engine_keys: Sequence[int]
+    ) -> tuple[list[int], int]:
         """Own keys for ``engine_keys`` (also marking ``tier``); and how many were unknown."""
         table = self._maps.get(member, {})
         bit = 1 << tier

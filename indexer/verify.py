@@ -133,7 +133,9 @@ class HashVerifier:
                 f"(--block-size or the model config; kvindex uses {config.block_size})",
             )
             return
-        count = min(len(event.block_hashes), self._max_blocks, len(event.token_ids) // config.block_size)
+        count = min(
+            len(event.block_hashes), self._max_blocks, len(event.token_ids) // config.block_size
+        )
         if count == 0:
             return
         try:
@@ -237,7 +239,10 @@ def _candidates(current: HashConfig) -> list[HashConfig]:
     if current.seed is not None:
         seeds.append(None)
     out = []
-    for style in (current.extra_key_style, *(s for s in ExtraKeyStyle if s != current.extra_key_style)):
+    for style in (
+        current.extra_key_style,
+        *(s for s in ExtraKeyStyle if s != current.extra_key_style),
+    ):
         for algo in HashAlgo:
             for seed in seeds:
                 candidate = replace(current, algo=algo, seed=seed, extra_key_style=style)

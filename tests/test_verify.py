@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from kvindex.events.wire import BlockStored
-from kvindex.indexer.keys import BlockExtras, BlockHasher, ExtraKeyStyle, HashAlgo, HashConfig
+from kvindex.indexer.keys import (
+    NO_EXTRAS,
+    BlockExtras,
+    BlockHasher,
+    ExtraKeyStyle,
+    HashAlgo,
+    HashConfig,
+)
 from kvindex.indexer.models import ModelCatalog, ModelKeying
 from kvindex.indexer.verify import CheckState, HashVerifier
 
@@ -15,7 +22,9 @@ def verifier_for(config: HashConfig, loras: dict[str, str] | None = None) -> Has
     return HashVerifier(catalog.keying, catalog.hasher)
 
 
-def stored(engine: HashConfig, tokens: list[int] = TOKENS, extras: BlockExtras = BlockExtras(), **kw) -> BlockStored:
+def stored(
+    engine: HashConfig, tokens: list[int] = TOKENS, extras: BlockExtras = NO_EXTRAS, **kw
+) -> BlockStored:
     hashes = BlockHasher(engine).keys(tokens, extras)
     return BlockStored(hashes, None, tokens, engine.block_size, **kw)
 
@@ -75,7 +84,9 @@ def test_extra_key_style_mismatch_is_diagnosed() -> None:
     old = HashConfig(extra_key_style=ExtraKeyStyle.BARE)
     for _ in range(2):
         verifier.observe(
-            "p:1", "m", stored(old, extras=BlockExtras(cache_salt="s"), extra_keys=[["s"], None, None, None])
+            "p:1",
+            "m",
+            stored(old, extras=BlockExtras(cache_salt="s"), extra_keys=[["s"], None, None, None]),
         )
     check = verifier.status("p:1")
     assert check.state is CheckState.MISMATCH

@@ -128,6 +128,12 @@ class IndexBackend(Protocol):
     def member_stats(self, member: str) -> MemberStats | None:
         """What ``member`` holds, or None when it holds nothing."""
 
+    def member_keys(self, member: str, model: str, tier: Tier | None = None) -> list[int]:
+        """Every key ``member`` holds for ``model`` (in ``tier``, or in any tier), sorted.
+
+        For operators and consistency checks (``GET /index/pods/{pod}/blocks``); costs
+        time proportional to that member's blocks."""
+
     def members(self) -> list[str]:
         """Every member holding at least one block."""
 

@@ -1,0 +1,530 @@
+"""The in-process backend (the embedded default): block keys -> members, per model.
+
+The data structure, a compact numpy hash table per model, is in
+:mod:`kvindex.indexer.memory_table`; this module is the backend around it: batching a
+call's changes into vectorised steps, interning members to bit positions, the capacity
+bound, locking, and answering lookups and stats.
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+import threading
+from collections.abc import Collection, Sequence
+from itertools import chain
+from typing import NamedTuple
+
+import numpy as np
+
+from kvindex.indexer.backend import (
+    TIERS,
+    Change,
+    IndexStats,
+    MemberMatch,
+    MemberStats,
+    Op,
+    Tier,
+)
+from kvindex.indexer.memory_table import (
+    CHUNK_KEYS,
+    DEAD_FRACTION,
+    EVICT_FRACTION,
+    MIN_CAP,
+    STAMP_MAX,
+    WORD,
+    BlockTable,
+    Bools,
+    ChainMatch,
+    NeedRoom,
+    Slots,
+    TableFull,
+    U64s,
+    as_keys,
+    bit_positions,
+)
+
+
+class _Group:
+    """STORE/REMOVE changes of one (model, tier) gathered for one vectorised update.
+
+    Only the last operation on a (key, member) pair decides its final state, so a group
+    may mix members and operations: :meth:`BlockTable.update` keeps the last one per pair.
+    """
+
+    __slots__ = ("keys", "members", "pieces", "sizes", "stores")
+
+    def __init__(self) -> None:
+        self.pieces: list[Sequence[int] | np.ndarray] = []  # the changes' keys, as given
+        self.members: list[str] = []
+        self.stores: list[bool] = []
+        self.sizes: list[int] = []
+        self.keys: U64s = _NO_KEYS  # all pieces' keys, once converted
+
+    def ops(self) -> bool | Bools:
+        """Store (true) or remove per key; a scalar when uniform."""
+        first = self.stores[0]
+        if all(s is first for s in self.stores):
+            return first
+        return np.repeat(np.array(self.stores, np.bool_), self.sizes)
+
+
+class _Clear(NamedTuple):
+    member: str
+    tier: Tier | None
+
+
+#: What one lock hold applies: gathered STORE/REMOVE groups, or one CLEAR.
+_Step = dict[tuple[str, Tier], _Group] | _Clear
+
+
+class MemoryBackend:
+    """The block index in this process's memory (see the module docstring for layout).
+
+    Batching: ``apply`` gathers the STORE/REMOVE changes of a call, across members, into
+    one vectorised update per (model, tier), in steps of about ``CHUNK_KEYS`` keys. That
+    keeps every order that matters: per (key, member, tier) the last operation wins,
+    which is exactly what applying the changes one by one gives; a CLEAR is a step of
+    its own, so nothing moves across it. 128 events of 32 blocks in one call cost about
+    as much as a dozen applied one per call (numpy's cost is mostly per operation).
+
+    Costs: ``lookup`` probes the chain once (vectorised) and then does a few Python
+    operations per member that matched; ``clear_member`` and ``member_keys`` cost time
+    proportional to that member's blocks (a per-member reverse record, never a scan);
+    ``stats``, ``member_stats`` and ``members`` time proportional to members and models.
+
+    Capacity: with ``capacity_blocks`` set, when distinct live (model, key) pairs exceed
+    it after a step, the least recently *stored* keys (a store by any member to any tier
+    refreshes a key; lookups do not) are evicted for every member and tier at once,
+    down to ``capacity_blocks - capacity_blocks // 10``. Keys stored in the same step
+    share a stamp and are evicted in no particular order among themselves.
+    ``IndexStats.evictions`` counts evicted keys.
+
+    Thread safety: any number of reader threads and writers (serialised among
+    themselves; the ingest path has one). A lock guards the state; a writer holds it for
+    one step at a time, so a lookup waits at most one step (a few milliseconds), and may
+    see a call's effect step by step. The O(table) work (rebuilding a table that grows
+    or has too many dead slots, choosing keys to evict) runs outside that lock, reading
+    a table no one else changes, and is swapped in with the lock held.
+
+    Member ids (bit positions) are reused once a member holds nothing, so the bitmask
+    width follows the number of members holding blocks at once, not every member ever
+    seen.
+    """
+
+    def __init__(self, capacity_blocks: int | None = None, *, hash_seed: int | None = None):
+        if capacity_blocks is not None and capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be positive (or None for unbounded)")
+        self._capacity = capacity_blocks
+        self._seed = secrets.randbits(64) if hash_seed is None else hash_seed & (2**64 - 1)
+        self._lock = threading.Lock()  # readers, and the writer while it changes state
+        self._writer = threading.Lock()  # one writer at a time
+        self._tables: dict[str, BlockTable] = {}
+        self._ids: dict[str, int] = {}
+        self._names: list[str | None] = []
+        self._free_ids: list[int] = []
+        self._width = 1
+        self._tick = 0
+        self._evictions = 0
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def apply(self, changes: Sequence[Change]) -> None:
+        """Apply changes in order (see the class docstring for how they are batched).
+
+        Every change is validated before any is applied: an unknown op, a STORE/REMOVE
+        without a tier, or a key outside ``[0, 2**64)`` raises ValueError and applies
+        nothing from this call.
+        """
+        steps = _plan(changes)
+        with self._writer:
+            for step in steps:
+                if isinstance(step, _Clear):
+                    self._run_clear(step)
+                else:
+                    self._run_groups(step)
+
+    def _run_clear(self, step: _Clear) -> None:
+        with self._lock:
+            mid = self._ids.get(step.member)
+            if mid is None:
+                return
+            self._clear(mid, TIERS if step.tier is None else (step.tier,))
+        self._maintain({mid})
+
+    def _run_groups(self, groups: dict[tuple[str, Tier], _Group]) -> None:
+        pending = list(groups.items())
+        pending.reverse()  # popped from the end, in order
+        touched: set[int] = set()
+        first = True
+        while pending:
+            with self._lock:
+                if first:  # one stamp per step
+                    self._tick, first = self._next_tick(), False
+                grow = self._apply_groups(pending, touched)
+            if grow is not None:  # rebuilt outside the lock: readers keep reading
+                self._rebuild(*grow)
+        self._maintain(touched)
+
+    def _apply_groups(
+        self, pending: list[tuple[tuple[str, Tier], _Group]], touched: set[int]
+    ) -> tuple[BlockTable, int] | None:
+        """Apply groups from the end of ``pending``, each as one vectorised update,
+        adding the member ids to ``touched``. Stops at a group whose table must grow
+        first, and returns that table and the size it needs."""
+        while pending:
+            (model, tier), group = pending[-1]
+            table = self._tables.get(model)
+            store = group.ops()
+            if table is None and store is not False:
+                table = self._tables[model] = BlockTable(
+                    self._width, seed=self._seed, stamped=self._capacity is not None
+                )
+            if table is not None:
+                keys, mid, store = self._member_ids(group, store, touched)
+                try:
+                    if keys.size:
+                        table.update(tier, keys, mid, store, self._tick)
+                except NeedRoom as room:
+                    return table, table.cap_for(table.n_live + room.need)
+                except TableFull:
+                    return table, max(2 * table.cap, table.cap_for(table.n_live))
+            pending.pop()
+        return None
+
+    def _rebuild(self, table: BlockTable, cap: int) -> None:
+        """Rebuild ``table`` (writer only): built without the lock, swapped in with it."""
+        layout = table.plan_rebuild(cap)
+        with self._lock:
+            table.install(layout)
+
+    def _member_ids(
+        self, group: _Group, store: bool | Bools, touched: set[int]
+    ) -> tuple[U64s, int | Slots, bool | Bools]:
+        """The group's keys, member id per key and op per key (scalars when uniform),
+        adding the ids to ``touched``. Stores intern their member; removes by members
+        that hold nothing are dropped."""
+        ids = self._ids
+        mids = [
+            self._intern(m) if s else ids.get(m, -1)
+            for m, s in zip(group.members, group.stores, strict=True)
+        ]
+        touched.update(mids)
+        touched.discard(-1)
+        keys, first = group.keys, mids[0]
+        if all(m == first for m in mids):
+            return (keys, first, store) if first >= 0 else (_NO_KEYS, first, store)
+        mid = np.repeat(np.array(mids, np.intp), group.sizes)
+        if first < 0 or min(mids) < 0:
+            known = mid >= 0
+            keys, mid = keys[known], mid[known]
+            if not isinstance(store, bool):
+                store = store[known]
+        return keys, mid, store
+
+    def _clear(self, mid: int, tiers: Collection[Tier]) -> int:
+        return sum(table.clear_member(mid, tiers) for table in self._tables.values())
+
+    def _maintain(self, touched: set[int]) -> None:
+        """After a step (writer only): enforce the capacity, drop emptied tables,
+        reclaim dead slots, release members that hold nothing."""
+        if self._capacity is not None and self._live_keys() > self._capacity:
+            chosen = self._plan_eviction(self._capacity)  # a scan: without the lock
+            with self._lock:
+                for table, slots in chosen:
+                    table.drop_slots(slots)
+                    self._evictions += slots.size
+            touched = set(self._ids.values())
+        with self._lock:
+            for model, table in list(self._tables.items()):
+                if not table.n_live:  # nobody holds anything there: its records are stale
+                    del self._tables[model]
+            for mid in touched:
+                if not any(t.held[mid] for t in self._tables.values()):
+                    self._release(mid)
+            dead = [
+                t
+                for t in self._tables.values()
+                if t.dead_slots() > max(DEAD_FRACTION * t.cap, MIN_CAP // 4)
+            ]
+        for table in dead:
+            self._rebuild(table, table.cap_for(table.n_live))
+
+    def clear_member(self, member: str) -> int:
+        """Drop everything ``member`` holds; return the (block, tier) entries dropped (a
+        block held in two tiers counts twice). Cost: the member's reverse records."""
+        with self._writer:
+            with self._lock:
+                mid = self._ids.get(member)
+                if mid is None:
+                    return 0
+                dropped = self._clear(mid, TIERS)
+            self._maintain({mid})
+            return dropped
+
+    # -- capacity ----------------------------------------------------------------------------
+
+    def _live_keys(self) -> int:
+        return sum(t.n_live for t in self._tables.values())
+
+    def _plan_eviction(self, capacity: int) -> list[tuple[BlockTable, Slots]]:
+        """The least recently stored live slots to evict, per table, to bring the live
+        keys down to ``capacity`` minus ``EVICT_FRACTION`` of it. Only reads."""
+        tables = list(self._tables.values())
+        live = [t.live_slots() for t in tables]
+        stamps = np.concatenate([t.stamps_of(s) for t, s in zip(tables, live, strict=True)])
+        excess = stamps.size - (capacity - max(1, int(capacity * EVICT_FRACTION)))
+        if excess <= 0:
+            return []
+        chosen = np.zeros(stamps.size, np.bool_)
+        if excess >= stamps.size:
+            chosen[:] = True
+        else:
+            chosen[np.argpartition(stamps, excess - 1)[:excess]] = True
+        out = []
+        offset = 0
+        for table, slots in zip(tables, live, strict=True):
+            mine = chosen[offset : offset + slots.size]
+            offset += slots.size
+            if mine.any():
+                out.append((table, slots[mine]))
+        return out
+
+    def _next_tick(self) -> int:
+        """Stamp for this step; on overflow, halve every stamp (keeps their order)."""
+        if self._tick >= STAMP_MAX:
+            for t in self._tables.values():
+                if t.stamps is not None:
+                    t.stamps >>= 1
+            self._tick >>= 1
+        return self._tick + 1
+
+    # -- members -------------------------------------------------------------------------------
+
+    def _intern(self, member: str) -> int:
+        mid = self._ids.get(member)
+        if mid is not None:
+            return mid
+        if self._free_ids:
+            mid = heapq.heappop(self._free_ids)  # lowest first keeps the masks narrow
+            self._names[mid] = member
+        else:
+            mid = len(self._names)
+            self._names.append(member)
+            if mid >= 64 * self._width:
+                self._width += 1
+                for table in self._tables.values():
+                    table.widen(self._width)
+        self._ids[member] = mid
+        return mid
+
+    def _release(self, mid: int) -> None:
+        name = self._names[mid]
+        if name is None:
+            return
+        for table in self._tables.values():
+            table.forget_member(mid)
+        del self._ids[name]
+        self._names[mid] = None
+        heapq.heappush(self._free_ids, mid)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def lookup(
+        self, model: str, keys: Sequence[int], members: Collection[str] | None = None
+    ) -> list[MemberMatch]:
+        """Each member's longest consecutive prefix of ``keys`` held in any tier, best
+        first: most blocks, then most GPU blocks, then member id. Members with no match
+        (and, with ``members``, members not listed) are left out."""
+        chain = as_keys(keys)
+        with self._lock:
+            table = self._tables.get(model)
+            if table is None or not chain.size:
+                return []
+            allowed = None
+            if members is not None:
+                allowed = self._member_mask(members)
+                if allowed is None:
+                    return []
+            found = table.match(chain, allowed)
+            if found is None:
+                return []
+            return self._answer(found)
+
+    def _answer(self, found: ChainMatch) -> list[MemberMatch]:
+        """MemberMatch objects, best first. Per-member Python work is kept to building
+        the object: it is most of a lookup's cost when many members match."""
+        names = self._names
+        out: list[MemberMatch] = []
+        append, match = out.append, MemberMatch  # locals: this loop is hot
+        if found.off_gpu is None:  # GPU only: by length, then member id
+            after = 0
+            for n, value in zip(reversed(found.ends), reversed(found.values), strict=True):
+                mask = value & ~after  # the members whose prefix is n blocks
+                after = value
+                if not mask & (mask - 1):  # one member (the common case)
+                    append(match(names[mask.bit_length() - 1], n, (n, 0, 0)))  # type: ignore[arg-type]
+                else:
+                    group = sorted([names[m] for m in bit_positions(mask)])  # type: ignore[type-var]
+                    by_tier = (n, 0, 0)
+                    out += [match(name, n, by_tier) for name in group]  # type: ignore[arg-type]
+            return out
+        off_gpu, cpu = found.off_gpu, found.cpu
+        assert cpu is not None
+        after = 0
+        for n, value in zip(reversed(found.ends), reversed(found.values), strict=True):
+            mask = value & ~after  # by length, then GPU blocks, then member id
+            after = value
+            if not mask & (mask - 1):
+                m = mask.bit_length() - 1
+                off, c = off_gpu[m], cpu[m]
+                append(match(names[m], n, (n - off, c, off - c)))  # type: ignore[arg-type]
+                continue
+            for off, name, m in sorted((off_gpu[m], names[m], m) for m in bit_positions(mask)):
+                append(match(name, n, (n - off, cpu[m], off - cpu[m])))  # type: ignore[arg-type]
+        return out
+
+    def _member_mask(self, members: Collection[str]) -> np.ndarray | np.uint64 | None:
+        """Bitmask row of the listed members that hold anything; None when none do."""
+        mask = 0
+        for member in members:
+            mid = self._ids.get(member)
+            if mid is not None:
+                mask |= 1 << mid
+        if not mask:
+            return None
+        if self._width == 1:
+            return np.uint64(mask)
+        return np.array([(mask >> (64 * w)) & WORD for w in range(self._width)], np.uint64)
+
+    def member_stats(self, member: str) -> MemberStats | None:
+        with self._lock:
+            mid = self._ids.get(member)
+            if mid is None:
+                return None
+            stats = MemberStats(member)
+            for model, table in self._tables.items():
+                per_tier = {t: int(table.counts[t, mid]) for t in TIERS if table.counts[t, mid]}
+                if per_tier:
+                    stats.blocks[model] = per_tier
+            return stats if stats.blocks else None
+
+    def member_keys(self, member: str, model: str, tier: Tier | None = None) -> list[int]:
+        """Every key ``member`` holds for ``model`` (in ``tier``, or in any tier), sorted.
+        Costs time proportional to that member's blocks in that model."""
+        with self._lock:
+            mid = self._ids.get(member)
+            table = self._tables.get(model)
+            if mid is None or table is None:
+                return []
+            return table.member_keys(mid, tier)
+
+    def members(self) -> list[str]:
+        with self._lock:
+            return sorted(self._ids)
+
+    def stats(self) -> IndexStats:
+        with self._lock:
+            tables = self._tables.values()
+            blocks = {t: sum(int(tb.counts[t].sum()) for tb in tables) for t in TIERS}
+            return IndexStats(
+                members=len(self._ids),
+                blocks=blocks,
+                keys=self._live_keys(),
+                evictions=self._evictions,
+                capacity=self._capacity,
+                extra={
+                    "models": len(self._tables),
+                    "table_slots": sum(t.keys.size for t in tables),
+                    "dead_slots": sum(t.dead_slots() for t in tables),
+                    "max_probe": max((t.max_disp for t in tables), default=0),
+                    "rebuilds": sum(t.rebuilds for t in tables),
+                    "mask_words": self._width,
+                    "bytes": sum(t.nbytes for t in tables),
+                },
+            )
+
+    def ping(self) -> None:
+        """The memory backend is always reachable."""
+
+    def close(self) -> None:
+        """Drop all data; the backend stays usable (as an empty index)."""
+        with self._writer, self._lock:
+            self._tables.clear()
+            self._ids.clear()
+            self._names.clear()
+            self._free_ids.clear()
+            self._width = 1
+
+
+def _plan(changes: Sequence[Change]) -> list[_Step]:
+    """Validate every change, gather them into steps of at most about ``CHUNK_KEYS``
+    keys (a CLEAR is a step of its own, so nothing moves across it) and convert all
+    keys.
+
+    Key lists (Python ints, as the event decoder makes them) are converted in one go:
+    one conversion of 4096 keys costs about a third of 128 conversions of 32.
+    """
+    steps: list[_Step] = []
+    groups: dict[tuple[str, Tier], _Group] = {}
+    budget = CHUNK_KEYS
+    for change in changes:
+        op, tier = change.op, change.tier
+        if op is Op.CLEAR:
+            if tier is not None and not isinstance(tier, Tier):
+                raise ValueError(f"CLEAR tier must be a Tier or None, got {tier!r}")
+            if groups:
+                steps.append(groups)
+                groups, budget = {}, CHUNK_KEYS
+            steps.append(_Clear(change.member, tier))
+            continue
+        if op is not Op.STORE and op is not Op.REMOVE:
+            raise ValueError(f"unknown op {op!r}")
+        if not isinstance(tier, Tier):
+            raise ValueError(f"{op.name} needs a tier, got {tier!r}")
+        keys = change.keys
+        size = len(keys)
+        if size <= CHUNK_KEYS:
+            pieces: Sequence[tuple[Sequence[int] | np.ndarray, int]] = ((keys, size),)
+        else:  # a huge change goes in pieces
+            pieces = [
+                (keys[i : i + CHUNK_KEYS], len(keys[i : i + CHUNK_KEYS]))
+                for i in range(0, size, CHUNK_KEYS)
+            ]
+        for piece, n in pieces:
+            if not n:
+                continue
+            group = groups.get((change.model, tier))
+            if group is None:
+                group = groups[(change.model, tier)] = _Group()
+            group.pieces.append(piece)  # this loop runs per change: kept flat
+            group.members.append(change.member)
+            group.stores.append(op is Op.STORE)
+            group.sizes.append(n)
+            budget -= n
+            if budget <= 0:
+                steps.append(groups)
+                groups, budget = {}, CHUNK_KEYS
+    if groups:
+        steps.append(groups)
+    _convert([g for step in steps if not isinstance(step, _Clear) for g in step.values()])
+    return steps
+
+
+def _convert(groups: list[_Group]) -> None:
+    """Set each group's ``keys``: lists of ints of all groups in one conversion."""
+    lists = [g for g in groups if not any(isinstance(p, np.ndarray) for p in g.pieces)]
+    for g in groups:
+        if g not in lists:
+            g.keys = np.concatenate([as_keys(p) for p in g.pieces])
+    if not lists:
+        return
+    flat = as_keys(list(chain.from_iterable(p for g in lists for p in g.pieces)))
+    start = 0
+    for g in lists:
+        size = sum(g.sizes)
+        g.keys = flat[start : start + size]
+        start += size
+
+
+_NO_KEYS = np.zeros(0, np.uint64)

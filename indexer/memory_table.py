@@ -1,0 +1,920 @@
+"""The memory backend's data structure: one compact numpy hash table per model.
+
+Why numpy and not a dict: a ``dict[int, ...]`` of block keys costs 110+ bytes per block
+(the int objects and the dict slots) before it records a single member, which rules out
+a budget of ~64 bytes per (block, member) entry. Here a block costs one ``uint64`` key
+and one ``uint64`` member bitmask per tier (per 64 members) per slot, at a load factor
+of 0.35-0.7, an optional ``uint32`` "last stored" stamp per slot (only with a capacity
+bound), and a 4-byte reverse-record entry per member holding it: about 26 bytes per
+(block, member) entry at 1M blocks over 16 members (``bench/bench_index.py``).
+
+Layout of one model's :class:`_Table`:
+
+* ``keys: uint64[cap + PAD + 1]``, open addressing with linear probing from the home
+  slot ``((key ^ seed) * golden) >> (64 - log2 cap)`` (a multiplicative mix with a
+  per-process random seed, so neither structured nor crafted keys pile up). Probing
+  never wraps around: the ``PAD`` slots past ``cap`` absorb the end of the table, and a
+  key that would land more than ``PAD - WINDOW`` slots from home forces a rebuild. ``0``
+  marks an empty slot; the key ``0`` itself lives in a reserved last slot, so no
+  separate "used" array is needed.
+* ``masks[tier]: uint64[slots, W]``: bit ``m`` is set when member id ``m`` holds the
+  block in that tier; ``W = ceil(member ids / 64)`` grows as members are interned. The
+  CPU and STORAGE arrays are allocated on the first store to that tier (most deployments
+  are GPU-only).
+* A slot whose masks become all-zero stays occupied as a *dead* slot (no tombstones: a
+  later store of the same key revives it). When dead slots pass a quarter of the table,
+  or the table must grow, it is rebuilt from its live slots in one vectorised pass.
+
+Probing is vectorised and made for numpy's per-call cost (about a microsecond, whatever
+the size): one gather settles the keys sitting in their home slot (about 3 in 4 at load
+0.5); the others read windows of ``WINDOW`` slots at once. Inserts resolve collisions
+between keys of one batch by scatter-then-read-back (the last write to a slot wins it;
+the losers move on).
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvindex.indexer.backend import (
+    TIERS,
+    BackendError,
+    Tier,
+)
+
+U64s = npt.NDArray[np.uint64]
+Slots = npt.NDArray[np.intp]
+Bools = npt.NDArray[np.bool_]
+
+#: Slots read per key in one probe round. Linear probing at load ≤ 0.7 finds almost every
+#: key within 8 slots of home; a wider window costs more gathers for every key.
+WINDOW = 8
+#: Slots a lookup reads per key in its first round after the home slot (at most).
+LOOKUP_WINDOW = 32
+#: Slots past the home range, so probing never wraps (no ``& mask`` in the hot path).
+PAD = 512
+#: Largest displacement from home a key may have; an insert that would go further
+#: rebuilds the table at twice the size.
+MAX_DISPLACEMENT = PAD - WINDOW
+#: Grow (rebuild) when occupied slots would exceed this fraction of ``cap``...
+MAX_LOAD = 0.7
+#: ... into the smallest table where live keys fill at most this fraction.
+REBUILD_LOAD = 0.5
+#: Rebuild from live slots when dead slots pass this fraction of ``cap``.
+DEAD_FRACTION = 0.25
+MIN_CAP = 1024
+#: Most keys one lock hold applies: bounds how long a lookup can wait behind a writer.
+CHUNK_KEYS = 4096
+#: Share of the capacity freed when the capacity bound is exceeded.
+EVICT_FRACTION = 0.1
+#: Reverse records are compacted when they exceed ``2 * held + LOG_SLACK`` entries.
+LOG_SLACK = 64
+
+_OFFSETS = np.arange(WINDOW, dtype=np.intp)[:, None]
+_WIDE_OFFSETS = np.arange(max(WINDOW, LOOKUP_WINDOW), dtype=np.intp)[:, None]
+_MULT = np.uint64(0x9E3779B97F4A7C15)
+_BIT = np.left_shift(np.uint64(1), np.arange(64, dtype=np.uint64))
+STAMP_MAX = 2**32 - 1
+WORD = 2**64 - 1
+_SMALL = 64  # batches up to this size check for duplicates with a Python set, not a sort
+
+
+class NeedRoom(Exception):
+    """Raised before any write when an insert would push the table past ``MAX_LOAD``."""
+
+    def __init__(self, need: int) -> None:
+        self.need = need
+
+
+class TableFull(Exception):
+    """Raised when a key would land more than ``MAX_DISPLACEMENT`` slots from home."""
+
+
+def as_keys(keys: Sequence[int] | np.ndarray) -> U64s:
+    """Block keys as a 1-D ``uint64`` array; raise ValueError unless every key is an
+    integer in ``0 <= k < 2**64``. A ``uint64`` array is used as is (no copy)."""
+    if isinstance(keys, np.ndarray):
+        if keys.ndim != 1:
+            raise ValueError(f"block keys must be one-dimensional, got shape {keys.shape}")
+        if keys.dtype == np.uint64:
+            return keys
+        if keys.dtype.kind == "u" or (keys.dtype.kind == "i" and not (keys < 0).any()):
+            return keys.astype(np.uint64)
+        raise ValueError(f"block keys must be unsigned 64-bit integers, got {keys.dtype}")
+    if isinstance(keys, bytes | bytearray | memoryview | str):
+        raise ValueError(f"block keys must be integers, got {type(keys).__name__}")
+    try:  # array('Q') converts a list of ints faster than np.array, with range checks
+        return np.frombuffer(array.array("Q", keys), dtype=np.uint64)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"block keys must be integers in [0, 2**64): {exc}") from None
+
+
+def _sorted_unique(values: np.ndarray) -> Slots:
+    """Sorted distinct values as ``intp`` (np.unique is several times slower). Values
+    at or above 2**63 wrap, which keeps them distinct."""
+    s = np.sort(values.astype(np.intp))
+    if s.size < 2:
+        return s
+    keep = np.empty(s.size, np.bool_)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
+
+
+def _bit_counts(rows: np.ndarray, width: int) -> npt.NDArray[np.int64]:
+    """For ``uint64[n, W]`` bitmask rows, how many rows have each of the ``64 * W`` bits."""
+    total = np.zeros(64 * width, np.int64)
+    step = 1 << 16  # bounds the unpacked temporary to 64 * W bytes per row of a step
+    for start in range(0, rows.shape[0], step):
+        part = np.ascontiguousarray(rows[start : start + step]).astype("<u8", copy=False)
+        bits = np.unpackbits(part.view(np.uint8), axis=1, bitorder="little")
+        total += bits.sum(axis=0, dtype=np.int64)
+    return total
+
+
+def _nonzero_rows(rows: np.ndarray) -> Bools:
+    """Whether each row of ``uint64[n, W]`` has a bit set. (numpy reduces along a short
+    last axis slowly, ~30x slower than OR-ing the W columns.)"""
+    acc = rows[:, 0]
+    for w in range(1, rows.shape[1]):
+        acc = acc | rows[:, w]
+    return acc != 0
+
+
+def _rows_differ(rows: np.ndarray) -> Bools:
+    """Whether each row of ``uint64[n, W]`` differs from the one before it (rows
+    compared as W * 8-byte blobs, for the same reason)."""
+    blobs = np.ascontiguousarray(rows).view(f"V{rows.dtype.itemsize * rows.shape[1]}")
+    blobs = blobs.reshape(-1)
+    return blobs[1:] != blobs[:-1]
+
+
+def _bit_matrix(rows: np.ndarray) -> npt.NDArray[np.uint8]:
+    """``uint64[n, W]`` rows as ``uint8[n, 64 * W]``: column ``m`` is member id ``m``'s bit."""
+    part = np.ascontiguousarray(rows).astype("<u8", copy=False)
+    return np.unpackbits(part.view(np.uint8), axis=1, bitorder="little")
+
+
+class _SlotLog:
+    """Append-only record of the slots one member took in one model (lazy deletion).
+
+    Entries go stale when the member drops the block; they are filtered whenever the
+    record is read, and the record is compacted once it is more than about twice the
+    member's live blocks, so clearing a member costs time proportional to its blocks.
+    """
+
+    __slots__ = ("buf", "n")
+
+    def __init__(self, slots: Slots | None = None) -> None:
+        self.buf = np.empty(16, np.uint32) if slots is None else slots.astype(np.uint32)
+        self.n = 0 if slots is None else slots.size
+
+    def extend(self, slots: Slots) -> None:
+        need = self.n + slots.size
+        if need > self.buf.size:
+            grown = np.empty(max(need, self.buf.size + self.buf.size // 2), np.uint32)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        self.buf[self.n : need] = slots
+        self.n = need
+
+    def view(self) -> npt.NDArray[np.uint32]:
+        return self.buf[: self.n]
+
+    def reset(self, slots: Slots) -> None:
+        self.buf = slots.astype(np.uint32)
+        self.n = slots.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.nbytes
+
+
+@dataclass(slots=True)
+class ChainMatch:
+    """Raw lookup answer. The running "held by" mask is ``values[i]`` up to block
+    ``ends[i]`` (ascending), so the members whose prefix is exactly ``ends[i]`` blocks
+    are ``values[i] & ~values[i + 1]``. ``off_gpu[m]`` counts the blocks of member
+    ``m``'s prefix it holds only off the GPU, ``cpu[m]`` those of them in CPU memory
+    (the rest are in storage); both None when the model has only GPU entries."""
+
+    ends: list[int]
+    values: list[int]
+    off_gpu: list[int] | None = None
+    cpu: list[int] | None = None
+
+
+def bit_positions(value: int) -> list[int]:
+    """Positions of the set bits of a non-negative int, lowest first."""
+    out = []
+    while value:
+        low = value & -value
+        out.append(low.bit_length() - 1)
+        value ^= low
+    return out
+
+
+def _row_int(words: list[int]) -> int:
+    """A bitmask row of 64-bit words as one int (bit ``64 * w + b`` = word w, bit b)."""
+    return sum(word << (64 * w) for w, word in enumerate(words))
+
+
+class BlockTable:
+    """One model's keys and member bitmasks. Not thread-safe: the backend's lock guards it.
+
+    Invariants: ``counts[t, m]`` is the number of slots whose tier-``t`` mask has bit
+    ``m``; ``held[m]`` the number of slots where ``m`` has a bit in any tier; every such
+    slot appears in ``logs[m]``; ``n_live`` counts slots with any bit set; ``n_used``
+    counts occupied slots (live or dead); every key lies within ``max_disp`` slots after
+    its home slot, with no empty slot in between.
+    """
+
+    def __init__(self, width: int, *, seed: int, stamped: bool) -> None:
+        self.width = width
+        self.seed = np.uint64(seed)
+        self.stamped = stamped
+        self.counts = np.zeros((len(TIERS), 64 * width), np.int64)
+        self.held = np.zeros(64 * width, np.int64)
+        self.rebuilds = -1  # the first install is not a rebuild
+        self.install(_empty_layout(MIN_CAP, width, (True, False, False), stamped))
+
+    # -- storage -------------------------------------------------------------------------
+
+    def install(self, layout: _Layout) -> None:
+        """Switch to ``layout`` (from :meth:`plan_rebuild`, or empty)."""
+        self.cap = layout.cap
+        self.shift = _shift_for(layout.cap)
+        self.zero_slot = layout.cap + PAD
+        self.keys = layout.keys
+        self.masks = layout.masks
+        self.stamps = layout.stamps
+        self.zero_used = layout.zero_used
+        self.max_disp = layout.max_disp
+        self.n_used = self.n_live = layout.live
+        self.logs = layout.logs
+        self.rebuilds += 1
+
+    def _tier_flat(self, tier: Tier, create: bool) -> np.ndarray | None:
+        """The tier's masks as one flat array indexed by ``slot * W + word``."""
+        m = self.masks[tier]
+        if m is None:
+            if not create:
+                return None
+            m = self.masks[tier] = np.zeros((self.keys.size, self.width), np.uint64)
+        return m.reshape(-1)
+
+    def widen(self, width: int) -> None:
+        """Make room for member ids below ``64 * width``."""
+        for t, m in enumerate(self.masks):
+            if m is not None:
+                wide = np.zeros((m.shape[0], width), np.uint64)
+                wide[:, : self.width] = m
+                self.masks[t] = wide
+        n = 64 * width
+        self.counts = np.pad(self.counts, ((0, 0), (0, n - self.counts.shape[1])))
+        self.held = np.pad(self.held, (0, n - self.held.size))
+        self.width = width
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.keys, self.stamps, *self.masks]
+        return sum(a.nbytes for a in arrays if a is not None) + sum(
+            log.nbytes for log in self.logs.values()
+        )
+
+    # -- probing ---------------------------------------------------------------------------
+
+    def _home(self, keys: U64s) -> Slots:
+        return _home(keys, self.seed, self.shift)
+
+    def find(self, keys: U64s, *, exact: bool = True) -> Slots:
+        """Slot of each key, or -1 when absent (dead slots are found: they hold keys).
+
+        With ``exact`` false (lookups), key 0 may be answered with an empty slot when
+        key 0 is not stored: empty slots hold no bits, so that reads as "not held", and
+        the check costs one operation less.
+        """
+        return self._find(keys, exact=exact, cursors=None)
+
+    def _find(self, keys: U64s, *, exact: bool, cursors: Slots | None) -> Slots:
+        """``find``; with ``cursors`` (an array as long as ``keys``), also where each
+        absent non-zero key should be inserted: its first empty slot, or where probing
+        stopped.
+
+        Most keys sit in their home slot (about 3 in 4 at load 0.5), so one gather
+        settles them; only the others read windows of ``WINDOW`` slots.
+        """
+        home = self._home(keys)
+        at = self.keys[home]
+        at_home = at == keys
+        if (exact or self.zero_used) and not keys.all():
+            zero = keys == 0  # key 0 "matches" every empty slot; it has a reserved slot
+            slots = np.where(at_home & ~zero, home, -1)
+            slots[zero] = self.zero_slot if self.zero_used else -1
+            rest = np.flatnonzero(~at_home & ~zero)
+            far = home[rest]
+        else:
+            rest = np.flatnonzero(~at_home)
+            if not rest.size:
+                return home
+            far = home[rest]
+            slots = home  # home becomes the answer
+            slots[rest] = -1
+            if not exact and not keys[rest].all():  # key 0, not stored: must not probe
+                stored = keys[rest] != 0
+                rest, far = rest[stored], far[stored]
+        if cursors is not None:  # an empty home slot: absent, and the place to insert
+            vacant = at[rest] == 0
+            cursors[rest[vacant]] = far[vacant]
+            rest, far = rest[~vacant], far[~vacant]
+        self._probe(keys[rest], far, slots, rest, cursors)
+        return slots
+
+    def _probe(
+        self, keys: U64s, home: Slots, slots: Slots, todo: Slots, cursors: Slots | None
+    ) -> None:
+        """Fill ``slots[todo]`` for non-zero ``keys`` (``home`` their home slots, row for
+        row) by reading windows from home, until each key is found, an empty slot proves
+        it absent, or ``max_disp`` is passed. With ``cursors``, record for each absent
+        key its first empty slot, where inserting it starts (raises TableFull when there is
+        none within ``MAX_DISPLACEMENT``)."""
+        offset = 0
+        # Lookups read up to LOOKUP_WINDOW slots at once: one wide round is cheaper
+        # than a second narrow one. Inserts mostly stop at a near empty slot.
+        width = WINDOW if cursors is not None else min(LOOKUP_WINDOW, self.max_disp + 1)
+        while todo.size and offset <= self.max_disp:
+            m = todo.size
+            pos = _WIDE_OFFSETS[:width] + (home + offset)  # (width, m): long axis inner
+            window = self.keys[pos]
+            hits = np.flatnonzero(window == keys)
+            rows = hits % m  # each non-zero key matches at most one slot
+            slots[todo[rows]] = pos.ravel()[hits]
+            if rows.size == m:
+                return
+            empty = window == 0
+            go = ~empty.any(axis=0)
+            go[rows] = False
+            if cursors is not None:  # absent: the first empty slot is where it goes
+                done = ~go
+                done[rows] = False
+                cursors[todo[done]] = home[done] + offset + empty[:, done].argmax(axis=0)
+            todo, home, keys = todo[go], home[go], keys[go]
+            offset += width
+            width = WINDOW
+        while cursors is not None and todo.size:  # absent, past max_disp: find a gap
+            if offset > MAX_DISPLACEMENT:
+                raise TableFull
+            empty = self.keys[_OFFSETS + (home + offset)] == 0
+            done = empty.any(axis=0)
+            cursors[todo[done]] = home[done] + offset + empty[:, done].argmax(axis=0)
+            todo, home = todo[~done], home[~done]
+            offset += WINDOW
+
+    def _insert(self, keys: U64s, cursor: Slots) -> Slots:
+        """Place keys known to be absent (repeats allowed), starting at ``cursor``, the
+        first empty slot ``_find`` saw for each; return their slots. ``n_used`` is left
+        to the caller, which counts distinct new slots.
+
+        Keys probing the same empty slot all write it; the one whose write survived won
+        it (with its repeats), the others continue after it. Raises TableFull past
+        ``MAX_DISPLACEMENT`` (keys already placed are then dead slots, which the rebuild
+        that follows drops).
+        """
+        out = np.empty(keys.size, np.intp)
+        if keys.all():
+            rows = np.arange(keys.size)
+        else:
+            zero = keys == 0
+            out[zero] = self.zero_slot
+            self.zero_used = True
+            rows = np.flatnonzero(~zero)
+        if not rows.size:
+            return out
+        start = home = self._home(keys[rows])
+        cand = cursor[rows]  # empty when found: the first round needs no probing
+        mine = keys[rows]
+        has_free = None
+        if (cand - start).max() > MAX_DISPLACEMENT:
+            raise TableFull
+        while True:
+            take = np.arange(rows.size) if has_free is None else np.flatnonzero(has_free)
+            slots = cand[take]
+            self.keys[slots] = mine[take]  # the last write to a slot wins it
+            won = take[self.keys[slots] == mine[take]]
+            out[rows[won]] = cand[won]
+            if won.size == rows.size:
+                break
+            cursor = cand + 1 if has_free is None else np.where(has_free, cand + 1, cursor + WINDOW)
+            left = np.ones(rows.size, np.bool_)
+            left[won] = False
+            rows, start, cursor, mine = rows[left], start[left], cursor[left], mine[left]
+            free = self.keys[_OFFSETS + cursor] == 0
+            has_free = free.any(axis=0)
+            cand = cursor + free.argmax(axis=0)
+            if not has_free.all():
+                cand[~has_free] = -1
+            if max((cand - start).max(), (cursor - start).max()) > MAX_DISPLACEMENT:
+                raise TableFull
+        placed = out if keys.all() else out[keys != 0]
+        self.max_disp = max(self.max_disp, int((placed - home).max()))
+        return out
+
+    def _locate(self, keys: U64s, store: bool | Bools) -> tuple[Slots, Bools | None]:
+        """Slots for a batch with stores: stored keys are inserted when absent, removed
+        keys that are absent get -1. Also says which elements' slots this call created
+        (None: none). Raises NeedRoom (before writing anything) or TableFull."""
+        cursors = np.empty(keys.size, np.intp)
+        slots = self._find(keys, exact=True, cursors=cursors)
+        missing = slots < 0
+        rows = np.flatnonzero(missing if store is True else missing & store)
+        if not rows.size:
+            return slots, None
+        limit = MAX_LOAD * self.cap
+        if self.n_used + rows.size > limit:  # repeats counted: check again without them
+            need = _sorted_unique(keys[rows]).size
+            if self.n_used + need > limit:
+                raise NeedRoom(need)
+        slots[rows] = self._insert(keys[rows], cursors[rows])
+        if store is not True:  # a key removed after it was first stored in this batch
+            again = np.flatnonzero(missing & ~store)
+            if again.size:
+                slots[again] = self.find(keys[again])
+        return slots, missing
+
+    def live_rows(self, slots: Slots) -> Bools:
+        """Whether each slot holds anything (any member, any tier)."""
+        acc = None
+        for m in self.masks:
+            if m is not None:
+                acc = m[slots] if acc is None else acc | m[slots]
+        assert acc is not None
+        return _nonzero_rows(acc)
+
+    def live_slots(self) -> Slots:
+        """Every slot that holds anything; a scan of the whole table."""
+        acc = None
+        for m in self.masks:
+            if m is not None:
+                acc = m.copy() if acc is None else np.bitwise_or(acc, m, out=acc)
+        assert acc is not None
+        return np.flatnonzero(_nonzero_rows(acc))
+
+    # -- updates ---------------------------------------------------------------------------
+
+    def update(
+        self, tier: Tier, keys: U64s, mid: int | Slots, store: bool | Bools, tick: int
+    ) -> None:
+        """Store (``store`` true) or remove each key for member ``mid`` in ``tier``; the
+        last operation on a (key, member) pair wins. Raises NeedRoom or TableFull, after
+        which the caller rebuilds and retries (nothing visible changed)."""
+        if store is False:
+            if self.masks[tier] is None:
+                return
+            slots, created = self.find(keys), None
+        else:
+            slots, created = self._locate(keys, store)
+        if store is not True:
+            found = slots >= 0
+            if not found.all():
+                slots = slots[found]
+                if not isinstance(mid, int):
+                    mid = mid[found]
+                if not isinstance(store, bool):
+                    store = store[found]
+                if created is not None:
+                    created = created[found]
+        if not slots.size:
+            return
+        kept, first = self._last_per_pair(slots, mid)
+        if kept is not None:
+            slots = slots[kept]
+            if not isinstance(mid, int):
+                mid = mid[kept]
+            if not isinstance(store, bool):
+                store = store[kept]
+            if created is not None:
+                created = created[kept]
+        if created is not None:  # count each new slot once
+            self.n_used += int(np.count_nonzero(created if first is None else created & first))
+        self._write(tier, slots, mid, store, None if first is None else slots[first], tick)
+
+    def _last_per_pair(self, slots: Slots, mid: int | Slots) -> tuple[Slots | None, Bools | None]:
+        """Which elements to keep: the last of each (slot, member) pair, in (slot,
+        member) order; None to keep all as they are. Also flags the first kept element
+        of each slot, or None when every kept element has its own slot.
+
+        Small batches without repeated slots (one 32-block event) skip the sort.
+        """
+        n = slots.size
+        if n <= _SMALL and len(set(slots.tolist())) == n:
+            return None, None
+        single = isinstance(mid, int)
+        pair = slots if single else (slots << (64 * self.width - 1).bit_length()) | mid
+        order = np.argsort(pair, kind="stable")
+        ordered = pair[order]
+        last = np.empty(n, np.bool_)
+        last[-1] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
+        kept = order[last]  # sorted by slot, then member
+        slots = slots[kept]
+        first = np.empty(slots.size, np.bool_)
+        first[0] = True
+        np.not_equal(slots[1:], slots[:-1], out=first[1:])
+        return kept, None if first.all() else first
+
+    def _write(
+        self,
+        tier: Tier,
+        slots: Slots,
+        mid: int | Slots,
+        store: bool | Bools,
+        distinct: Slots | None,
+        tick: int,
+    ) -> None:
+        """Set or clear one member bit per element and keep every counter exact.
+
+        ``slots`` are sorted (slot, member)-pairs without repeats when ``distinct`` is
+        given, otherwise all different.
+        """
+        width = self.width
+        flat = self._tier_flat(tier, create=True)
+        assert flat is not None
+        word = mid >> 6
+        bit = _BIT[mid & 63]
+        cell = slots if width == 1 else slots * width + word
+        old = flat[cell]
+        had = (old & bit) != 0
+        other = self._held_elsewhere(tier, cell, bit)
+        rows = slots if distinct is None else distinct
+        # one word, one tier (a GPU-only model under 64 members): the word is the row
+        whole_row = distinct is None and width == 1 and other is None
+        live_before = old != 0 if whole_row else self.live_rows(rows)
+
+        if store is True:
+            set_bits, clear_bits = bit, None
+        elif store is False:
+            set_bits, clear_bits = None, bit
+        else:
+            set_bits = np.where(store, bit, np.uint64(0))
+            clear_bits = np.where(store, np.uint64(0), bit)
+        if distinct is None:
+            new = old
+            if set_bits is not None:
+                new = new | set_bits
+            if clear_bits is not None:
+                new = new & ~clear_bits
+            flat[cell] = new
+        else:  # several members share a word of one slot: combine per (slot, word) cell
+            self._write_cells(flat, cell, set_bits, clear_bits)
+
+        if store is True:
+            self.n_live += rows.size - int(np.count_nonzero(live_before))
+        else:
+            live_after = new != 0 if whole_row else self.live_rows(rows)
+            self.n_live += int(np.count_nonzero(live_after)) - int(np.count_nonzero(live_before))
+        if self.stamps is not None and store is not False:
+            self.stamps[slots if store is True else slots[store]] = tick
+
+        newly = None if store is False else (~had if store is True else store & ~had)
+        dropped = None if store is True else (had if store is False else had & ~store)
+        self._count(self.counts[tier], mid, newly, dropped)
+        gained = newly if newly is None or other is None else newly & ~other
+        lost = dropped if dropped is None or other is None else dropped & ~other
+        self._count(self.held, mid, gained, lost)
+        if gained is not None:
+            self._record(slots, mid, gained)
+
+    @staticmethod
+    def _write_cells(
+        flat: np.ndarray, cell: Slots, set_bits: np.ndarray | None, clear_bits: np.ndarray | None
+    ) -> None:
+        starts = np.flatnonzero(np.concatenate(([True], cell[1:] != cell[:-1])))
+        cells = cell[starts]
+        value = flat[cells]
+        for bits, is_set in ((set_bits, True), (clear_bits, False)):
+            if bits is None:
+                continue
+            bits = np.broadcast_to(bits, cell.shape)
+            combined = np.bitwise_or.reduceat(bits, starts)
+            value = value | combined if is_set else value & ~combined
+        flat[cells] = value
+
+    def _held_elsewhere(self, tier: Tier, cell: Slots, bit: np.ndarray | np.uint64) -> Bools | None:
+        """Whether each element's member holds its slot in another tier (None: no other
+        tier is allocated, so never)."""
+        acc = None
+        for t, m in enumerate(self.masks):
+            if t != tier and m is not None:
+                held = (m.reshape(-1)[cell] & bit) != 0
+                acc = held if acc is None else acc | held
+        return acc
+
+    def _count(
+        self, counter: np.ndarray, mid: int | Slots, up: Bools | None, down: Bools | None
+    ) -> None:
+        n = counter.size
+        for mask, sign in ((up, 1), (down, -1)):
+            if mask is None:
+                continue
+            if isinstance(mid, int):
+                counter[mid] += sign * int(np.count_nonzero(mask))
+            else:
+                counter += sign * np.bincount(mid[mask], minlength=n)
+
+    def _record(self, slots: Slots, mid: int | Slots, gained: Bools) -> None:
+        """Append slots a member newly holds to its reverse record."""
+        if isinstance(mid, int):
+            if gained.any():
+                self._extend_log(mid, slots[gained])
+            return
+        rows = np.flatnonzero(gained)
+        if not rows.size:
+            return
+        ids = mid[rows]
+        if self.width <= 1024:  # ids below 2**16: numpy's stable sort is then a radix sort
+            ids = ids.astype(np.uint16)
+        order = rows[np.argsort(ids, kind="stable")]
+        ids = mid[order]
+        bounds = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        for part in np.split(order, bounds):
+            self._extend_log(int(mid[part[0]]), slots[part])
+
+    def _extend_log(self, mid: int, slots: Slots) -> None:
+        log = self.logs.get(mid)
+        if log is None:
+            log = self.logs[mid] = _SlotLog()
+        log.extend(slots)
+        if log.n > 2 * int(self.held[mid]) + LOG_SLACK:
+            self._compact_log(mid, log)
+
+    def _compact_log(self, mid: int, log: _SlotLog) -> None:
+        slots = _sorted_unique(log.view())
+        slots = slots[self._member_holds(slots, mid)]
+        if slots.size:
+            log.reset(slots)
+        else:
+            del self.logs[mid]
+
+    def _member_holds(self, slots: Slots, mid: int) -> Bools:
+        """Whether member ``mid`` holds each slot in any tier."""
+        cell = slots * self.width + (mid >> 6)
+        bit = _BIT[mid & 63]
+        acc = np.zeros(slots.size, np.bool_)
+        for m in self.masks:
+            if m is not None:
+                acc |= (m.reshape(-1)[cell] & bit) != 0
+        return acc
+
+    def clear_member(self, mid: int, tiers: Collection[Tier]) -> int:
+        """Drop what member ``mid`` holds in ``tiers``; return the (block, tier) entries
+        dropped. Reads only the member's reverse record."""
+        log = self.logs.get(mid)
+        if log is None:
+            return 0
+        slots = _sorted_unique(log.view())
+        cell = slots * self.width + (mid >> 6)
+        bit = _BIT[mid & 63]
+        live_before = self.live_rows(slots)
+        kept = np.zeros(slots.size, np.bool_)
+        dropped = 0
+        for t, m in enumerate(self.masks):
+            if m is None:
+                continue
+            flat = m.reshape(-1)
+            old = flat[cell]
+            has = (old & bit) != 0
+            if t not in tiers:
+                kept |= has
+                continue
+            n = int(np.count_nonzero(has))
+            if n:
+                flat[cell[has]] = old[has] & ~bit
+                self.counts[t, mid] -= n
+                dropped += n
+        self.n_live += int(np.count_nonzero(self.live_rows(slots))) - int(
+            np.count_nonzero(live_before)
+        )
+        remaining = slots[kept]
+        self.held[mid] = remaining.size
+        if remaining.size:
+            log.reset(remaining)
+        else:
+            del self.logs[mid]
+        return dropped
+
+    def member_keys(self, mid: int, tier: Tier | None) -> list[int]:
+        """The keys member ``mid`` holds (in ``tier``, or in any), sorted; reads only its
+        reverse record."""
+        log = self.logs.get(mid)
+        if log is None:
+            return []
+        slots = _sorted_unique(log.view())
+        if tier is None:
+            slots = slots[self._member_holds(slots, mid)]
+        else:
+            m = self.masks[tier]
+            if m is None:
+                return []
+            slots = slots[(m.reshape(-1)[slots * self.width + (mid >> 6)] & _BIT[mid & 63]) != 0]
+        return np.sort(self.keys[slots]).tolist()
+
+    def forget_member(self, mid: int) -> None:
+        """Drop the (all stale) record of a member that holds nothing, before its id is
+        reused."""
+        self.logs.pop(mid, None)
+
+    def drop_slots(self, slots: Slots) -> None:
+        """Empty these live slots for every member and tier (capacity eviction)."""
+        width = self.width
+        acc = np.zeros((slots.size, width), np.uint64)
+        for t, m in enumerate(self.masks):
+            if m is not None:
+                rows = m[slots]
+                self.counts[t] -= _bit_counts(rows, width)
+                acc |= rows
+                m[slots] = 0
+        self.held -= _bit_counts(acc, width)
+        self.n_live -= slots.size
+
+    def stamps_of(self, slots: Slots) -> npt.NDArray[np.uint32]:
+        assert self.stamps is not None
+        return self.stamps[slots]
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def match(self, keys: U64s, allowed: np.ndarray | np.uint64 | None) -> ChainMatch | None:
+        """Each member's longest run of leading ``keys`` held in any tier.
+
+        The running AND of the per-block "held anywhere" masks drops a member's bit at
+        its first hole, so the running mask changes at most once per member: the
+        prefix lengths come from those few change rows, decoded as Python ints.
+        """
+        slots = self.find(keys, exact=False)
+        first_absent = int(slots.argmin())  # -1 is the smallest slot value
+        if slots[first_absent] < 0:
+            if first_absent == 0:
+                return None
+            slots = slots[:first_absent]
+        one_word = self.width == 1
+        held = None
+        for m in self.masks:
+            if m is not None:
+                rows = (m.reshape(-1) if one_word else m)[slots]
+                held = rows if held is None else held | rows
+        assert held is not None
+        if allowed is not None:
+            held &= allowed
+        running = np.bitwise_and.accumulate(held, axis=0)
+        if one_word:
+            length = int(np.count_nonzero(running))
+            if not length:
+                return None
+            run = running[:length]
+            last = np.flatnonzero(run[:-1] != run[1:])
+            values = run[last].tolist()
+            values.append(int(run[-1]))
+        else:
+            length = int(np.count_nonzero(_nonzero_rows(running)))
+            if not length:
+                return None
+            run = running[:length]
+            last = np.flatnonzero(_rows_differ(run))
+            values = [_row_int(row) for row in run[last].tolist()]
+            values.append(_row_int(run[-1].tolist()))
+        ends = (last + 1).tolist()
+        ends.append(length)
+        found = ChainMatch(ends, values)
+        if self.masks[Tier.CPU] is not None or self.masks[Tier.STORAGE] is not None:
+            self._count_tiers(found, slots[:length], run)
+        return found
+
+    def _count_tiers(self, found: ChainMatch, slots: Slots, run: np.ndarray) -> None:
+        """Fill ``found.off_gpu`` and ``found.cpu``.
+
+        Row ``i`` of the running mask holds exactly the members whose prefix covers
+        block ``i``, so ``run & ~gpu`` marks, per member, the prefix blocks held only off
+        the GPU (and ``& cpu`` those in CPU memory). Those rows come in long runs of
+        equal values (offloading moves whole ranges), so each distinct run is unpacked
+        once and weighted by its length.
+        """
+        gpu, cpu, _ = self.masks
+        assert gpu is not None
+        length = slots.size
+        off = run.reshape(length, -1) & ~gpu[slots]
+        both = off if cpu is None else np.concatenate((off, off & cpu[slots]), axis=1)
+        changes = np.flatnonzero(_rows_differ(both)) + 1
+        bounds = np.concatenate(((0,), changes, (length,)))
+        runs = bounds[1:] - bounds[:-1]
+        counts = (runs @ _bit_matrix(both[bounds[:-1]])).tolist()
+        n = 64 * self.width
+        found.off_gpu = counts[:n]
+        found.cpu = counts[n:] if cpu is not None else [0] * n
+
+    # -- rebuilds ----------------------------------------------------------------------------
+
+    def dead_slots(self) -> int:
+        return self.n_used - self.n_live
+
+    def cap_for(self, live: int) -> int:
+        """Smallest table where ``live`` keys fill at most ``REBUILD_LOAD`` of it."""
+        cap = MIN_CAP
+        while live > REBUILD_LOAD * cap:
+            cap *= 2
+        return cap
+
+    def plan_rebuild(self, cap: int) -> _Layout:
+        """This table's live slots re-inserted into a fresh table of at least ``cap``
+        slots (vectorised), with the reverse records remapped; dead slots disappear.
+
+        Only reads the table, so readers may keep reading it meanwhile; the writer must
+        not change it before :meth:`install`. Raises BackendError when keys collide so
+        badly that no sane size fits them.
+        """
+        live = self.live_slots()
+        keys = self.keys[live]
+        while True:
+            if cap > 64 * max(keys.size, MIN_CAP):
+                raise BackendError("block keys collide pathologically; the table cannot grow")
+            try:
+                slots, max_disp = _layout(keys, cap, self.seed)
+                break
+            except TableFull:
+                cap *= 2
+        out = _empty_layout(cap, self.width, tuple(m is not None for m in self.masks), self.stamped)
+        out.keys[slots] = keys  # key 0 goes to the reserved slot, which holds 0
+        for old, new in zip(self.masks, out.masks, strict=True):
+            if old is not None and new is not None:
+                new[slots] = old[live]
+        if self.stamps is not None and out.stamps is not None:
+            out.stamps[slots] = self.stamps[live]
+        out.live, out.max_disp, out.zero_used = keys.size, max_disp, bool((keys == 0).any())
+        remap = np.full(self.keys.size, -1, np.intp)
+        remap[live] = slots
+        for mid, log in self.logs.items():  # entries of dead slots go; stale ones may stay
+            moved = remap[log.view()]
+            out.logs[mid] = _SlotLog(moved[moved >= 0])
+        return out
+
+
+@dataclass(slots=True)
+class _Layout:
+    """A table's storage, built aside and installed in one step."""
+
+    cap: int
+    keys: U64s
+    masks: list[np.ndarray | None]
+    stamps: npt.NDArray[np.uint32] | None
+    live: int = 0
+    max_disp: int = 0
+    zero_used: bool = False
+    logs: dict[int, _SlotLog] = field(default_factory=dict)
+
+
+def _empty_layout(cap: int, width: int, tiers: tuple[bool, ...], stamped: bool) -> _Layout:
+    size = cap + PAD + 1  # PAD slots past the home range, then the slot of key 0
+    return _Layout(
+        cap,
+        np.zeros(size, np.uint64),
+        [np.zeros((size, width), np.uint64) if on else None for on in tiers],
+        np.zeros(size, np.uint32) if stamped else None,
+    )
+
+
+def _home(keys: U64s, seed: np.uint64, shift: np.uint64) -> Slots:
+    """Home slot: the top bits of a multiplicative (Fibonacci) mix of the seeded key."""
+    # below 2**(64 - shift) <= 2**31 after the shift: viewing as intp is exact
+    return (((keys ^ seed) * _MULT) >> shift).view(np.intp)
+
+
+def _shift_for(cap: int) -> np.uint64:
+    return np.uint64(64 - (cap.bit_length() - 1))
+
+
+def _layout(keys: U64s, cap: int, seed: np.uint64) -> tuple[Slots, int]:
+    """Slots for distinct keys in an empty table of ``cap``, and the largest displacement,
+    without probing rounds; raises TableFull past ``MAX_DISPLACEMENT``.
+
+    Sorted by home slot, key ``i`` lands at ``max(home_i, slot_{i-1} + 1)``, which
+    unrolls to ``i + max_{j<=i}(home_j - j)``: one sort and one running maximum.
+    """
+    out = np.empty(keys.size, np.intp)
+    zero = keys == 0
+    out[zero] = cap + PAD  # the reserved slot of key 0
+    rows = np.flatnonzero(~zero)
+    if not rows.size:
+        return out, 0
+    home = _home(keys[rows], seed, _shift_for(cap))
+    order = np.argsort(home, kind="stable")
+    ordered = home[order]
+    rank = np.arange(ordered.size)
+    pos = np.maximum.accumulate(ordered - rank) + rank
+    disp = int((pos - ordered).max())
+    if disp > MAX_DISPLACEMENT:
+        raise TableFull
+    out[rows[order]] = pos
+    return out, disp

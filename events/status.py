@@ -15,9 +15,11 @@ class StreamStatus:
     """A snapshot of one engine stream (a pod's data-parallel rank).
 
     ``state`` is ``"live"`` (in sequence), ``"replaying"`` (fetching missed batches or
-    catching up), ``"resync"`` (waiting to retry after the sink failed), or ``"gapped"``
+    catching up), ``"resync"`` (waiting to retry after the sink failed), ``"gapped"``
     (batches were lost for good: the index may lack some of this engine's blocks or keep
-    some it evicted, until the engine restarts or the pod is forgotten).
+    some it evicted, until the engine restarts or the pod is forgotten), or
+    ``"standby"`` (another kvindex replica applies this stream; ``not_owner`` counts the
+    batches this one dropped for that reason).
     ``last_seq`` is the last seq delivered to the sink (-1 before any), ``first_seq`` the
     first one (> 0 when kvindex joined after the engine started and could not catch up).
     ``last_batch_ts`` is the engine's clock, ``last_received_at`` the subscriber's.
@@ -46,6 +48,7 @@ class StreamStatus:
     queue_depth: int
     layout: str
     replay_endpoint: str | None
+    not_owner: int = 0
 
 
 class ReasonCounts:

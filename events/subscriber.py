@@ -43,6 +43,20 @@ Loss and recovery:
   the backend returns; without a replay endpoint they are counted as missed.
 * **Bad input** of every kind is skipped and counted by reason (:meth:`error_counts`) and
   logged at most once per ``log_interval_s`` per reason; the next valid message applies.
+
+Several replicas (a :class:`~kvindex.events.gate.StreamGate`, optional):
+
+* Before applying a stream the applier asks the gate. **Not owned**: another replica
+  applies it; its batches are dropped here (counted ``not_owner``) and the stream stands
+  by (state ``standby``), remembering only the last seq it saw. **Unknown** (the gate's
+  store is unreachable): the batches stay queued, bounded like any queue, and nothing is
+  applied until the gate can tell. **Owned under a new epoch** (just acquired, or
+  re-acquired after the lease lapsed): local sequence state is dropped and the stream
+  resumes after the seq the gate says was applied last; batches seen while standing by
+  are fetched again by replay.
+* After every successful delivery the gate is told the last applied seq, which is what
+  the next owner resumes from. Ownership is re-checked every ``ownership_check_s`` even
+  for idle streams, so a takeover does not wait for the pod's next batch.
 """
 
 from __future__ import annotations
@@ -59,6 +73,7 @@ import zmq
 
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.endpoints import PodEndpoint
+from kvindex.events.gate import Claim, Ownership, StreamGate
 from kvindex.events.identity import StreamId, normalize_pod
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.receiver import Arrival, Receiver
@@ -79,6 +94,10 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 1.0
 _CONTROL_TIMEOUT_S = 10.0
+#: How often ownership is re-checked for every stream (the gate answers from memory).
+_OWNERSHIP_CHECK_S = 0.5
+#: How soon a stream whose ownership is unknown asks the gate again.
+_GATE_RETRY_S = 0.1
 
 
 class _Stream:
@@ -94,6 +113,7 @@ class _Stream:
         "delivered",
         "dropped_until",
         "duplicates",
+        "epoch",
         "first_seq",
         "gapped",
         "gaps",
@@ -104,11 +124,13 @@ class _Stream:
         "layout",
         "missed_batches",
         "model",
+        "not_owner",
         "queue",
         "queue_overflows",
         "received",
         "replay_cooldown_until",
         "replay_endpoint",
+        "replay_job",
         "replaying",
         "replays_failed",
         "replays_ok",
@@ -117,6 +139,8 @@ class _Stream:
         "sid",
         "sink_errors",
         "stalled_until",
+        "standby",
+        "standby_seq",
         "tracker",
     )
 
@@ -131,6 +155,7 @@ class _Stream:
         self.tracker = SequenceTracker()
         self.layout = Layout.ARRAY
         self.replaying = False
+        self.replay_job: _ReplayJob | None = None  # the one whose result is awaited
         self.replay_cooldown_until = 0.0
         self.stalled_until: float | None = None
         self.resync_until: int | None = None  # last seq of a failed delivery
@@ -152,6 +177,12 @@ class _Stream:
         self.queue_overflows = 0
         self.decode_errors = 0
         self.sink_errors = 0
+        # With a gate: the epoch this replica owns the stream under (None: not owned),
+        # whether another replica applies it, and the last seq seen meanwhile.
+        self.epoch: int | None = None
+        self.standby = False
+        self.standby_seq: int | None = None
+        self.not_owner = 0
 
     @property
     def blocked(self) -> bool:
@@ -159,6 +190,8 @@ class _Stream:
 
     @property
     def state(self) -> str:
+        if self.standby:
+            return "standby"
         if self.replaying:
             return "replaying"
         if self.stalled_until is not None:
@@ -179,6 +212,7 @@ _COUNTERS = (
     "queue_overflows",
     "decode_errors",
     "sink_errors",
+    "not_owner",
 )
 
 
@@ -212,7 +246,8 @@ class Subscriber:
 
     Configure sockets with :meth:`bind` / :meth:`connect` before or after :meth:`start`;
     :meth:`stop` ends every thread and closes every socket. ``clock`` stamps
-    ``received_at`` and drives retry timers.
+    ``received_at`` and drives retry timers. ``gate`` (optional) says which streams this
+    replica may apply when several share one index.
     """
 
     def __init__(
@@ -222,8 +257,11 @@ class Subscriber:
         clock: Callable[[], float] = time.time,
         *,
         context: zmq.Context | None = None,
+        gate: StreamGate | None = None,
     ) -> None:
         self._sink = sink
+        self._gate = gate
+        self._ownership_check_at = 0.0
         self._config = config if config is not None else SubscriberConfig()
         self._clock = clock
         self._own_context = context is None
@@ -369,6 +407,7 @@ class Subscriber:
                 queue_overflows=s.queue_overflows,
                 decode_errors=s.decode_errors,
                 sink_errors=s.sink_errors,
+                not_owner=s.not_owner,
                 queue_depth=depth,
                 layout=s.layout.value,
                 replay_endpoint=s.replay_endpoint,
@@ -381,7 +420,7 @@ class Subscriber:
         included, so each total only ever grows (Prometheus counters can wrap them):
         ``received``, ``delivered``, ``duplicates``, ``gaps``, ``missed_batches``,
         ``replays_ok``, ``replays_failed``, ``restarts``, ``queue_overflows``,
-        ``decode_errors``, ``sink_errors``."""
+        ``decode_errors``, ``sink_errors``, ``not_owner``."""
         with self._cond:
             totals = dict(self._retired)
             for stream in self._streams.values():
@@ -480,6 +519,7 @@ class Subscriber:
                         future.set_exception(exc)
                 for job, result, received_at in replays:
                     self._finish_replay(job, result, received_at)
+                self._check_ownership()
                 self._retry_due()
                 for stream in ready:
                     self._drain(stream)
@@ -495,7 +535,12 @@ class Subscriber:
     def _has_work(self) -> bool:
         if self._controls or self._replays_done or self._ready:
             return True
-        return self._next_retry() <= self._clock()
+        return min(self._next_retry(), self._next_ownership_check()) <= self._clock()
+
+    def _next_ownership_check(self) -> float:
+        if self._gate is None or not self._streams:
+            return float("inf")
+        return self._ownership_check_at
 
     def _next_retry(self) -> float:
         due = float("inf")
@@ -508,7 +553,8 @@ class Subscriber:
         return due
 
     def _wait_timeout(self) -> float:
-        return min(_IDLE_WAIT_S, max(0.0, self._next_retry() - self._clock()))
+        due = min(self._next_retry(), self._next_ownership_check())
+        return min(_IDLE_WAIT_S, max(0.0, due - self._clock()))
 
     def _control(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` on the applier thread (inline if that is this thread or none runs)."""
@@ -527,6 +573,9 @@ class Subscriber:
             if self._streams.get(sid) is not stream or stream.blocked:
                 self._ready.pop(sid, None)
                 return
+        if not self._owns(stream) or stream.blocked:
+            return
+        with self._cond:
             work = list(stream.held)
             stream.held.clear()
             for _ in range(min(self._config.batches_per_turn - len(work), len(stream.queue))):
@@ -699,6 +748,8 @@ class Subscriber:
         stream.last_seq = last.seq
         stream.last_batch_ts = last.batch.ts
         stream.backoff = 0.0
+        if self._gate is not None:
+            self._gate.committed(stream.sid, last.seq)
         return True
 
     def _sink_failed(self, stream: _Stream, first: int, last: int, exc: Exception) -> None:
@@ -742,6 +793,8 @@ class Subscriber:
                 continue
             self._stalled.discard(sid)
             stream.stalled_until = None
+            if not self._owns(stream) or stream.blocked:
+                continue
             if not self._ensure_reset(stream):
                 continue
             expected = stream.tracker.expected
@@ -828,11 +881,136 @@ class Subscriber:
             why,
         )
 
+    # -- ownership (with a gate) ------------------------------------------------------
+
+    def _owns(self, stream: _Stream) -> bool:
+        """Whether this replica may apply ``stream`` now, acting on any change: a new
+        epoch resumes from the gate's position, a lost stream stands by, an unknown one
+        waits with its queue intact."""
+        gate = self._gate
+        if gate is None:
+            return True
+        claim = gate.claim(stream.sid)
+        if claim.ownership is Ownership.OWNED:
+            if claim.epoch != stream.epoch:
+                self._take_over(stream, claim)
+            return True
+        if claim.ownership is Ownership.NOT_OWNED:
+            self._stand_by(stream)
+        else:
+            self._wait_for_gate(stream)
+        return False
+
+    def _check_ownership(self) -> None:
+        """Every ``_OWNERSHIP_CHECK_S``: act on ownership changes of idle streams too,
+        so a takeover replays what the previous owner missed without waiting for the
+        pod's next batch, and a replica that lost a stream stops at once."""
+        if self._gate is None:
+            return
+        now = self._clock()
+        if now < self._ownership_check_at:
+            return
+        self._ownership_check_at = now + _OWNERSHIP_CHECK_S
+        with self._cond:
+            streams = list(self._streams.values())
+        for stream in streams:
+            if stream.stalled_until is None or stream.standby:
+                self._owns(stream)
+
+    def _stand_by(self, stream: _Stream) -> None:
+        """Another replica applies this stream: drop what is queued, remember the last
+        seq seen (a later takeover replays from the owner's position up to it)."""
+        sid = stream.sid
+        with self._cond:
+            arrivals = [a for a, _ in stream.held] + list(stream.queue)
+            stream.held.clear()
+            stream.queue.clear()
+            self._ready.pop(sid, None)
+            stream.dropped_until = None
+        if arrivals:
+            stream.standby_seq = max(arrivals, key=lambda a: a.received_at).seq
+            stream.not_owner += len(arrivals)
+            self._errors.add("not_owner", len(arrivals))
+        if stream.standby:
+            return
+        log.info("KV events: %s is applied by another replica; standing by", sid)
+        stream.standby = True
+        stream.epoch = None
+        stream.tracker.restart()
+        stream.replaying = False
+        stream.replay_job = None  # a replay in flight is discarded when it ends
+        stream.stalled_until = None
+        stream.resync_until = None
+        stream.backoff = 0.0
+        stream.gapped = False
+        self._stalled.discard(sid)
+        self._pending_resets.pop(sid, None)
+
+    def _take_over(self, stream: _Stream, claim: Claim) -> None:
+        """This replica now owns the stream (again): forget local sequence state and
+        resume after ``claim.resume_after``; fetch by replay what went by meanwhile."""
+        sid, after = stream.sid, claim.resume_after
+        tracker = stream.tracker
+        with self._cond:
+            # The newest seq this replica knows the engine published: seen standing by,
+            # received live, or undelivered because the index failed or a queue overflowed.
+            known = (stream.standby_seq, tracker.highest_live, stream.resync_until)
+            seen = max((s for s in (*known, stream.dropped_until) if s is not None), default=None)
+            stream.dropped_until = None
+        stream.standby_seq = None
+        log.info(
+            "KV events: applying %s from here on (resuming after seq %s)",
+            sid,
+            "none" if after is None else after,
+        )
+        stream.epoch = claim.epoch
+        stream.standby = False
+        stream.replaying = False
+        stream.replay_job = None
+        stream.stalled_until = None
+        stream.resync_until = None
+        stream.backoff = 0.0
+        stream.gapped = False
+        self._stalled.discard(sid)
+        self._pending_resets.pop(sid, None)
+        tracker.restart()
+        if after is not None:
+            tracker.expected = after + 1
+        if after is not None or seen is not None:
+            tracker.highest_live = max(-1 if after is None else after, -1 if seen is None else seen)
+        with self._cond:
+            # Batches at or below the position were applied by the previous owner.
+            waiting = [a for a, _ in stream.held] + list(stream.queue)
+            fresh = [a for a in waiting if after is None or a.seq > after]
+            stream.held.clear()
+            stream.queue.clear()
+            stream.queue.extend(fresh)  # classified as live again, against the new state
+            if fresh:
+                self._ready[sid] = None
+                if seen is not None and seen > fresh[-1].seq:
+                    stream.dropped_until = seen  # fetched once the queue has drained
+        if seen is None or (after is not None and seen <= after) or fresh:
+            return
+        if self._can_replay(stream):
+            start = 0 if after is None else after + 1
+            self._start_replay(_ReplayJob(stream, start, seen, after is None))
+        elif after is not None:
+            self._lost(stream, seen - after, self._no_replay_reason(stream))
+            tracker.skip_to(seen + 1)
+
+    def _wait_for_gate(self, stream: _Stream) -> None:
+        """Ownership unknown: keep everything queued and ask again shortly."""
+        stream.stalled_until = self._clock() + _GATE_RETRY_S
+        self._stalled.add(stream.sid)
+        with self._cond:
+            self._ready.pop(stream.sid, None)
+
     # -- replay -----------------------------------------------------------------
 
     def _start_replay(self, job: _ReplayJob) -> None:
         stream = job.stream
         stream.replaying = True
+        stream.replay_job = job
         with self._cond:
             self._ready.pop(stream.sid, None)
         endpoint = stream.replay_endpoint
@@ -841,6 +1019,7 @@ class Subscriber:
             self._executor.submit(self._run_replay, job, endpoint)
         except RuntimeError:  # executor shut down: stopping
             stream.replaying = False
+            stream.replay_job = None
 
     def _run_replay(self, job: _ReplayJob, endpoint: str) -> None:
         """On a replay worker: fetch, then hand the result to the applier."""
@@ -862,7 +1041,13 @@ class Subscriber:
         stream = job.stream
         if self._streams.get(stream.sid) is not stream:
             return  # forgotten while the replay ran: discard everything it brought
+        if stream.replay_job is not job:
+            return  # ownership changed while it ran: what it brought is not ours to apply
         stream.replaying = False
+        stream.replay_job = None
+        epoch = stream.epoch
+        if not self._owns(stream) or stream.epoch != epoch:
+            return  # nothing applied: the gap is found, and fetched, again once owned
         if result.complete:
             stream.replays_ok += 1
         else:
@@ -927,6 +1112,8 @@ class Subscriber:
         for stream in victims:
             self._stalled.discard(stream.sid)
             self._pending_resets[stream.sid] = "pod_removed"
+            if self._gate is not None:
+                self._gate.release(stream.sid)
         for sid in [s for s in self._pending_resets if s.pod == pod]:
             self._try_reset(sid, "pod_removed")
         log.info("KV events: forgot pod %s (%d stream(s))", pod, len(victims))

@@ -1,0 +1,62 @@
+"""Which streams this process may apply: the seam for several replicas sharing one index.
+
+When many kvindex replicas write one shared index (Redis), each engine stream must be
+applied by exactly one of them at a time, or two replicas would interleave the same
+stream's stores and removals. The subscriber asks a :class:`StreamGate` before it
+applies a stream's batches, and tells it what it applied. ``events/`` only knows this
+protocol; the implementation (leases in Redis) lives in ``indexer/``. Without a gate
+(one replica, memory backend) every stream is owned.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvindex.events.identity import StreamId
+
+
+class Ownership(enum.Enum):
+    OWNED = "owned"
+    #: Another replica applies this stream: drop its batches (they are counted).
+    NOT_OWNED = "not_owned"
+    #: The gate cannot tell now (its store is unreachable and this replica's lease could
+    #: have lapsed): keep the batches queued, apply nothing, ask again shortly.
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The gate's answer for one stream.
+
+    ``epoch`` changes every time this replica (re)acquires the stream. When the
+    subscriber sees a new epoch it must not trust what it tracked locally (another
+    replica may have applied batches meanwhile): it resumes after ``resume_after``, the
+    last seq applied by whoever owned the stream before (None: unknown, so it catches up
+    from the engine's first buffered batch).
+    """
+
+    ownership: Ownership
+    epoch: int = 0
+    resume_after: int | None = None
+
+
+OWNED = Claim(Ownership.OWNED)
+NOT_OWNED = Claim(Ownership.NOT_OWNED)
+UNKNOWN = Claim(Ownership.UNKNOWN)
+
+
+class StreamGate(Protocol):
+    """Called from the subscriber's applier thread; every method must be cheap (no I/O
+    on the caller's thread) and must not raise."""
+
+    def claim(self, stream: StreamId) -> Claim:
+        """May this replica apply ``stream`` now? Also registers interest in it: a gate
+        tries to acquire streams it is asked about."""
+
+    def committed(self, stream: StreamId, seq: int) -> None:
+        """Batches of ``stream`` up to ``seq`` are applied to the index."""
+
+    def release(self, stream: StreamId) -> None:
+        """This replica no longer wants ``stream`` (its pod was removed)."""

@@ -1,0 +1,275 @@
+"""Stream ownership across kvindex replicas: one lease per engine stream, in Redis.
+
+Several replicas share one Redis index, and in connect mode every replica receives every
+pod's stream. Exactly one of them may apply a stream at a time; that one holds the
+stream's lease, a key set-if-absent with an expiry (``SET NX PX``) and extended by a
+compare-and-extend script while the holder lives. When a holder dies its lease expires
+after ``ttl_s`` and a replica that still receives the stream takes it at its next
+attempt, resuming after the position the previous holder stored - the last seq it
+applied - by asking the engine to replay the rest.
+
+Keys (one hash tag per stream, so both live in one slot of a cluster):
+``<prefix>:stream:{<member>}:lease`` = replica id, ``...:pos`` = last applied seq.
+
+Safety: the holder stops applying once ``0.8 * ttl_s`` has passed since its last
+successful renewal was *sent* (a fence on the local monotonic clock), before anyone else
+can acquire; positions are written only by the lease holder, in the same script that
+extends the lease. All Redis I/O runs on one background thread; the subscriber's calls
+(:meth:`claim`, :meth:`committed`) only read and write memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvindex.events.gate import NOT_OWNED, UNKNOWN, Claim, Ownership
+from kvindex.events.identity import StreamId
+from kvindex.indexer.backend import BackendError
+from kvindex.indexer.redis_backend import RedisBackend
+from kvindex.indexer.redis_scripts import SCRIPTS
+
+log = logging.getLogger(__name__)
+
+_LEASE, _RELEASE = SCRIPTS["lease"], SCRIPTS["lease_release"]
+#: The holder fences itself after this share of the TTL without a successful renewal.
+_FENCE = 0.8
+#: /index/pods reads the lease holders at most this often.
+_OWNERS_TTL_S = 1.0
+
+
+def default_replica_id() -> str:
+    """``hostname:pid``: unique per process; the hostname is the pod name in Kubernetes."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(slots=True)
+class _Lease:
+    """What this replica knows about one stream's lease."""
+
+    member: str
+    wanted_at: float  # last claim() (monotonic); streams nobody asks about are dropped
+    owned: bool = False
+    epoch: int = 0
+    resume_after: int | None = None
+    renewed_at: float = float("-inf")  # when the last successful renewal was sent
+    holder: str | None = None  # last known holder when not ours
+    pending: int | None = None  # applied position not yet written
+    releasing: bool = False
+
+
+class RedisLeases:
+    """A :class:`~kvindex.events.gate.StreamGate` backed by Redis leases.
+
+    ``interval_s`` (default ``ttl_s / 5``, at most 1 s) paces renewals and acquisition
+    attempts. Call :meth:`start` before use and :meth:`close` at shutdown (it writes
+    final positions and releases every lease, so another replica takes over at its next
+    round instead of waiting for the TTL).
+    """
+
+    def __init__(
+        self,
+        backend: RedisBackend,
+        replica_id: str | None = None,
+        ttl_s: float = 5.0,
+        interval_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"lease TTL must be > 0, got {ttl_s}")
+        self.replica_id = replica_id or default_replica_id()
+        self.ttl_s = ttl_s
+        self.interval_s = interval_s or min(1.0, ttl_s / 5)
+        self.backend = backend
+        self._connection = backend.connection
+        self._prefix = backend.prefix
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, _Lease] = {}
+        self._epochs = itertools.count(1)
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._owners: tuple[float, dict[str, str]] = (float("-inf"), {})
+        self.errors = 0
+
+    def keys(self, member: str) -> tuple[str, str]:
+        base = f"{self._prefix}:stream:{{{member}}}:"
+        return base + "lease", base + "pos"
+
+    # -- StreamGate (applier thread; memory only) ------------------------------------------
+
+    def claim(self, stream: StreamId) -> Claim:
+        member = stream.member
+        now = self._clock()
+        with self._lock:
+            lease = self._leases.get(member)
+            if lease is None:
+                lease = self._leases[member] = _Lease(member, now)
+                self._wake.set()  # try to acquire it now rather than at the next tick
+            lease.wanted_at = now
+            lease.releasing = False
+            if lease.owned:
+                if now - lease.renewed_at < _FENCE * self.ttl_s:
+                    return Claim(Ownership.OWNED, lease.epoch, lease.resume_after)
+                return UNKNOWN  # our lease may have lapsed: apply nothing until renewed
+            return NOT_OWNED if lease.holder is not None else UNKNOWN
+
+    def committed(self, stream: StreamId, seq: int) -> None:
+        with self._lock:
+            lease = self._leases.get(stream.member)
+            if lease is not None and lease.owned:
+                lease.pending = seq
+
+    def release(self, stream: StreamId) -> None:
+        with self._lock:
+            lease = self._leases.get(stream.member)
+            if lease is not None:
+                lease.releasing = True
+        self._wake.set()
+
+    # -- what operators and metrics see ----------------------------------------------------
+
+    def owned(self) -> dict[str, bool]:
+        """Per stream this replica knows, whether it applies it now (no Redis call)."""
+        now = self._clock()
+        with self._lock:
+            return {
+                m: lease.owned and now - lease.renewed_at < _FENCE * self.ttl_s
+                for m, lease in self._leases.items()
+            }
+
+    def owners(self) -> dict[str, str]:
+        """Member → replica id holding its lease, for every member in the index or
+        known here; read from Redis (cached a second). Raises BackendUnavailable."""
+        now = self._clock()
+        expires, cached = self._owners
+        if now < expires:
+            return cached
+        with self._lock:
+            members = set(self._leases)
+        members.update(self.backend.members())
+        ordered = sorted(members)
+        replies = self._connection.pipeline("owners", [("GET", self.keys(m)[0]) for m in ordered])
+        owners = {m: r.decode() for m, r in zip(ordered, replies, strict=True) if r}
+        self._owners = (now + _OWNERS_TTL_S, owners)
+        return owners
+
+    # -- the lease thread ------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="kvindex-leases", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop renewing; write final positions and release every lease held."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        with self._lock:
+            held = [lease for lease in self._leases.values() if lease.owned]
+            for lease in held:
+                lease.owned = False
+        commands = [
+            _RELEASE.args(self.keys(lease.member), [self.replica_id, _pos(lease.pending)])
+            for lease in held
+        ]
+        try:
+            self._connection.pipeline("leases", commands)
+        except BackendError as exc:
+            log.warning("could not release %d stream lease(s): %s", len(held), exc)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stopping.is_set():
+                break
+            try:
+                self.tick()
+            except Exception:  # never let the lease thread die: renewals are what it is for
+                self.errors += 1
+                log.exception("stream lease round failed")
+
+    def tick(self) -> None:
+        """One round: renew what is held (writing positions), try to acquire what is
+        wanted, release what is no longer wanted. One pipeline."""
+        now = self._clock()
+        interest_s = max(30.0, 3 * self.ttl_s)
+        ttl_ms = str(int(self.ttl_s * 1000))
+        with self._lock:
+            for member, lease in list(self._leases.items()):
+                if not lease.owned and now - lease.wanted_at > interest_s:
+                    del self._leases[member]  # the stream is gone from here
+            plan = [(lease, lease.pending) for lease in self._leases.values()]
+        commands = []
+        for lease, pending in plan:
+            keys = self.keys(lease.member)
+            if lease.releasing:
+                commands.append(_RELEASE.args(keys, [self.replica_id, _pos(pending)]))
+            else:
+                position = _pos(pending) if lease.owned else ""
+                commands.append(_LEASE.args(keys, [self.replica_id, ttl_ms, position]))
+        if not commands:
+            return
+        sent_at = self._clock()
+        try:
+            results = self._connection.pipeline("leases", commands, partial=True)
+        except BackendError as exc:
+            self.errors += 1
+            log.debug("stream leases: Redis unreachable: %s", exc)
+            return
+        with self._lock:
+            for (lease, pending), result in zip(plan, results, strict=True):
+                if isinstance(result, BackendError):
+                    self.errors += 1
+                    continue
+                self._settle(lease, pending, result, sent_at)
+
+    def _settle(self, lease: _Lease, pending: int | None, result: object, sent_at: float) -> None:
+        """Record one command's answer (under the lock)."""
+        if lease.releasing:
+            if lease.owned:
+                log.info("released the lease of %s", lease.member)
+            self._leases.pop(lease.member, None)
+            return
+        status, value = result  # type: ignore[misc]
+        if status == 0:
+            if lease.owned:
+                log.warning("lost the lease of %s to replica %s", lease.member, value.decode())
+            lease.owned = False
+            lease.holder = value.decode()
+            return
+        if status == 1 and lease.owned:  # extended: same epoch, local state still valid
+            lease.renewed_at = sent_at
+            if lease.pending == pending:
+                lease.pending = None
+            return
+        # Newly ours - free, expired (the lease lapsed while Redis was away), or ours
+        # already under this replica id from an answer we never saw: a new epoch, since
+        # someone else may have applied batches in between.
+        lease.owned = True
+        lease.holder = None
+        lease.epoch = next(self._epochs)
+        lease.renewed_at = sent_at
+        lease.pending = None
+        lease.resume_after = int(value) if value else None
+        log.info(
+            "acquired the lease of %s (resuming after seq %s)",
+            lease.member,
+            "none" if lease.resume_after is None else lease.resume_after,
+        )
+
+
+def _pos(seq: int | None) -> str:
+    return "" if seq is None else str(seq)

@@ -6,6 +6,7 @@ behind it are small and each holds one concept (see their docstrings).
 
 from kvindex.events.capture import CaptureError, read_capture, record, replay_capture
 from kvindex.events.config import SubscriberConfig
+from kvindex.events.discovery import DiscoveryError, DiscoveryTarget, KubernetesDiscovery
 from kvindex.events.endpoints import PodEndpoint, is_bind_endpoint, offset_endpoint_port
 from kvindex.events.identity import (
     IdentityError,
@@ -16,6 +17,7 @@ from kvindex.events.identity import (
     normalize_pod,
     parse_topic,
 )
+from kvindex.events.k8s_pods import DiscoveryConfig, DiscoveryMode
 from kvindex.events.layouts import (
     RELEASES,
     EngineBlockRemoved,
@@ -55,12 +57,17 @@ __all__ = [
     "DecodeError",
     "DecodedBatch",
     "Delivery",
+    "DiscoveryConfig",
+    "DiscoveryError",
+    "DiscoveryMode",
+    "DiscoveryTarget",
     "EngineBlockRemoved",
     "EngineBlockStored",
     "EnginePublisher",
     "Event",
     "EventBatch",
     "IdentityError",
+    "KubernetesDiscovery",
     "Layout",
     "PodEndpoint",
     "ReplayResult",

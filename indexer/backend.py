@@ -137,6 +137,10 @@ class IndexBackend(Protocol):
     def members(self) -> list[str]:
         """Every member holding at least one block."""
 
+    def models(self) -> list[str]:
+        """Every model the index holds blocks for, sorted (a shared backend may also list
+        models that held blocks earlier). One call: /score's unknown-model check uses it."""
+
     def stats(self) -> IndexStats:
         """Index-wide counts."""
 

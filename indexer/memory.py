@@ -423,6 +423,10 @@ class MemoryBackend:
         with self._lock:
             return sorted(self._ids)
 
+    def models(self) -> list[str]:
+        with self._lock:
+            return sorted(self._tables)
+
     def stats(self) -> IndexStats:
         with self._lock:
             tables = self._tables.values()

@@ -429,6 +429,12 @@ def test_member_keys(backend: IndexBackend) -> None:
     assert backend.member_keys(A, "unknown-model") == []
 
 
+def test_models_lists_what_was_stored(backend: IndexBackend) -> None:
+    assert backend.models() == []
+    backend.apply([store(A, [1], model="m2"), store(B, [2]), store(A, [3], CPU, model="m3")])
+    assert backend.models() == sorted([M, "m2", "m3"])
+
+
 def test_ping_answers(backend: IndexBackend) -> None:
     backend.ping()
 

@@ -1,0 +1,350 @@
+"""``kvindex``: serve the index, query it, record and replay engine event traffic.
+
+Every ``serve`` option can also be set as ``KVINDEX_<NAME>`` (``--zmq-bind`` is
+``KVINDEX_ZMQ_BIND``; repeatable options take a comma-separated list there). A flag
+beats its environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kvindex.api.config import ConfigError, Settings, split_listen
+from kvindex.indexer.keys import ExtraKeyStyle, HashAlgo
+from kvindex.indexer.models import KeyMode
+
+_SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
+    ("--listen", {"help": "HTTP address HOST:PORT (default 0.0.0.0:8080)"}),
+    (
+        "--zmq-bind",
+        {
+            "action": "append",
+            "metavar": "ENDPOINT",
+            "help": "bind a SUB socket pods' publishers connect to, e.g. tcp://*:5557 "
+            "(pods publish with topic kv@<pod-ip:port>@<model>); repeatable",
+        },
+    ),
+    (
+        "--zmq-connect",
+        {
+            "action": "append",
+            "metavar": "[POD[@MODEL]=]ENDPOINT",
+            "help": "connect to a pod's publisher, e.g. tcp://10.0.0.5:5557; the pod "
+            "and model come from a kv@<pod>@<model> topic, else from POD@MODEL=, "
+            "else from the endpoint host with --serving-port and --model; "
+            "repeatable",
+        },
+    ),
+    ("--topic-filter", {"help": "bind-mode topic prefix to subscribe to (default kv@)"}),
+    (
+        "--serving-port",
+        {
+            "type": int,
+            "help": "pods' HTTP serving port, for addresses given without one (default 8000)",
+        },
+    ),
+    ("--model", {"help": "model name for connect-mode pods whose topic names none"}),
+    (
+        "--replay-port",
+        {
+            "type": int,
+            "help": "pods' replay port (replay_endpoint of "
+            "--kv-events-config); 0 = no replay (default)",
+        },
+    ),
+    ("--backend", {"help": "memory (default) or redis://HOST:PORT/DB"}),
+    (
+        "--capacity-blocks",
+        {
+            "type": int,
+            "help": "memory backend: most distinct blocks kept; "
+            "oldest-stored evicted beyond (default unbounded)",
+        },
+    ),
+    (
+        "--hash-algo",
+        {
+            "choices": [a.value for a in HashAlgo],
+            "help": "pods' --prefix-caching-hash-algo (default sha256)",
+        },
+    ),
+    ("--hash-seed", {"help": "pods' PYTHONHASHSEED, if set (default: unset)"}),
+    ("--block-size", {"type": int, "help": "pods' KV block size in tokens (default 16)"}),
+    (
+        "--extra-key-style",
+        {
+            "choices": [s.value for s in ExtraKeyStyle],
+            "help": "LoRA/salt hash keys: tagged for vLLM >= 0.31 (default), bare for older",
+        },
+    ),
+    (
+        "--key-mode",
+        {
+            "choices": [m.value for m in KeyMode],
+            "help": "engine (default): index the pods' own hashes; tokens: kvindex's own "
+            "chain over token ids, for pods whose hashes can't be reproduced",
+        },
+    ),
+    ("--model-config", {"metavar": "FILE", "help": "per-model settings (YAML, JSON or TOML)"}),
+    ("--admin-token", {"help": "bearer token required by DELETE /index/pods/{pod}"}),
+    ("--max-prompt-tokens", {"type": int, "help": "largest prompt /score accepts (262144)"}),
+    ("--max-prompt-chars", {"type": int, "help": "largest text prompt /score accepts (4000000)"}),
+    ("--log-format", {"choices": ["text", "json"], "help": "log line format (default text)"}),
+    ("--log-level", {"choices": ["debug", "info", "warning", "error"], "help": "default info"}),
+    ("--redis-prefix", {"help": "prefix of every Redis key (default kvindex)"}),
+    (
+        "--replica-id",
+        {"help": "redis backend: this replica's name in stream leases (default hostname:pid)"},
+    ),
+    (
+        "--lease-ttl",
+        {
+            "type": int,
+            "help": "redis backend: seconds before a dead replica's streams are taken over "
+            "by another (default 5)",
+        },
+    ),
+    (
+        "--k8s-namespace",
+        {
+            "action": "append",
+            "metavar": "NAMESPACE",
+            "help": "discover vLLM pods in this Kubernetes namespace (repeatable); "
+            "needs get/list/watch on pods there",
+        },
+    ),
+    ("--k8s-selector", {"help": "label selector of the vLLM pods (kvindex.io/enabled=true)"}),
+    (
+        "--k8s-mode",
+        {
+            "choices": ["connect", "bind"],
+            "help": "connect (default): connect to each discovered pod; bind: pods connect "
+            "to --zmq-bind, discovery only names and forgets them",
+        },
+    ),
+    (
+        "--k8s-grace-seconds",
+        {"type": int, "help": "forget a pod not ready for this long (default 30)"},
+    ),
+    ("--k8s-resync-seconds", {"type": int, "help": "full relist period (default 300)"}),
+    (
+        "--k8s-events-port",
+        {"type": int, "help": "pods' events port without annotation/named port (5557)"},
+    ),
+    (
+        "--k8s-replay-port",
+        {"type": int, "help": "pods' replay port likewise; 0 = none (default 5558)"},
+    ),
+]
+
+
+def _settings_from(args: argparse.Namespace, environ: dict[str, str]) -> Settings:
+    values: dict[str, Any] = {}
+    for flag, spec in _SERVE_OPTIONS:
+        name = flag[2:].replace("-", "_")
+        value = getattr(args, name)
+        if value is None:
+            raw = environ.get(f"KVINDEX_{name.upper()}")
+            if raw is None or raw == "":
+                continue
+            if spec.get("action") == "append":
+                value = [part for part in raw.replace("\n", ",").split(",") if part.strip()]
+            elif spec.get("type") is int:
+                try:
+                    value = int(raw)
+                except ValueError:
+                    raise ConfigError(f"KVINDEX_{name.upper()}={raw!r} is not a number") from None
+            else:
+                value = raw
+        values[name] = value
+    try:
+        return msgspec.convert(values, Settings)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvindex.api.app import create_app
+    from kvindex.api.logs import setup_logging
+    from kvindex.api.service import Service
+
+    settings = _settings_from(args, dict(os.environ))
+    setup_logging(settings.log_format, settings.log_level)
+    host, port = split_listen(settings.listen)
+    service = Service(settings)
+    app = create_app(service)
+    uvicorn.run(app, host=host, port=port, log_config=None, access_log=False)
+    return 0
+
+
+def _read_tokens(args: argparse.Namespace) -> dict[str, Any]:
+    if args.tokens is not None:
+        return {"token_ids": [int(t) for t in args.tokens.replace(",", " ").split()]}
+    if args.token_file is not None:
+        with open(args.token_file, encoding="utf-8") as handle:
+            text = handle.read()
+        data = json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
+        return {"token_ids": [int(t) for t in data]}
+    if args.prompt is not None:
+        return {"prompt": args.prompt}
+    with open(args.messages_file, encoding="utf-8") as handle:
+        return {"messages": json.load(handle)}
+
+
+def _score(args: argparse.Namespace) -> int:
+    import httpx
+
+    body: dict[str, Any] = {"model": args.model, **_read_tokens(args)}
+    if args.pod:
+        body["pods"] = args.pod
+    if args.lora_name:
+        body["lora_name"] = args.lora_name
+    if args.cache_salt:
+        body["cache_salt"] = args.cache_salt
+    try:
+        response = httpx.post(f"{args.url.rstrip('/')}/score", json=body, timeout=args.timeout)
+    except httpx.HTTPError as exc:
+        print(f"kvindex score: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 2
+    if response.status_code != 200:
+        print(f"kvindex score: HTTP {response.status_code}: {response.text}", file=sys.stderr)
+        return 1
+    answer = response.json()
+    if args.json:
+        print(json.dumps(answer, indent=2))
+        return 0
+    print(format_score_table(answer))
+    return 0
+
+
+def format_score_table(answer: dict[str, Any]) -> str:
+    """A /score answer as a table a human reads in a terminal."""
+    lines = [
+        f"model {answer['model']}  block size {answer['block_size']}  prompt "
+        f"{answer['prompt_tokens']} tokens = {answer['prompt_blocks']} full blocks"
+    ]
+    header = ("POD", "MATCHED", "TOKENS", "HIT%", "GPU", "CPU", "STORAGE", "SCORE")
+    rows = [header]
+    blocks = max(answer["prompt_blocks"], 1)
+    for pod in answer["pods"]:
+        rows.append(
+            (
+                pod["pod"],
+                str(pod["matched_blocks"]),
+                str(pod["matched_tokens"]),
+                f"{100.0 * pod['matched_blocks'] / blocks:.1f}",
+                str(pod["gpu_blocks"]),
+                str(pod["cpu_blocks"]),
+                str(pod["storage_blocks"]),
+                f"{pod['score']:g}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        lines.append(
+            "  ".join(
+                cell.ljust(w) if i == 0 else cell.rjust(w)
+                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+    if len(rows) == 1:
+        lines.append("(no pod holds any block of this prompt)")
+    for warning in answer.get("warnings", []):
+        lines.append(f"warning: {warning}")
+    return "\n".join(lines)
+
+
+def _record(args: argparse.Namespace) -> int:
+    from kvindex.events.capture import record
+
+    print(f"recording {args.endpoint} to {args.file} (Ctrl-C to stop)", file=sys.stderr)
+    try:
+        count = record(args.endpoint, args.file, max_messages=args.count, duration_s=args.duration)
+    except KeyboardInterrupt:
+        return 0
+    print(f"recorded {count} messages", file=sys.stderr)
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from kvindex.events.capture import replay_capture
+
+    speed = float("inf") if args.speed == 0 else args.speed
+    sent = replay_capture(
+        args.file, args.endpoint, speed=speed, wait_for_subscribers=args.wait_for_subscribers
+    )
+    print(f"published {sent} messages on {args.endpoint}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvindex", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the index service")
+    for flag, spec in _SERVE_OPTIONS:
+        serve.add_argument(flag, **spec)
+    serve.set_defaults(run=_serve)
+
+    score = commands.add_parser("score", help="ask a running kvindex which pods hold a prompt")
+    score.add_argument("--url", default=os.environ.get("KVINDEX_URL", "http://127.0.0.1:8080"))
+    score.add_argument("--model", required=True)
+    source = score.add_mutually_exclusive_group(required=True)
+    source.add_argument("--tokens", help="token ids, comma or space separated")
+    source.add_argument(
+        "--token-file", help="file of token ids (JSON list or whitespace separated)"
+    )
+    source.add_argument("--prompt", help="prompt text (needs the model's tokenizer on the server)")
+    source.add_argument("--messages-file", help="JSON file with a list of chat messages")
+    score.add_argument("--pod", action="append", help="candidate pod (repeatable)")
+    score.add_argument("--lora-name")
+    score.add_argument("--cache-salt")
+    score.add_argument("--json", action="store_true", help="print the raw JSON answer")
+    score.add_argument("--timeout", type=float, default=10.0)
+    score.set_defaults(run=_score)
+
+    rec = commands.add_parser("record", help="capture what a KV-event endpoint publishes")
+    rec.add_argument("endpoint", help="e.g. tcp://10.0.0.5:5557 (tcp://*:5557 to let pods connect)")
+    rec.add_argument("file")
+    rec.add_argument("--count", type=int, help="stop after this many messages")
+    rec.add_argument("--duration", type=float, help="stop after this many seconds")
+    rec.set_defaults(run=_record)
+
+    rep = commands.add_parser("replay", help="publish a capture again, with its original pacing")
+    rep.add_argument("file")
+    rep.add_argument(
+        "endpoint", help="e.g. tcp://*:5557 (kvindex connects) or tcp://127.0.0.1:5557"
+    )
+    rep.add_argument(
+        "--speed", type=float, default=1.0, help="pacing factor; 0 = as fast as possible"
+    )
+    rep.add_argument(
+        "--wait-for-subscribers",
+        type=int,
+        default=1,
+        help="wait for this many subscribers before sending (default 1)",
+    )
+    rep.set_defaults(run=_replay)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ConfigError as exc:
+        print(f"kvindex: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""Prometheus metrics, as wrappers and collectors around parts that know nothing of them.
+
+The subscriber, the ingestor, the hash check and the backend keep plain counters; a
+collector reads them at scrape time, so the hot paths pay nothing for metrics. Only
+what must be observed as it happens (event lag, score latency) is recorded inline, by
+a wrapper around the sink and by the /score handler. Per-pod series carry only a pod
+label (and tier or state), so cardinality is bounded by the number of pods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvindex.events.identity import StreamId
+from kvindex.events.sink import BatchSink, Delivery
+from kvindex.indexer.backend import BackendError, Tier
+
+if TYPE_CHECKING:
+    from kvindex.events.subscriber import Subscriber
+    from kvindex.indexer.backend import IndexBackend
+    from kvindex.indexer.ingest import Ingestor
+    from kvindex.indexer.leases import RedisLeases
+    from kvindex.indexer.redis_backend import RedisBackend
+    from kvindex.indexer.verify import HashVerifier
+    from kvindex.scoring.scorer import ScoreResult
+
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_SCORE_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.008, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+_STREAM_STATES = ("live", "replaying", "resync", "gapped", "standby")
+
+
+class ScoreMetrics:
+    """What /score records per request."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "kvindex_score_requests",
+            "Score requests by outcome (ok, or the error code of a refused request).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "kvindex_score_seconds",
+            "Time to answer a valid /score request (decode, tokenize, hash, lookup).",
+            buckets=_SCORE_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_blocks = Counter(
+            "kvindex_score_prompt_blocks",
+            "Full blocks in scored prompts (denominator of the hit ratio).",
+            registry=registry,
+        )
+        self.matched_blocks = Counter(
+            "kvindex_score_matched_blocks",
+            "Cached blocks of the best pod for each scored prompt (numerator of the hit ratio).",
+            registry=registry,
+        )
+        self._ok = self.requests.labels("ok")
+
+    def score_done(self, result: ScoreResult, seconds: float) -> None:
+        self._ok.inc()
+        self.seconds.observe(seconds)
+        self.prompt_blocks.inc(result.prompt_blocks)
+        self.matched_blocks.inc(result.best_matched_blocks)
+
+    def score_rejected(self, code: str) -> None:
+        self.requests.labels(code).inc()
+
+
+class InstrumentedSink:
+    """Wraps a BatchSink to record event lag (now - the engine's batch timestamp)."""
+
+    def __init__(
+        self, inner: BatchSink, registry: CollectorRegistry, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._inner = inner
+        self._clock = clock
+        self._lag = Histogram(
+            "kvindex_event_lag_seconds",
+            "Delay from an engine making a batch to kvindex applying it (clock skew included).",
+            buckets=_LAG_BUCKETS,
+            registry=registry,
+        )
+
+    def deliver(self, deliveries: Sequence[Delivery]) -> None:
+        self._inner.deliver(deliveries)
+        now = self._clock()
+        observe = self._lag.observe
+        for delivery in deliveries:
+            observe(max(0.0, now - delivery.batch.ts))
+
+    def reset(self, stream: StreamId, reason: str) -> None:
+        self._inner.reset(stream, reason)
+
+
+class ServiceCollector(Collector):
+    """Reads the service's plain counters at scrape time."""
+
+    def __init__(
+        self,
+        subscriber: Subscriber,
+        ingestor: Ingestor,
+        backend: IndexBackend,
+        verifier: HashVerifier | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._subscriber = subscriber
+        self._ingestor = ingestor
+        self._backend = backend
+        self._verifier = verifier
+        self._clock = clock
+
+    def describe(self) -> list:  # no fixed descriptions: collected fresh at each scrape
+        return []
+
+    def collect(self) -> Iterator:
+        counts = self._ingestor.counts
+        events = CounterMetricFamily(
+            "kvindex_events", "KV events applied, by type.", labels=["type"]
+        )
+        for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+            events.add_metric([kind], counts.events.get(kind, 0))
+        yield events
+
+        errors = CounterMetricFamily(
+            "kvindex_event_errors",
+            "Messages, events or blocks skipped, by reason (bad frames, bad payloads, overflow, "
+            "unindexed groups, ...).",
+            labels=["reason"],
+        )
+        reasons: dict[str, int] = dict(self._subscriber.error_counts())
+        for reason, n in counts.skipped.items():
+            reasons[reason] = reasons.get(reason, 0) + n
+        for reason, n in sorted(reasons.items()):
+            errors.add_metric([reason], n)
+        yield errors
+
+        totals = self._subscriber.totals()
+        yield CounterMetricFamily(
+            "kvindex_seq_gaps", "Sequence gaps detected in engine streams.", value=totals["gaps"]
+        )
+        replays = CounterMetricFamily(
+            "kvindex_replays", "Replay fetches from engines, by result.", labels=["result"]
+        )
+        replays.add_metric(["ok"], totals["replays_ok"])
+        replays.add_metric(["failed"], totals["replays_failed"])
+        yield replays
+        yield CounterMetricFamily(
+            "kvindex_missed_batches",
+            "Batches lost for good (a gap replay could not fill).",
+            value=totals["missed_batches"],
+        )
+        yield CounterMetricFamily(
+            "kvindex_pod_restarts",
+            "Engine restarts detected (sequence went backwards).",
+            value=totals["restarts"],
+        )
+        yield CounterMetricFamily(
+            "kvindex_hash_mismatches",
+            "Sampled BlockStored events whose hashes kvindex could not reproduce.",
+            value=self._verifier.mismatches_total if self._verifier else 0,
+        )
+        yield CounterMetricFamily(
+            "kvindex_blocks_stored", "Blocks stored by applied events.", value=counts.blocks_stored
+        )
+        yield CounterMetricFamily(
+            "kvindex_blocks_removed",
+            "Blocks removed by applied events.",
+            value=counts.blocks_removed,
+        )
+
+        try:
+            stats = self._backend.stats()
+        except BackendError:  # Redis down: scrape the rest, /readyz tells why
+            yield from self._pod_metrics(index=False)
+            return
+        blocks = GaugeMetricFamily(
+            "kvindex_index_blocks", "(block, pod) entries in the index, by tier.", labels=["tier"]
+        )
+        for tier in Tier:
+            blocks.add_metric([tier.label], stats.blocks.get(tier, 0))
+        yield blocks
+        yield GaugeMetricFamily(
+            "kvindex_index_keys", "Distinct block keys held by any pod.", value=stats.keys
+        )
+        yield CounterMetricFamily(
+            "kvindex_index_evictions",
+            "Block keys dropped by the index's capacity bound.",
+            value=stats.evictions,
+        )
+        yield from self._pod_metrics()
+
+    def _pod_metrics(self, index: bool = True) -> Iterator:
+        streams = self._subscriber.streams()
+        members: set[str] = set()
+        if index:
+            with contextlib.suppress(BackendError):  # Redis down: no per-pod block series
+                members = set(self._backend.members())
+        pods = {s.pod for s in streams} | {m.split("/dp", 1)[0] for m in members}
+        yield GaugeMetricFamily(
+            "kvindex_pods", "Pods with a stream or index entries.", value=len(pods)
+        )
+
+        pod_blocks = GaugeMetricFamily(
+            "kvindex_pod_blocks",
+            "Blocks each pod (or DP rank) holds, by tier.",
+            labels=["pod", "tier"],
+        )
+        for member in sorted(members):
+            try:
+                stats = self._backend.member_stats(member)
+            except BackendError:
+                break
+            if stats is None:
+                continue
+            for tier in Tier:
+                pod_blocks.add_metric([member, tier.label], stats.total(tier))
+        yield pod_blocks
+
+        state = GaugeMetricFamily(
+            "kvindex_pod_stream_state",
+            "1 for each pod stream's current state (live, replaying, resync, gapped).",
+            labels=["pod", "state"],
+        )
+        age = GaugeMetricFamily(
+            "kvindex_pod_last_event_age_seconds",
+            "Seconds since each pod stream's last batch arrived.",
+            labels=["pod"],
+        )
+        gaps = CounterMetricFamily(
+            "kvindex_pod_seq_gaps", "Sequence gaps per pod stream.", labels=["pod"]
+        )
+        now = self._clock()
+        for s in streams:
+            for name in _STREAM_STATES:
+                state.add_metric([s.member, name], 1.0 if s.state == name else 0.0)
+            if s.last_received_at is not None:
+                age.add_metric([s.member], max(0.0, now - s.last_received_at))
+            gaps.add_metric([s.member], s.gaps)
+        yield state
+        yield age
+        yield gaps
+        if self._verifier is not None:
+            check = GaugeMetricFamily(
+                "kvindex_pod_hash_mismatch",
+                "1 when a pod's block hashes do not match kvindex's configuration.",
+                labels=["pod"],
+            )
+            for s in streams:
+                check.add_metric(
+                    [s.member], 1.0 if self._verifier.status(s.member).state == "mismatch" else 0.0
+                )
+            yield check
+
+
+class RedisCollector(Collector):
+    """The shared index's own health: Redis errors and which streams this replica owns.
+    Reads local counters only, so it answers while Redis is down."""
+
+    def __init__(self, backend: RedisBackend, leases: RedisLeases) -> None:
+        self._backend = backend
+        self._leases = leases
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator:
+        errors = CounterMetricFamily(
+            "kvindex_redis_errors",
+            "Redis calls that failed (unreachable, timed out, refused), by operation.",
+            labels=["op"],
+        )
+        for op, n in sorted(self._backend.error_counts().items()):
+            errors.add_metric([op], n)
+        errors.add_metric(["leases"], self._leases.errors)
+        yield errors
+        owned = GaugeMetricFamily(
+            "kvindex_stream_owned",
+            "1 when this replica applies the pod stream (holds its lease), else 0.",
+            labels=["pod"],
+        )
+        for member, is_owned in sorted(self._leases.owned().items()):
+            owned.add_metric([member], 1.0 if is_owned else 0.0)
+        yield owned

@@ -1,0 +1,61 @@
+"""HTTP bodies, as msgspec types: the decoder is the validator, and the OpenAPI schema at
+``/docs`` is generated from the same types, so the contract gateways code against and
+the code that enforces it cannot drift apart."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+
+
+class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /score``: exactly one of ``token_ids``, ``prompt``, ``messages``."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    token_ids: list[TokenId] | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    pods: list[str] | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class PodScoreBody(msgspec.Struct):
+    pod: str
+    matched_blocks: int
+    matched_tokens: int
+    gpu_blocks: int
+    cpu_blocks: int
+    storage_blocks: int
+    score: float
+
+
+class ScoreResponse(msgspec.Struct):
+    model: str
+    block_size: int
+    prompt_tokens: int
+    prompt_blocks: int
+    pods: list[PodScoreBody]
+    warnings: list[str] = []
+
+
+class ErrorBody(msgspec.Struct):
+    error: str  # a stable code: invalid_request, unknown_model, tokenizer_unavailable, ...
+    detail: str
+
+
+class PurgeResponse(msgspec.Struct):
+    pod: str
+    members: list[str]
+    entries_removed: int
+
+
+def openapi_schema(*types: type) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """JSON schemas for ``types`` with their shared components, for FastAPI's OpenAPI."""
+    schemas, components = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}"
+    )
+    return list(schemas), components

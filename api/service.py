@@ -1,0 +1,235 @@
+"""The composition root: one function's worth of wiring from Settings to a running service.
+
+Every part is built here and handed what it needs; nothing else constructs a backend,
+a subscriber or a registry. Tests build a Service from Settings in two lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, disable_created_metrics
+
+from kvindex.api.config import (
+    ConfigError,
+    Settings,
+    build_catalog,
+    discovery_config,
+    load_model_config,
+    tier_weights,
+    tokenizer_dirs,
+)
+from kvindex.api.metrics import InstrumentedSink, RedisCollector, ScoreMetrics, ServiceCollector
+from kvindex.events.config import SubscriberConfig
+from kvindex.events.discovery import KubernetesDiscovery
+from kvindex.events.endpoints import PodEndpoint, endpoint_host, tcp_endpoint
+from kvindex.events.identity import IdentityError, normalize_pod
+from kvindex.events.subscriber import Subscriber
+from kvindex.indexer.backend import BackendError, IndexBackend
+from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.pods import PodDirectory
+from kvindex.indexer.verify import HashVerifier
+from kvindex.scoring.scorer import Scorer
+from kvindex.scoring.tokenize import TokenizerRegistry
+
+if TYPE_CHECKING:
+    from kvindex.indexer.leases import RedisLeases
+
+log = logging.getLogger(__name__)
+
+
+def make_backend(settings: Settings) -> IndexBackend:
+    """``memory`` (embedded, the default) or ``redis://host:port/db`` (shared)."""
+    spec = settings.backend
+    if spec == "memory":
+        return MemoryBackend(capacity_blocks=settings.capacity_blocks)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        try:
+            from kvindex.indexer.redis_backend import RedisBackend
+        except ImportError as exc:
+            raise ConfigError(
+                f"--backend {spec} needs the redis extra: pip install 'kvindex[redis]' ({exc})"
+            ) from None
+        return RedisBackend.from_url(spec, prefix=settings.redis_prefix)
+    raise ConfigError(f"--backend {spec!r}: use 'memory' or 'redis://HOST:PORT/DB'")
+
+
+def make_leases(settings: Settings, backend: IndexBackend) -> RedisLeases | None:
+    """Stream leases when the index is shared in Redis, so that each pod's stream is
+    applied by exactly one of the replicas sharing it; None otherwise."""
+    try:
+        from kvindex.indexer.leases import RedisLeases
+        from kvindex.indexer.redis_backend import RedisBackend
+    except ImportError:
+        return None
+    if not isinstance(backend, RedisBackend):
+        return None
+    if settings.lease_ttl <= 0:
+        raise ConfigError(f"--lease-ttl {settings.lease_ttl}: must be at least 1 second")
+    return RedisLeases(backend, settings.replica_id, float(settings.lease_ttl))
+
+
+def parse_connect(spec: str, settings: Settings) -> PodEndpoint:
+    """``[POD[@MODEL]=]ENDPOINT`` to a PodEndpoint.
+
+    Without a POD the pod is named by the topic when it is ``kv@<pod>@<model>``, else by
+    the endpoint's host and ``--serving-port``; without a MODEL, by the topic or ``--model``.
+    """
+    name, sep, endpoint = spec.rpartition("=")
+    if not sep:
+        name, endpoint = "", spec
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(f"--zmq-connect {spec!r}: the endpoint must be tcp://HOST:PORT")
+    pod: str | None = None
+    model: str | None = None
+    if name:
+        pod_text, _, model_text = name.partition("@")
+        try:
+            pod = normalize_pod(pod_text, settings.serving_port)
+        except IdentityError as exc:
+            raise ConfigError(f"--zmq-connect {spec!r}: {exc}") from None
+        model = model_text or None
+    host = endpoint_host(endpoint)
+    if pod is None and host is not None:
+        pod = normalize_pod(host, settings.serving_port)
+    replay = None
+    if settings.replay_port and host is not None:
+        replay = tcp_endpoint(f"[{host}]" if ":" in host else host, settings.replay_port)
+    return PodEndpoint(endpoint, pod=pod, model=model or settings.model, replay_endpoint=replay)
+
+
+class Service:
+    """A composed kvindex: backend, ingest, subscriber, scorer, metrics, pod directory."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry | None = None,
+        backend: IndexBackend | None = None,
+        discovered: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
+        owners: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
+        self.settings = settings
+        models_file = load_model_config(settings.model_config)
+        self.catalog = build_catalog(settings, models_file)
+        self._connect = [parse_connect(spec, settings) for spec in settings.zmq_connect]
+        self.backend = backend or make_backend(settings)
+        self.leases = make_leases(settings, self.backend)
+        # `*_created` series double every counter's series; no dashboard here uses them.
+        disable_created_metrics()
+        self.registry = registry or CollectorRegistry()
+        self.verifier = HashVerifier(self.catalog.keying, self.catalog.hasher)
+        self.ingestor = Ingestor(self.backend, self.catalog, self.verifier)
+        self.subscriber = Subscriber(
+            InstrumentedSink(self.ingestor, self.registry),
+            SubscriberConfig(
+                topic_filter=settings.topic_filter,
+                replay_port=settings.replay_port or None,
+                default_serving_port=settings.serving_port,
+                default_model=settings.model,
+            ),
+            gate=self.leases,
+        )
+        self.discovery: KubernetesDiscovery | None = None
+        if settings.k8s_namespace:
+            self.discovery = KubernetesDiscovery(self.subscriber, discovery_config(settings))
+            discovered = discovered or self.discovery.discovered
+        self.scorer = Scorer(self.backend, self.catalog, tier_weights(models_file))
+        self.tokenizers = TokenizerRegistry(tokenizer_dirs(models_file))
+        self.metrics = ScoreMetrics(self.registry)
+        self.registry.register(
+            ServiceCollector(self.subscriber, self.ingestor, self.backend, self.verifier)
+        )
+        if self.leases is not None:
+            self.registry.register(RedisCollector(self.leases.backend, self.leases))
+            owners = owners or self.leases.owners
+        self.directory = PodDirectory(
+            self.backend, self.subscriber.streams, self.verifier, discovered, owners
+        )
+        self.bound: list[str] = []
+        self._models_cache: tuple[float, frozenset[str]] = (float("-inf"), frozenset())
+
+    def start(self) -> None:
+        if self.leases is not None:
+            self.leases.start()
+        self.subscriber.start()
+        for endpoint in self.settings.zmq_bind:
+            self.bound.append(self.subscriber.bind(endpoint))
+            log.info("listening for KV events on %s", self.bound[-1])
+        for target in self._connect:
+            self.subscriber.connect(target)
+            log.info("subscribed to %s (pod %s)", target.endpoint, target.pod or "from topic")
+        if self.discovery is not None:
+            self.discovery.start()
+        if self.settings.k8s_namespace and self.settings.k8s_mode == "bind":
+            if not self.settings.zmq_bind:
+                log.warning("--k8s-mode bind: add --zmq-bind tcp://*:5557 for pods to connect to")
+        elif not self.settings.zmq_bind and not self._connect and self.discovery is None:
+            log.warning(
+                "no event source configured: add --zmq-bind tcp://*:5557 (pods connect to "
+                "kvindex) or --zmq-connect tcp://POD_IP:5557 (kvindex connects to pods)"
+            )
+
+    def stop(self) -> None:
+        if self.discovery is not None:
+            self.discovery.stop()
+        self.subscriber.stop()
+        if self.leases is not None:
+            self.leases.close()  # final positions; another replica takes over within a second
+        self.backend.close()
+
+    def purge_pod(self, pod: str) -> tuple[list[str], int]:
+        """Operator purge: drop every entry of ``pod`` and its DP ranks. The pod's stream
+        keeps flowing; what it stores next is indexed again."""
+        members = self.directory.members_of(pod)
+        removed = 0
+        for member in members:
+            removed += self.backend.clear_member(member)
+        log.info("operator purged pod %s (%d entries)", pod, removed)
+        return members, removed
+
+    def readiness_problems(self) -> list[str]:
+        problems = []
+        try:
+            self.backend.ping()
+        except BackendError as exc:
+            problems.append(f"index backend unavailable: {exc}")
+        if not self.subscriber.is_running():
+            problems.append("event subscriber is not running")
+        if self.discovery is not None:
+            problems.extend(self.discovery.problems())
+        return problems
+
+    def known_models(self) -> list[str]:
+        return sorted(self._models())
+
+    def knows_model(self, model: str) -> bool:
+        """Configured (model config or --model), or seen in events or the index; a gateway
+        asking about a configured model before its first events gets zeros, not 404."""
+        if self.catalog.is_configured(model) or model == self.settings.model:
+            return True
+        if model in self._models():
+            return True
+        # A model whose first events just arrived: look again, at most ten times a second.
+        return model in self._models(max_age_s=0.1)
+
+    def _models(self, max_age_s: float = 1.0) -> frozenset[str]:
+        """Configured models, models seen in events, and models in the (maybe shared)
+        index, cached so /score usually pays a set lookup."""
+        now = time.monotonic()
+        refreshed, models = self._models_cache
+        if now - refreshed < max_age_s:
+            return models
+        found = set(self.catalog.configured())
+        if self.settings.model:
+            found.add(self.settings.model)
+        found.update(s.model for s in self.subscriber.streams() if s.model)
+        found.update(self.backend.models())
+        models = frozenset(found)
+        self._models_cache = (now, models)
+        return models

@@ -1,0 +1,1 @@
+"""Benchmarks and the cluster simulator (not installed; run from the repository root)."""

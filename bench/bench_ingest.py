@@ -1,0 +1,160 @@
+"""End-to-end ingest: frames on a ZMQ socket -> subscriber -> ingestor -> memory index.
+
+A publisher process sends pre-encoded vLLM batches (32-block BlockStored events with
+their token ids, unique random hashes) as fast as ZMQ takes them; this process runs the
+real Subscriber (receiver + applier threads), Ingestor (with the sampled hash check)
+and MemoryBackend, pinned to one core, and measures blocks applied per second from the
+first delivery to the last. Prints figures; asserts nothing.
+
+    python bench/bench_ingest.py [--blocks 2000000] [--events-per-batch 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import random
+import socket
+import time
+
+from kvindex.events.config import SubscriberConfig
+from kvindex.events.layouts import wire_format
+from kvindex.events.subscriber import Subscriber
+from kvindex.events.wire import BlockStored
+from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.models import ModelCatalog
+from kvindex.indexer.verify import HashVerifier
+
+BLOCKS_PER_EVENT = 32
+BLOCK_SIZE = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _publish(endpoint: str, batches: int, events_per_batch: int, version: str, ready) -> None:
+    """Publisher process: connects to the bound SUB and sends every batch."""
+    import zmq
+
+    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) == 1:
+        # Inherited the measured process's pinning: move to the other cores.
+        others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
+        if others:
+            os.sched_setaffinity(0, others)
+
+    fmt = wire_format(version)
+    rng = random.Random(7)
+    payloads = []
+    tokens = list(range(BLOCKS_PER_EVENT * BLOCK_SIZE))
+    for _ in range(min(batches, 2000)):
+        events = [
+            BlockStored(
+                [rng.getrandbits(64) for _ in range(BLOCKS_PER_EVENT)], None, tokens, BLOCK_SIZE
+            )
+            for _ in range(events_per_batch)
+        ]
+        payloads.append(fmt.encode_batch(events, time.time(), 0))
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.connect(endpoint)
+    ready.wait(10)
+    time.sleep(0.5)  # let the subscription propagate
+    topic = b"kv@127.0.0.1:8000@bench"
+    for seq in range(batches):
+        # Reusing payloads re-stores the same hashes after 2,000 batches: the index
+        # size stops growing there, like a warm cache being refreshed.
+        pub.send_multipart(
+            (topic, seq.to_bytes(8, "big"), payloads[seq % len(payloads)]), copy=False
+        )
+    pub.close(linger=-1)
+    ctx.term()
+
+
+class CountingSink:
+    """Wraps the ingestor to timestamp the first and last delivery."""
+
+    def __init__(self, inner: Ingestor) -> None:
+        self.inner = inner
+        self.batches = 0
+        self.first = 0.0
+        self.last = 0.0
+
+    def deliver(self, deliveries) -> None:
+        if not self.batches:
+            self.first = time.perf_counter()
+        self.inner.deliver(deliveries)
+        self.batches += len(deliveries)
+        self.last = time.perf_counter()
+
+    def reset(self, stream, reason) -> None:
+        self.inner.reset(stream, reason)
+
+
+def run(blocks: int, events_per_batch: int, version: str) -> dict[str, float]:
+    batches = blocks // (BLOCKS_PER_EVENT * events_per_batch)
+    backend = MemoryBackend()
+    catalog = ModelCatalog()
+    ingestor = Ingestor(backend, catalog, HashVerifier(catalog.keying, catalog.hasher))
+    sink = CountingSink(ingestor)
+    subscriber = Subscriber(
+        sink, SubscriberConfig(queue_capacity=1_000_000, catch_up_on_first_contact=False)
+    )
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    subscriber.bind(endpoint)
+    subscriber.start()
+    ready = multiprocessing.Event()
+    proc = multiprocessing.Process(
+        target=_publish, args=(endpoint, batches, events_per_batch, version, ready)
+    )
+    proc.start()
+    ready.set()
+    deadline = time.monotonic() + 300
+    while sink.batches < batches and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.join(30)
+    subscriber.stop()
+    elapsed = max(sink.last - sink.first, 1e-9)
+    # The first batch's blocks are not inside the measured interval.
+    applied = (sink.batches - 1) * events_per_batch * BLOCKS_PER_EVENT
+    stats = backend.stats()
+    return {
+        "batches": sink.batches,
+        "expected": batches,
+        "blocks_per_s": applied / elapsed,
+        "seconds": elapsed,
+        "overflows": subscriber.error_counts().get("queue_overflow", 0),
+        "index_keys": stats.keys,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=2_000_000)
+    parser.add_argument("--events-per-batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--vllm-version", default="0.33")
+    parser.add_argument("--cpu", type=int, default=0, help="core to pin this process to (-1: none)")
+    args = parser.parse_args()
+    if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.cpu})
+    print(
+        f"end-to-end ingest, {BLOCKS_PER_EVENT}-block BlockStored events with token ids, "
+        f"vLLM {args.vllm_version} layout, subscriber pinned to core {args.cpu}"
+    )
+    for per_batch in args.events_per_batch:
+        r = run(args.blocks, per_batch, args.vllm_version)
+        print(
+            f"  {per_batch} event(s)/batch: {r['blocks_per_s']:>12,.0f} blocks/s  "
+            f"({r['batches']:,}/{r['expected']:,} batches in {r['seconds']:.2f} s, "
+            f"{r['overflows']} queue overflows, {r['index_keys']:,} keys in index)"
+        )
+
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method("spawn")
+    main()

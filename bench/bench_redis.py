@@ -1,0 +1,480 @@
+"""Benchmark of the Redis backend (indexer/redis_backend.py). Prints figures; asserts nothing.
+
+    python bench/bench_redis.py                  # a private redis-server on a free port
+    python bench/bench_redis.py --quick          # small sizes, a few seconds
+    python bench/bench_redis.py --redis-url redis://127.0.0.1:6379/0   # an existing server
+
+Four figures, each with the workload it was measured on:
+
+* ingest throughput in blocks/s: 32-block BlockStored changes through
+  ``RedisBackend.apply``, 64 changes of one pod per call (what the subscriber's applier
+  hands the sink for one stream's turn), then the same blocks removed;
+* Redis memory per (block, pod) entry: ``used_memory`` from ``INFO memory`` before and
+  after, divided by the entries added, for two sharing profiles;
+* lookup latency in-process for a 512-block chain (an 8,192-token prompt) across 64
+  pods: the Lua script the backend uses, against two pipeline designs (every block in
+  one pipeline; 64-block pipelines that stop when no pod is left);
+* ``/score`` over HTTP p50/p99 for the 8,192-token prompt, from a ``kvindex serve
+  --backend redis://...`` subprocess over the same index.
+
+The private server runs with ``--save '' --appendonly no`` so disk I/O does not enter
+the figures; a deployment with AOF (``deploy/overlays/redis``) adds its fsync cost to
+ingest only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import redis
+
+from kvindex.indexer.backend import Change, MemberMatch, Op, Tier
+from kvindex.indexer.keys import BlockHasher, HashConfig
+from kvindex.indexer.redis_backend import RedisBackend, pack_keys
+from kvindex.indexer.redis_conn import RedisConnection, RedisOptions
+
+MODEL = "bench/model"
+EVENT_BLOCKS = 32  # blocks per BlockStored (one scheduler step of a busy pod)
+EVENTS_PER_CALL = 64  # the applier's batches_per_turn: one stream's turn is one apply
+PROMPT_TOKENS = 8192
+BLOCK_SIZE = 16
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def member_ids(n: int) -> list[str]:
+    return [f"10.0.{i // 200}.{i % 200 + 1}:8000" for i in range(n)]
+
+
+def random_keys(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+
+
+def used_memory(client: redis.Redis) -> int:
+    return int(client.info("memory")["used_memory"])
+
+
+def percentiles(samples_s: list[float]) -> str:
+    ordered = sorted(samples_s)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+    return (
+        f"p50 {at(0.5):6.3f} ms   p99 {at(0.99):6.3f} ms   "
+        f"mean {statistics.fmean(ordered) * 1000:6.3f} ms"
+    )
+
+
+def timed(call: Callable[[], object], n: int) -> list[float]:
+    for _ in range(min(20, n)):
+        call()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# -- ingest and memory ------------------------------------------------------------------------
+
+
+def events(member: str, keys: np.ndarray, op: Op = Op.STORE) -> list[Change]:
+    """One member's 32-block events, keys as lists of Python ints (as the decoder makes)."""
+    return [
+        Change(op, member, MODEL, Tier.GPU, keys[i : i + EVENT_BLOCKS].tolist())
+        for i in range(0, keys.size, EVENT_BLOCKS)
+    ]
+
+
+def apply_in_turns(backend: RedisBackend, per_member: list[list[Change]]) -> float:
+    """Apply every member's changes, one stream's turn (64 events) per call, round
+    robin over members as the applier does; return the seconds taken."""
+    calls = []
+    for changes in per_member:
+        calls.append(
+            [changes[i : i + EVENTS_PER_CALL] for i in range(0, len(changes), EVENTS_PER_CALL)]
+        )
+    t0 = time.perf_counter()
+    for turn in range(max(len(c) for c in calls)):
+        for member_calls in calls:
+            if turn < len(member_calls):
+                backend.apply(member_calls[turn])
+    return time.perf_counter() - t0
+
+
+def bench_ingest(args: argparse.Namespace, backend: RedisBackend, client: redis.Redis) -> None:
+    rng = np.random.default_rng(1)
+    members = member_ids(args.members)
+    per_member_keys = [random_keys(rng, args.blocks_per_member) for _ in members]
+    total = sum(k.size for k in per_member_keys)
+    stores = [events(m, k) for m, k in zip(members, per_member_keys, strict=True)]
+    removes = [events(m, k, Op.REMOVE) for m, k in zip(members, per_member_keys, strict=True)]
+    print(
+        f"ingest: {total:,} blocks, {len(members)} pods, {EVENT_BLOCKS}-block events, "
+        f"{EVENTS_PER_CALL} events ({EVENTS_PER_CALL * EVENT_BLOCKS} blocks) per apply call; "
+        f"unique random keys (keys as lists of ints, packing included)"
+    )
+    before = used_memory(client)
+    seconds = apply_in_turns(backend, stores)
+    after = used_memory(client)
+    print(f"  store   {total / seconds:>12,.0f} blocks/s   ({seconds:.2f} s)")
+    print(
+        f"  memory  {(after - before) / total:>12.1f} bytes per (block, pod) entry, "
+        f"profile 'unique' (every block held by one pod; {total:,} entries)"
+    )
+    seconds = apply_in_turns(backend, removes)
+    print(f"  remove  {total / seconds:>12,.0f} blocks/s   ({seconds:.2f} s)")
+    left = backend.stats()
+    print(f"  after removing everything: {left.keys} keys, {left.members} members")
+
+
+def bench_memory_shared(
+    args: argparse.Namespace, backend: RedisBackend, client: redis.Redis
+) -> None:
+    """A pool of shared prefixes (system prompts, documents) held by every pod, plus
+    each pod's own blocks: the common shape of a serving cluster's caches."""
+    rng = np.random.default_rng(3)
+    members = member_ids(args.members)
+    shared = random_keys(rng, args.blocks_per_member // 4)
+    own = [random_keys(rng, args.blocks_per_member - shared.size) for _ in members]
+    before = used_memory(client)
+    apply_in_turns(
+        backend, [events(m, shared) + events(m, k) for m, k in zip(members, own, strict=True)]
+    )
+    after = used_memory(client)
+    entries = sum(k.size + shared.size for k in own)
+    distinct = shared.size + sum(k.size for k in own)
+    print(
+        f"  memory  {(after - before) / entries:>12.1f} bytes per (block, pod) entry, profile "
+        f"'shared' (a quarter of each pod's blocks held by all {len(members)} pods; "
+        f"{entries:,} entries, {distinct:,} distinct blocks, "
+        f"{(after - before) / distinct:.1f} bytes per distinct block)"
+    )
+    for member in members:
+        backend.clear_member(member)
+
+
+# -- lookups ------------------------------------------------------------------------------------
+
+
+def prefix_lengths(rng: np.random.Generator, members: int, chain: int) -> list[int]:
+    """How much of the looked-up chain each pod holds (as in bench/bench_index.py): a few
+    hold it all, some a long shared prefix, most only the system prompt, some nothing."""
+    shares = [(0.06, chain, chain), (0.14, chain // 2, chain - 1), (0.35, chain // 8, chain // 2)]
+    shares += [(0.30, 4, chain // 8), (0.15, 0, 0)]
+    out: list[int] = []
+    for share, low, high in shares:
+        out += [int(rng.integers(low, high + 1)) for _ in range(round(share * members))]
+    out += [0] * (members - len(out))
+    return out[:members]
+
+
+class PipelineLookup:
+    """The alternative to the Lua script: read each block's bitmap with HGET in a
+    pipeline and walk the chain in Python. ``chunk`` blocks per round trip, stopping
+    when no pod is left (``chunk=None``: the whole chain in one round trip)."""
+
+    def __init__(self, backend: RedisBackend, model: str) -> None:
+        self.client = backend.connection.client()
+        meta = backend.meta_key(model)
+        self.base = meta[: -len("meta")]
+        self.buckets = int(self.client.hget(meta, "buckets"))
+        names = self.client.hgetall(self.base + "names")
+        self.names = {int(k): v.decode() for k, v in names.items()}
+
+    def lookup(self, keys: Sequence[int], chunk: int | None) -> list[MemberMatch]:
+        packed = pack_keys(keys)
+        fields = [packed[i : i + 8] for i in range(0, len(packed), 8)]
+        step = chunk or len(fields)
+        alive: int | None = None
+        ends: dict[int, int] = {}
+        done = False
+        for start in range(0, len(fields), step):
+            pipe = self.client.pipeline(transaction=False)
+            part = fields[start : start + step]
+            for f in part:
+                pipe.hget(f"{self.base}b:{int.from_bytes(f[6:8], 'big') % self.buckets}", f)
+            for offset, value in enumerate(pipe.execute()):
+                held = int.from_bytes(value, "little") if value else 0
+                now = held if alive is None else alive & held
+                position = start + offset
+                if alive is not None and now != alive:
+                    gone = alive & ~now
+                    while gone:
+                        low = gone & -gone
+                        ends[low.bit_length() - 1] = position
+                        gone ^= low
+                alive = now
+                if not alive:
+                    done = True
+                    break
+            if done:
+                break
+        if alive:
+            while alive:
+                low = alive & -alive
+                ends[low.bit_length() - 1] = len(fields)
+                alive ^= low
+        out = [MemberMatch(self.names[m], n, (n, 0, 0)) for m, n in ends.items() if n]
+        out.sort(key=lambda m: (-m.matched_blocks, m.member))
+        return out
+
+
+def populate_prompt(args: argparse.Namespace, backend: RedisBackend) -> list[int]:
+    """Store prefixes of the 8,192-token prompt's real block keys for 64 pods, over a
+    background of other blocks; return the prompt's tokens."""
+    rng = np.random.default_rng(4)
+    members = member_ids(64)
+    tokens = [int(t) for t in rng.integers(0, 150_000, PROMPT_TOKENS)]
+    chain = BlockHasher(HashConfig()).keys(tokens)
+    background = random_keys(rng, args.background)
+    apply_in_turns(
+        backend,
+        [events(m, part) for m, part in zip(members, np.array_split(background, 64), strict=True)],
+    )
+    lengths = prefix_lengths(rng, 64, len(chain))
+    for member, n in zip(members, lengths, strict=True):
+        if n:
+            backend.apply(
+                [
+                    Change(Op.STORE, member, MODEL, Tier.GPU, chain[i : min(i + EVENT_BLOCKS, n)])
+                    for i in range(0, n, EVENT_BLOCKS)
+                ]
+            )
+    holders = sum(1 for n in lengths if n)
+    stats = backend.stats()
+    print(
+        f"lookup: chain of {len(chain)} blocks (an {PROMPT_TOKENS}-token prompt), 64 pods; "
+        f"{holders} hold a prefix of it (lengths min/median/max {min(lengths)}/"
+        f"{int(statistics.median(lengths))}/{max(lengths)}); index: {stats.keys:,} keys"
+    )
+    return tokens
+
+
+def bench_lookup(args: argparse.Namespace, backend: RedisBackend, tokens: list[int]) -> None:
+    chain = BlockHasher(HashConfig()).keys(tokens)
+    pipeline = PipelineLookup(backend, MODEL)
+    lua = backend.lookup(MODEL, chain)
+    assert pipeline.lookup(chain, None) == lua, "the pipeline lookup disagrees with Lua"
+    print(f"  answer: {len(lua)} pods, best {lua[0].matched_blocks} blocks")
+    candidates = [m.member for m in lua[::8]]
+    cases: list[tuple[str, Callable[[], object]]] = [
+        ("Lua script (the backend)", lambda: backend.lookup(MODEL, chain)),
+        (
+            f"Lua, {len(candidates)} candidate pods",
+            lambda: backend.lookup(MODEL, chain, candidates),
+        ),
+        ("Lua, 16-block chain", lambda: backend.lookup(MODEL, chain[:16])),
+        ("pipeline, all blocks, 1 trip", lambda: pipeline.lookup(chain, None)),
+        ("pipeline, 64 per trip, early exit", lambda: pipeline.lookup(chain, 64)),
+    ]
+    client = backend.connection.client()
+    for name, call in cases:
+        for _ in range(20):
+            call()
+        client.config_resetstat()
+        samples = timed(call, args.lookups)
+        stats = client.info("commandstats")
+        server = sum(v["usec"] for v in stats.values()) / (args.lookups + 20)
+        print(f"  {name:<36} {percentiles(samples)}   Redis {server / 1000:5.3f} ms/lookup")
+
+
+# -- /score over HTTP ---------------------------------------------------------------------------
+
+
+def bench_http(args: argparse.Namespace, url: str, prefix: str, tokens: list[int]) -> None:
+    port = free_port()
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - outlives this statement, closed below
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvindex.api.cli",
+            "serve",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--backend",
+            url,
+            "--redis-prefix",
+            prefix,
+            "--log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        conn = _wait_ready(port)
+        bodies = {
+            "same prompt each time": [json.dumps({"model": MODEL, "token_ids": tokens}).encode()],
+            "fresh second half each time": [
+                json.dumps(
+                    {"model": MODEL, "token_ids": tokens[: PROMPT_TOKENS // 2] + fresh}
+                ).encode()
+                for fresh in (
+                    [int(t) for t in np.random.default_rng(i).integers(0, 150_000, 4096)]
+                    for i in range(64)
+                )
+            ],
+        }
+        print(
+            f"/score over HTTP: {PROMPT_TOKENS}-token prompt (token_ids), 64 pods, "
+            f"one client, sequential keep-alive requests, kvindex serve --backend {url}"
+        )
+        for name, payloads in bodies.items():
+            i = 0
+
+            def call(payloads: list[bytes] = payloads) -> None:
+                nonlocal i
+                body = payloads[i % len(payloads)]
+                i += 1
+                conn.request("POST", "/score", body, {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                data = response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"/score answered {response.status}: {data[:200]!r}")
+
+            before = _score_seconds(conn)
+            samples = timed(call, args.requests)
+            inside = (_score_seconds(conn) - before) / (args.requests + 20) * 1000
+            print(f"  {name:<30} {percentiles(samples)}   in handler {inside:5.3f} ms")
+    finally:
+        server.terminate()
+        server.wait(timeout=15)
+        log.close()
+
+
+def _score_seconds(conn: http.client.HTTPConnection) -> float:
+    """Total time the server spent answering /score (its kvindex_score_seconds_sum)."""
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    for line in text.splitlines():
+        if line.startswith("kvindex_score_seconds_sum"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _wait_ready(port: int) -> http.client.HTTPConnection:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/readyz")
+            response = conn.getresponse()
+            response.read()
+            if response.status == 200:
+                return conn
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("kvindex serve did not become ready")
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def start_private_redis() -> tuple[subprocess.Popen[bytes], str, str]:
+    if shutil.which("redis-server") is None:
+        sys.exit("redis-server is not installed: pass --redis-url")
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="kvindex-bench-redis-")
+    process = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    return process, f"redis://127.0.0.1:{port}/0", workdir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--redis-url", help="an existing server (default: start a private one)")
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--members", type=int, default=64)
+    parser.add_argument("--blocks-per-member", type=int, default=16384)
+    parser.add_argument("--background", type=int, default=262_144)
+    parser.add_argument("--lookups", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--buckets", type=int, help="buckets per model (URL option buckets=)")
+    args = parser.parse_args()
+    if args.quick:
+        args.blocks_per_member, args.background = 1024, 16384
+        args.lookups = args.requests = 200
+
+    private = None
+    url = args.redis_url
+    if url is None:
+        private, url, workdir = start_private_redis()
+    if args.buckets:
+        url += ("&" if "?" in url else "?") + f"buckets={args.buckets}"
+    prefix = f"kvbench-{os.getpid()}"
+    try:
+        backend = RedisBackend(RedisConnection(RedisOptions.from_url(url)), prefix)
+        plain = RedisOptions.from_url(url).url  # without kvindex's own options
+        client = redis.Redis.from_url(plain)
+        info = client.info("server")
+        print(
+            f"Redis {info['redis_version']} at {url}"
+            f"{' (private, no persistence)' if private else ''}; "
+            f"{os.cpu_count()} CPUs; prefix {prefix}\n"
+        )
+        bench_ingest(args, backend, client)
+        bench_memory_shared(args, backend, client)
+        print()
+        tokens = populate_prompt(args, backend)
+        bench_lookup(args, backend, tokens)
+        print()
+        if not args.skip_http:
+            bench_http(args, url, prefix, tokens)
+    finally:
+        if private is not None:
+            private.terminate()
+            private.wait(timeout=10)
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            client = redis.Redis.from_url(RedisOptions.from_url(url).url)
+            for key in client.scan_iter(match=f"{prefix}*", count=1000):
+                client.delete(key)  # bench cleanup only
+
+
+if __name__ == "__main__":
+    main()

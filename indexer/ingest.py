@@ -1,0 +1,190 @@
+"""Applying event batches to the index: the BatchSink the subscriber delivers to.
+
+Turns each delivered batch into backend Changes, all of one delivery chunk applied in
+one ``backend.apply`` call (one round trip on Redis; coalesced vector operations in
+memory). Rules, each one a pitfall other indexers hit:
+
+* BlockStored goes to the tier named by ``medium`` (None = GPU); BlockRemoved removes
+  for exactly that member and tier; AllBlocksCleared clears that member only, in every
+  tier (the event has no medium, and over-reporting a pod's cache is worse than
+  under-reporting it); an engine restart or a removed pod clears the member first.
+* Hybrid models publish one stream of stores and removals per KV-cache group, and the
+  same hash can be evicted from a sliding-window group while the full-attention group
+  still holds it. Only the member's primary group is indexed: the lowest-numbered
+  full-attention group (``kv_cache_spec_kind``, vLLM 0.22+), or group 0 when the engine
+  does not say. Other groups are counted and skipped.
+* CPU-offload placeholder stores (no tokens, block size 0) carry the engine's own block
+  hashes, so in engine-key mode they are indexed as is; in token-key mode they are
+  resolved through the engine-hash map, and skipped (counted) when unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+from kvindex.events.identity import StreamId
+from kvindex.events.sink import Delivery
+from kvindex.events.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    hash_to_int,
+    hashes_to_ints,
+)
+from kvindex.indexer.backend import Change, IndexBackend, Op, Tier
+from kvindex.indexer.keys import BlockExtras
+from kvindex.indexer.models import KeyMode, ModelCatalog
+from kvindex.indexer.token_keys import ContentHasher, EngineKeyMap, TokenRangeError
+from kvindex.indexer.verify import HashVerifier
+
+log = logging.getLogger(__name__)
+
+_FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+_TIERS = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "STORAGE": Tier.STORAGE}
+
+
+class IngestCounts:
+    """Plain counters the metrics layer reads at scrape time."""
+
+    def __init__(self) -> None:
+        self.events: Counter[str] = Counter()  # by event type
+        self.skipped: Counter[str] = Counter()  # events (or blocks) not indexed, by reason
+        self.blocks_stored = 0
+        self.blocks_removed = 0
+        self.resets: Counter[str] = Counter()  # by reason
+
+
+class Ingestor:
+    """Implements events.BatchSink over an IndexBackend. Called from one thread."""
+
+    def __init__(
+        self,
+        backend: IndexBackend,
+        catalog: ModelCatalog,
+        verifier: HashVerifier | None = None,
+    ) -> None:
+        self._backend = backend
+        self._catalog = catalog
+        self._verifier = verifier
+        self._engine_map = EngineKeyMap()
+        self._content: dict[str, ContentHasher] = {}
+        self._primary_group: dict[str, int] = {}
+        self.counts = IngestCounts()
+
+    def deliver(self, deliveries: Sequence[Delivery]) -> None:
+        changes: list[Change] = []
+        for delivery in deliveries:
+            self._changes_for(delivery, changes)
+        if changes:
+            self._backend.apply(changes)
+
+    def reset(self, stream: StreamId, reason: str) -> None:
+        member = stream.member
+        self.counts.resets[reason] += 1
+        self._engine_map.clear(member)
+        self._primary_group.pop(member, None)
+        if self._verifier is not None:
+            self._verifier.reset(member)
+        dropped = self._backend.clear_member(member)
+        log.info("cleared %d entries of %s (%s)", dropped, member, reason)
+
+    def _changes_for(self, delivery: Delivery, changes: list[Change]) -> None:
+        member = delivery.stream.member
+        model = delivery.model
+        tokens_mode = self._catalog.keying(model).key_mode is KeyMode.TOKENS
+        counts = self.counts
+        for event in delivery.batch.events:
+            if isinstance(event, BlockStored):
+                counts.events["BlockStored"] += 1
+                if not self._indexed_group(member, event.group_idx, event.kv_cache_spec_kind):
+                    counts.skipped["other_kv_group"] += 1
+                    continue
+                tier = _TIERS.get(event.medium)
+                if tier is None:
+                    counts.skipped["unknown_medium"] += 1
+                    continue
+                if tokens_mode:
+                    keys = self._content_keys(member, model, tier, event)
+                else:
+                    keys = hashes_to_ints(event.block_hashes)
+                    if self._verifier is not None:
+                        self._verifier.observe(member, model, event)
+                if keys:
+                    counts.blocks_stored += len(keys)
+                    changes.append(Change(Op.STORE, member, model, tier, keys))
+            elif isinstance(event, BlockRemoved):
+                counts.events["BlockRemoved"] += 1
+                if not self._indexed_group(member, event.group_idx, None):
+                    counts.skipped["other_kv_group"] += 1
+                    continue
+                tier = _TIERS.get(event.medium)
+                if tier is None:
+                    counts.skipped["unknown_medium"] += 1
+                    continue
+                keys = hashes_to_ints(event.block_hashes)
+                if tokens_mode:
+                    keys = self._engine_map.forget(member, tier, keys)
+                if keys:
+                    counts.blocks_removed += len(keys)
+                    changes.append(Change(Op.REMOVE, member, model, tier, keys))
+            elif isinstance(event, AllBlocksCleared):
+                counts.events["AllBlocksCleared"] += 1
+                self._engine_map.clear(member)
+                changes.append(Change(Op.CLEAR, member, model, None))
+
+    def _indexed_group(self, member: str, group_idx: int | None, kind: str | None) -> bool:
+        if group_idx is None:
+            return True
+        primary = self._primary_group.get(member)
+        if kind is not None:
+            if kind not in _FULL_ATTENTION_KINDS:
+                return False
+            if primary is None or group_idx < primary:
+                self._primary_group[member] = primary = group_idx
+        return group_idx == (0 if primary is None else primary)
+
+    def _content_keys(self, member: str, model: str, tier: Tier, event: BlockStored) -> list[int]:
+        engine_keys = hashes_to_ints(event.block_hashes)
+        if not event.token_ids:
+            own, unknown = self._engine_map.resolve_many(member, tier, engine_keys)
+            if unknown:
+                self.counts.skipped["unresolved_placeholder_block"] += unknown
+            return own
+        block_size = self._catalog.keying(model).hash.block_size
+        if event.block_size != block_size:
+            self.counts.skipped["block_size_mismatch"] += 1
+            return []
+        parent: int | None = None
+        if event.parent_block_hash is not None:
+            parent = self._engine_map.resolve(member, hash_to_int(event.parent_block_hash))
+            if parent is None:
+                self.counts.skipped["unknown_parent"] += 1
+                return []
+        hasher = self._content.get(model)
+        if hasher is None:
+            hasher = self._content[model] = ContentHasher(block_size)
+        extras = _content_extras(event)
+        try:
+            own = hasher.keys(event.token_ids, extras, parent, 0 if parent is None else 1)
+        except TokenRangeError:
+            self.counts.skipped["token_out_of_range"] += 1
+            return []
+        own = own[: len(engine_keys)]
+        self._engine_map.learn(member, tier, engine_keys, own)
+        return own
+
+
+def _content_extras(event: BlockStored) -> BlockExtras:
+    """LoRA name and cache salt as content keys use them (salt: bare string on block 0)."""
+    salt = None
+    if event.parent_block_hash is None and event.extra_keys:
+        first = event.extra_keys[0]
+        if first:
+            items = list(first)
+            if event.lora_name is not None and items and items[0] == event.lora_name:
+                items = items[1:]
+            if len(items) == 1 and isinstance(items[0], str):
+                salt = items[0]
+    return BlockExtras(event.lora_name, None, salt)

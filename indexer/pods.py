@@ -1,0 +1,189 @@
+"""Per-pod state as operators see it at ``/index/pods``.
+
+A pod's state is spread over three owners: its event streams (one per data-parallel
+rank: sequence, gaps, replays, restarts), the index backend (blocks per model and tier)
+and the hash check. The directory joins them per pod id at read time, so nothing is
+stored twice and nothing can disagree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kvindex.events.identity import member_pod
+from kvindex.events.status import StreamStatus
+from kvindex.indexer.backend import IndexBackend, MemberStats, Tier
+from kvindex.indexer.verify import CheckState, HashVerifier
+
+_UNHEALTHY_STREAMS = frozenset({"gapped", "resync"})
+
+
+def _stream_dict(s: StreamStatus) -> dict[str, Any]:
+    return {
+        "member": s.member,
+        "rank": s.rank,
+        "model": s.model,
+        "state": s.state,
+        "last_seq": s.last_seq,
+        "first_seq": s.first_seq,
+        "last_batch_ts": s.last_batch_ts,
+        "last_received_at": s.last_received_at,
+        "received": s.received,
+        "delivered": s.delivered,
+        "duplicates": s.duplicates,
+        "gaps": s.gaps,
+        "missed_batches": s.missed_batches,
+        "replays_ok": s.replays_ok,
+        "replays_failed": s.replays_failed,
+        "restarts": s.restarts,
+        "queue_overflows": s.queue_overflows,
+        "decode_errors": s.decode_errors,
+        "sink_errors": s.sink_errors,
+        "not_owner": s.not_owner,
+        "queue_depth": s.queue_depth,
+        "layout": s.layout,
+        "replay_endpoint": s.replay_endpoint,
+    }
+
+
+class PodDirectory:
+    """Joins stream status, index contents and hash checks per pod.
+
+    ``streams`` returns this process's stream snapshots; ``discovered`` (optional)
+    returns what discovery knows of each pod (Kubernetes name, namespace, address);
+    ``owners`` (optional) returns which replica applies each member's stream when
+    several kvindex replicas share one backend.
+    """
+
+    def __init__(
+        self,
+        backend: IndexBackend,
+        streams: Callable[[], Sequence[StreamStatus]],
+        verifier: HashVerifier | None = None,
+        discovered: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
+        owners: Callable[[], Mapping[str, str]] | None = None,
+        clock: Callable[[], float] = time.time,
+        warnings_ttl_s: float = 1.0,
+    ) -> None:
+        self._backend = backend
+        self._streams = streams
+        self._verifier = verifier
+        self._discovered = discovered or dict
+        self._owners = owners or dict
+        self._clock = clock
+        self._warnings_ttl = warnings_ttl_s
+        self._warnings: tuple[float, dict[str, list[str]]] = (float("-inf"), {})
+
+    def members_of(self, pod: str) -> list[str]:
+        """Index members of ``pod`` (itself and its data-parallel ranks)."""
+        members = {m for m in self._backend.members() if member_pod(m) == pod}
+        members |= {s.member for s in self._streams() if s.pod == pod}
+        return sorted(members)
+
+    def reports(self) -> list[dict[str, Any]]:
+        streams = self._streams()
+        discovered = self._discovered()
+        pods = {member_pod(m) for m in self._backend.members()}
+        pods |= {s.pod for s in streams}
+        pods |= set(discovered)
+        return [self._report(pod, streams, discovered) for pod in sorted(pods)]
+
+    def report(self, pod: str) -> dict[str, Any] | None:
+        streams = self._streams()
+        discovered = self._discovered()
+        known = (
+            pod in discovered
+            or any(s.pod == pod for s in streams)
+            or any(member_pod(m) == pod for m in self._backend.members())
+        )
+        return self._report(pod, streams, discovered) if known else None
+
+    def _report(
+        self,
+        pod: str,
+        streams: Sequence[StreamStatus],
+        discovered: Mapping[str, Mapping[str, Any]],
+    ) -> dict[str, Any]:
+        own_streams = [s for s in streams if s.pod == pod]
+        members = {m for m in self._backend.members() if member_pod(m) == pod}
+        members |= {s.member for s in own_streams}
+        blocks: dict[str, int] = {t.label: 0 for t in Tier}
+        by_model: dict[str, dict[str, int]] = {}
+        for member in sorted(members):
+            stats = self._backend.member_stats(member) or MemberStats(member)
+            for model, tiers in stats.blocks.items():
+                model_blocks = by_model.setdefault(model, {t.label: 0 for t in Tier})
+                for tier, count in tiers.items():
+                    model_blocks[tier.label] += count
+                    blocks[tier.label] += count
+        models = sorted(set(by_model) | {s.model for s in own_streams if s.model})
+        owners = self._owners()
+        report: dict[str, Any] = {
+            "pod": pod,
+            "members": sorted(members),
+            "models": models,
+            "blocks": blocks,
+            "blocks_by_model": by_model,
+            "last_event_ts": max((s.last_batch_ts or 0.0 for s in own_streams), default=None)
+            or None,
+            "last_seq": {s.member: s.last_seq for s in own_streams},
+            "gaps": sum(s.gaps for s in own_streams),
+            "replays": {
+                "ok": sum(s.replays_ok for s in own_streams),
+                "failed": sum(s.replays_failed for s in own_streams),
+            },
+            "restarts": sum(s.restarts for s in own_streams),
+            "stream_state": _worst_state(own_streams),
+            "streams": [_stream_dict(s) for s in own_streams],
+            "hash_check": {m: self._verifier.status(m).as_dict() for m in sorted(members)}
+            if self._verifier is not None
+            else {},
+        }
+        if pod in discovered:
+            report["discovery"] = dict(discovered[pod])
+        member_owners = {m: owners[m] for m in sorted(members) if m in owners}
+        if member_owners:
+            report["owners"] = member_owners
+        return report
+
+    def warnings(self, model: str) -> list[str]:
+        """Problems that make scores for ``model`` untrustworthy, cached for a second:
+        a hash mismatch means a pod's entries can never match; a gapped stream means
+        its entries may be stale."""
+        now = self._clock()
+        expires, cached = self._warnings
+        if now >= expires:
+            cached = self._compute_warnings()
+            self._warnings = (now + self._warnings_ttl, cached)
+        return cached.get(model, [])
+
+    def _compute_warnings(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for stream in self._streams():
+            problems = []
+            if self._verifier is not None:
+                check = self._verifier.status(stream.member)
+                if check.state is CheckState.MISMATCH:
+                    problems.append(
+                        f"pod {stream.member}: block hashes do not match ({check.diagnosis}); "
+                        f"{check.action}"
+                    )
+            if stream.state in _UNHEALTHY_STREAMS:
+                problems.append(
+                    f"pod {stream.member}: event stream {stream.state} "
+                    f"({stream.missed_batches} batches missed); its entries may be stale"
+                )
+            if problems:
+                out.setdefault(stream.model, []).extend(problems)
+        return out
+
+
+def _worst_state(streams: Sequence[StreamStatus]) -> str | None:
+    order = ["gapped", "resync", "replaying", "live", "standby"]
+    states = {s.state for s in streams}
+    for state in order:
+        if state in states:
+            return state
+    return next(iter(states), None)

@@ -1,0 +1,179 @@
+"""End to end: `kvindex serve` as a real process, three pods publishing over real ZMQ.
+
+Pods A and B publish to kvindex's bound socket (bind mode, topic kv@<pod>@<model>);
+pod C binds its own PUB socket and kvindex connects to it (connect mode). All three
+serve replay on the same port of their own loopback address, as vLLM pods would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from kvindex.events.publisher import EnginePublisher
+from kvindex.events.wire import BlockRemoved, BlockStored
+from kvindex.indexer.keys import BlockHasher, HashConfig
+from tests.ports import free_port
+
+pytestmark = pytest.mark.slow
+
+MODEL = "acme/chat-7b"
+TOKENS = list(range(7, 7 + 16 * 64))
+OTHER = list(range(50_000, 50_000 + 16 * 8))
+HASHER = BlockHasher(HashConfig())
+KEYS, OTHER_KEYS = HASHER.keys(TOKENS), HASHER.keys(OTHER)
+POD_A, POD_B, POD_C = "127.0.0.1:8000", "127.0.0.2:8000", "127.0.0.3:8000"
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what or check}")
+
+
+@pytest.fixture
+def cluster() -> Iterator[dict]:
+    http, bind, replay, c_port = free_port(), free_port(), free_port(), free_port()
+    url = f"http://127.0.0.1:{http}"
+    env = {**os.environ, "KVINDEX_ADMIN_TOKEN": "t0ken", "KVINDEX_REPLAY_PORT": str(replay)}
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvindex.api.cli",
+            "serve",
+            "--listen",
+            f"127.0.0.1:{http}",
+            "--zmq-bind",
+            f"tcp://127.0.0.1:{bind}",
+            "--zmq-connect",
+            f"{POD_C}@{MODEL}=tcp://127.0.0.3:{c_port}",
+            "--log-format",
+            "json",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    pubs: list[EnginePublisher] = []
+    try:
+        eventually(lambda: _ready(url), 20.0, "kvindex to be ready")
+        for pod in (POD_A, POD_B):
+            host = pod.split(":")[0]
+            pubs.append(
+                EnginePublisher(
+                    f"tcp://127.0.0.1:{bind}",
+                    topic=f"kv@{pod}@{MODEL}",
+                    replay_endpoint=f"tcp://{host}:{replay}",
+                    vllm_version="0.22",
+                )
+            )
+        pubs.append(
+            EnginePublisher(
+                f"tcp://127.0.0.3:{c_port}",
+                replay_endpoint=f"tcp://127.0.0.3:{replay}",
+                vllm_version="0.33",
+                bind=True,
+            )
+        )
+        for pub in pubs:
+            assert pub.wait_for_subscribers(1, 10.0)
+        yield {"url": url, "a": pubs[0], "b": pubs[1], "c": pubs[2], "server": server}
+    finally:
+        for pub in pubs:
+            pub.close()
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=5)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def scores(url: str, tokens: list[int] = TOKENS) -> dict[str, int]:
+    answer = httpx.post(
+        f"{url}/score", json={"model": MODEL, "token_ids": tokens}, timeout=5
+    ).json()
+    return {p["pod"]: p["matched_blocks"] for p in answer["pods"]}
+
+
+def pod(url: str, pod_id: str) -> dict:
+    return httpx.get(f"{url}/index/pods/{pod_id}", timeout=5).json()
+
+
+def stored(keys: list[int], tokens: list[int], n: int) -> BlockStored:
+    return BlockStored(keys[:n], None, tokens[: n * 16], 16)
+
+
+def test_three_pods_restart_gap_and_purge(cluster: dict) -> None:
+    url, a, b, c = cluster["url"], cluster["a"], cluster["b"], cluster["c"]
+    a.publish([stored(KEYS, TOKENS, 64)])
+    b.publish([stored(KEYS, TOKENS, 32)])
+    c.publish([stored(KEYS, TOKENS, 16)])
+    eventually(lambda: scores(url) == {POD_A: 64, POD_B: 32, POD_C: 16}, what="three pods indexed")
+
+    answer = httpx.post(
+        f"{url}/score",
+        json={"model": MODEL, "token_ids": TOKENS, "pods": [POD_C, "127.0.0.4:8000"]},
+    ).json()
+    assert answer["prompt_blocks"] == 64
+    assert [(p["pod"], p["matched_blocks"]) for p in answer["pods"]] == [
+        (POD_C, 16),
+        ("127.0.0.4:8000", 0),
+    ]
+
+    # Pod B's engine restarts: seq back to 0, its old cache is gone.
+    b.restart()
+    b.publish([stored(OTHER_KEYS, OTHER, 8)])
+    eventually(lambda: POD_B not in scores(url), what="pod B's pre-restart blocks dropped")
+    assert scores(url, OTHER) == {POD_B: 8}
+    assert pod(url, POD_B)["restarts"] == 1
+
+    # Pod C (connect mode, map layout) loses a message: replay fills the gap.
+    c.publish([BlockRemoved(KEYS[8:16])], send=False)
+    c.publish([stored(OTHER_KEYS, OTHER, 4)])
+    eventually(lambda: scores(url).get(POD_C) == 8, what="pod C's gap replayed")
+    report = pod(url, POD_C)
+    assert report["gaps"] == 1 and report["replays"] == {"ok": 1, "failed": 0}
+    assert report["stream_state"] == "live"
+
+    # An operator purges pod A.
+    denied = httpx.delete(f"{url}/index/pods/{POD_A}")
+    assert denied.status_code == 401
+    purged = httpx.delete(f"{url}/index/pods/{POD_A}", headers={"Authorization": "Bearer t0ken"})
+    assert purged.json()["entries_removed"] == 64
+    assert scores(url) == {POD_C: 8}
+
+    pods = httpx.get(f"{url}/index/pods").json()["pods"]
+    assert {p["pod"] for p in pods} == {POD_A, POD_B, POD_C}
+    assert {p["pod"]: p["blocks"]["gpu"] for p in pods} == {POD_A: 0, POD_B: 8, POD_C: 12}
+
+    metrics = httpx.get(f"{url}/metrics").text
+    for line in [
+        "kvindex_pod_restarts_total 1.0",
+        "kvindex_seq_gaps_total 1.0",
+        'kvindex_replays_total{result="ok"} 1.0',
+        'kvindex_events_total{type="BlockStored"} 5.0',
+        'kvindex_events_total{type="BlockRemoved"} 1.0',
+        'kvindex_index_blocks{tier="gpu"} 20.0',
+        "kvindex_pods 3.0",
+        'kvindex_pod_blocks{pod="127.0.0.3:8000",tier="gpu"} 12.0',
+    ]:
+        assert line in metrics, line

@@ -1,0 +1,255 @@
+"""Several `kvindex serve` processes sharing one Redis: real processes, real ZMQ, a real
+redis-server of the test's own (so it can be killed and restarted).
+
+* events flow to one replica, ``/score`` on another answers the same;
+* the replica that owns a pod's stream is killed (SIGKILL): the other takes the stream
+  over when the lease expires and replays what it missed from the pod's replay buffer;
+* Redis restarts mid-ingest: 503s and unready while it is down, then recovery without
+  restarting kvindex and without losing the batches published meanwhile.
+
+Every wait has a deadline; nothing asserts on timing.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvindex.events.publisher import EnginePublisher
+from kvindex.events.wire import BlockStored
+from kvindex.indexer.keys import BlockHasher, HashConfig
+from tests.ports import free_port
+from tests.redis_fixtures import RedisServer
+
+pytestmark = pytest.mark.slow
+
+MODEL = "acme/chat-7b"
+POD = "127.0.0.2:8000"
+TOKENS = list(range(100, 100 + 16 * 40))
+KEYS = BlockHasher(HashConfig()).keys(TOKENS)
+LEASE_TTL_S = 2
+
+
+def eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Replica:
+    """One `kvindex serve` process; its log goes to a file (a pipe nobody reads fills)."""
+
+    def __init__(self, name: str, redis_url: str, log_dir: Path, args: list[str]) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        command = [
+            sys.executable, "-m", "kvindex.api.cli", "serve",
+            "--listen", f"127.0.0.1:{self.port}",
+            "--backend", redis_url,
+            "--redis-prefix", "kvtest-replicas",
+            "--replica-id", name,
+            "--lease-ttl", str(LEASE_TTL_S),
+            "--log-format", "json",
+            *args,
+        ]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def score(self) -> httpx.Response:
+        return httpx.post(
+            f"{self.url}/score", json={"model": MODEL, "token_ids": TOKENS}, timeout=5.0
+        )
+
+    def matched(self) -> dict[str, int]:
+        answer = self.score()
+        if answer.status_code != 200:
+            return {}
+        return {p["pod"]: p["matched_blocks"] for p in answer.json()["pods"]}
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=5.0).text
+
+    def pod(self) -> dict:
+        return httpx.get(f"{self.url}/index/pods/{POD}", timeout=5.0).json()
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(sig)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis", appendonly=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pod_publisher() -> Iterator[EnginePublisher]:
+    """Pod 127.0.0.2 binds its PUB and replay sockets, as a vLLM pod with tcp://*:5557."""
+    publisher = EnginePublisher(
+        f"tcp://127.0.0.2:{free_port()}",
+        replay_endpoint=f"tcp://127.0.0.2:{free_port()}",
+        bind=True,
+    )
+    try:
+        yield publisher
+    finally:
+        publisher.close()
+
+
+@pytest.fixture
+def start_replica(redis: RedisServer, pod_publisher: EnginePublisher, tmp_path: Path):
+    replicas: list[Replica] = []
+    replay_port = pod_publisher.replay_endpoint.rsplit(":", 1)[1]  # type: ignore[union-attr]
+
+    def start(name: str, *, subscribe: bool = True) -> Replica:
+        args = ["--replay-port", replay_port]
+        if subscribe:
+            args += ["--zmq-connect", f"{POD}@{MODEL}={pod_publisher.endpoint}"]
+        replica = Replica(name, redis.url, tmp_path, args)
+        replicas.append(replica)
+        eventually(replica.ready, 30.0, f"replica {name} ready:\n{replica.log()}")
+        return replica
+
+    yield start
+    for replica in replicas:
+        replica.stop()
+
+
+def stored(start: int, end: int) -> BlockStored:
+    parent = KEYS[start - 1] if start else None
+    return BlockStored(KEYS[start:end], parent, TOKENS[start * 16 : end * 16], 16)
+
+
+def test_events_to_one_replica_scores_from_another(
+    start_replica: Callable[..., Replica], pod_publisher: EnginePublisher
+) -> None:
+    a = start_replica("replica-a")
+    b = start_replica("replica-b", subscribe=False)
+    assert pod_publisher.wait_for_subscribers(1, 10.0)
+    pod_publisher.publish([stored(0, 24)])
+    eventually(lambda: a.matched() == {POD: 24}, 15.0, "replica A indexed the pod")
+    eventually(lambda: b.matched() == {POD: 24}, 10.0, "replica B answers from shared state")
+    assert a.score().json()["pods"] == b.score().json()["pods"]
+
+    report = b.pod()
+    assert report["blocks"]["gpu"] == 24
+    assert report["owners"] == {POD: "replica-a"}
+    assert a.pod()["streams"][0]["state"] == "live"
+
+
+def test_owner_killed_another_replica_takes_over_and_replays(
+    start_replica: Callable[..., Replica], pod_publisher: EnginePublisher, redis: RedisServer
+) -> None:
+    a = start_replica("replica-a")
+    b = start_replica("replica-b")
+    assert pod_publisher.wait_for_subscribers(2, 10.0)
+    pod_publisher.publish([stored(0, 8)])
+    eventually(lambda: b.matched() == {POD: 8}, 15.0, "the first batch indexed")
+    eventually(lambda: POD in a.pod().get("owners", {}), 10.0, "an owner in /index/pods")
+    owner_name = a.pod()["owners"][POD]
+    owner, survivor = (a, b) if owner_name == "replica-a" else (b, a)
+    survivor_report = survivor.pod()
+    assert survivor_report["streams"][0]["state"] == "standby"
+    client = redis.client()
+    position = f"kvtest-replicas:stream:{{{POD}}}:pos"
+    eventually(lambda: client.get(position) == b"0", 10.0, "the owner to store its position")
+
+    owner.stop(signal.SIGKILL)
+    # Published while the dead replica's lease has not expired: nobody applies these;
+    # the survivor sees them live, drops them, and must replay them after takeover.
+    pod_publisher.publish([stored(8, 16)])
+    pod_publisher.publish([stored(16, 24)])
+    pod_publisher.publish([stored(24, 40)])
+
+    eventually(
+        lambda: survivor.pod().get("owners") == {POD: survivor.name},
+        10.0 + LEASE_TTL_S,
+        f"{survivor.name} to take the stream over:\n{survivor.log()}",
+    )
+    eventually(
+        lambda: survivor.matched() == {POD: 40},
+        10.0,
+        f"the missed batches replayed:\n{survivor.log()}",
+    )
+    stream = survivor.pod()["streams"][0]
+    assert stream["state"] == "live"
+    assert stream["first_seq"] == 1  # resumed after the dead owner's position, seq 0
+    assert stream["replays_ok"] >= 1
+    assert stream["missed_batches"] == 0
+    assert stream["not_owner"] >= 1
+    assert survivor.pod()["blocks"]["gpu"] == 40
+
+
+def test_redis_restart_mid_ingest_recovers_without_losing_blocks(
+    start_replica: Callable[..., Replica], pod_publisher: EnginePublisher, redis: RedisServer
+) -> None:
+    a = start_replica("replica-a")
+    assert pod_publisher.wait_for_subscribers(1, 10.0)
+    pod_publisher.publish([stored(0, 8)])
+    eventually(lambda: a.matched() == {POD: 8}, 15.0, "the first batch indexed")
+
+    redis.stop()
+    refused = a.score()
+    assert refused.status_code == 503
+    assert refused.json()["error"] == "backend_unavailable"
+    assert "Redis" in refused.json()["detail"]
+    unready = httpx.get(f"{a.url}/readyz", timeout=5.0)
+    assert unready.status_code == 503
+    assert "index backend unavailable" in unready.json()["problems"][0]
+    assert httpx.get(f"{a.url}/metrics", timeout=5.0).status_code == 200
+
+    pod_publisher.publish([stored(8, 16)])  # while Redis is down
+    pod_publisher.publish([stored(16, 24)])
+    waiting = f'kvindex_pod_stream_state{{pod="{POD}",state="resync"}} 1.0'
+    eventually(lambda: waiting in a.metrics(), 10.0, "the stream to wait for Redis")
+    # Down long enough for the lease to lapse: the replica stops counting itself the
+    # owner (it keeps the batches queued) and must win the stream back afterwards.
+    fenced = f'kvindex_stream_owned{{pod="{POD}"}} 0.0'
+    eventually(lambda: fenced in a.metrics(), 10.0, "the lapsed lease to show")
+    redis.start()
+
+    eventually(a.ready, 15.0, "replica ready again")
+    eventually(lambda: a.matched() == {POD: 24}, 20.0, f"no lost blocks:\n{a.log()}")
+    pod_publisher.publish([stored(24, 40)])
+    eventually(lambda: a.matched() == {POD: 40}, 10.0, "live ingest again")
+    stream = a.pod()["streams"][0]
+    assert stream["state"] == "live"
+    assert stream["missed_batches"] == 0
+    metrics = a.metrics()
+    assert "kvindex_redis_errors_total" in metrics
+    assert f'kvindex_stream_owned{{pod="{POD}"}} 1.0' in metrics

@@ -1,0 +1,228 @@
+"""The real kvindex service, as a subprocess, and the HTTP client the precise router uses.
+
+The benchmark must go through the service users run - ``kvindex serve`` with its ZMQ
+subscriber and HTTP API - not a model of it. :class:`KvindexProcess` starts it on free
+loopback ports (bind mode: the simulated pods connect their publishers to it);
+:class:`IndexClient` asks ``/score`` and waits for the index to catch up with what the
+pods published (:meth:`IndexClient.wait_applied`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+import msgspec
+
+
+class ServiceError(RuntimeError):
+    """kvindex did not start, or answered something unusable."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class KvindexProcess:
+    """``kvindex serve`` on loopback: HTTP at :attr:`url`, SUB bound at :attr:`zmq_endpoint`.
+
+    ``models`` are declared in a model config file: kvindex answers 404 for a model it
+    has neither configured nor seen in events, and the first requests of a run come
+    before any event. Ports are picked free just before the start; if another process
+    takes one in between, the start is retried with new ports.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int = 16,
+        models: Sequence[str] = ("sim-model",),
+        extra_args: Sequence[str] = (),
+        startup_timeout_s: float = 30.0,
+        attempts: int = 3,
+    ) -> None:
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
+            prefix="kvindex-sim-", suffix=".log", delete=False
+        )
+        self.log_path = self._log.name
+        with tempfile.NamedTemporaryFile(
+            "wb", prefix="kvindex-sim-models-", suffix=".json", delete=False
+        ) as config:
+            config.write(
+                msgspec.json.encode({"models": {m: {"block_size": block_size} for m in models}})
+            )
+        self._config_path = config.name
+        self._proc: subprocess.Popen[bytes] | None = None
+        last_error = ""
+        for _ in range(attempts):
+            http_port, zmq_port = free_port(), free_port()
+            self.url = f"http://127.0.0.1:{http_port}"
+            self.zmq_endpoint = f"tcp://127.0.0.1:{zmq_port}"
+            command = [
+                sys.executable,
+                "-m",
+                "kvindex.api.cli",
+                "serve",
+                "--listen",
+                f"127.0.0.1:{http_port}",
+                "--zmq-bind",
+                self.zmq_endpoint,
+                "--block-size",
+                str(block_size),
+                "--model-config",
+                self._config_path,
+                "--log-level",
+                "warning",
+                *extra_args,
+            ]
+            self._proc = subprocess.Popen(
+                command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+            error = self._wait_ready(startup_timeout_s)
+            if error is None:
+                return
+            last_error = error
+            self._stop()
+        tail = self.log_tail()
+        self.close()
+        raise ServiceError(f"kvindex serve did not start: {last_error}\n{tail}")
+
+    def _wait_ready(self, timeout_s: float) -> str | None:
+        assert self._proc is not None
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(base_url=self.url, timeout=1.0) as client:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    return f"exited with code {self._proc.returncode}"
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        return None
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
+        return f"not ready after {timeout_s:.0f} s"
+
+    def log_tail(self, chars: int = 2000) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()[-chars:]
+
+    def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def close(self) -> None:
+        self._stop()
+        self._log.close()
+        os.unlink(self.log_path)
+        os.unlink(self._config_path)
+
+    def __enter__(self) -> KvindexProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _PodScore(msgspec.Struct):
+    pod: str
+    matched_blocks: int
+
+
+class _ScoreAnswer(msgspec.Struct):
+    pods: list[_PodScore]
+
+
+class IndexClient:
+    """What a gateway does with kvindex: score prompts, read pod state."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0) -> None:
+        self._http = httpx.Client(base_url=url, timeout=timeout_s)
+        self._score_decoder = msgspec.json.Decoder(_ScoreAnswer)
+        self.score_calls = 0
+        self.sync_waits = 0  # wait_applied calls that found the index behind
+        self.sync_timeouts = 0
+        self.sync_wait_s = 0.0
+
+    def score(self, model: str, tokens: Sequence[int], pods: Sequence[str]) -> dict[str, int]:
+        """``POST /score``: matched blocks per candidate pod."""
+        body = msgspec.json.encode({"model": model, "token_ids": tokens, "pods": pods})
+        response = self._http.post(
+            "/score", content=body, headers={"content-type": "application/json"}
+        )
+        if response.status_code != 200:
+            raise ServiceError(f"/score answered {response.status_code}: {response.text[:300]}")
+        self.score_calls += 1
+        answer = self._score_decoder.decode(response.content)
+        return {p.pod: p.matched_blocks for p in answer.pods}
+
+    def pods(self) -> dict[str, dict[str, Any]]:
+        """``GET /index/pods`` by pod id."""
+        response = self._http.get("/index/pods")
+        if response.status_code != 200:
+            raise ServiceError(
+                f"/index/pods answered {response.status_code}: {response.text[:300]}"
+            )
+        return {p["pod"]: p for p in response.json()["pods"]}
+
+    def block_keys(self, pod: str, model: str) -> set[int]:
+        """``GET /index/pods/{pod}/blocks``: every key the index holds for ``pod``."""
+        response = self._http.get(f"/index/pods/{pod}/blocks", params={"model": model})
+        if response.status_code == 404:
+            return set()
+        if response.status_code != 200:
+            raise ServiceError(f"/blocks answered {response.status_code}: {response.text[:300]}")
+        answer = response.json()
+        return {key for keys in answer["blocks"].values() for key in keys}
+
+    def applied_seqs(self) -> dict[str, int]:
+        """The last seq the index applied, per stream member (rank 0's member = pod id)."""
+        seqs: dict[str, int] = {}
+        for report in self.pods().values():
+            seqs.update(report["last_seq"])
+        return seqs
+
+    def wait_applied(self, expected: Mapping[str, int], timeout_s: float = 10.0) -> bool:
+        """Wait until every member's applied seq reaches ``expected``; False on timeout.
+
+        The subscriber updates ``last_seq`` after the sink applied the batch, so once it
+        is reached, ``/score`` answers from an index holding every event up to it.
+        """
+        started = time.monotonic()
+        deadline = started + timeout_s
+        pause = 0.0002
+        waited = False
+        try:
+            while True:
+                applied = self.applied_seqs()
+                if all(applied.get(m, -1) >= seq for m, seq in expected.items()):
+                    return True
+                if not waited:
+                    waited = True
+                    self.sync_waits += 1
+                if time.monotonic() >= deadline:
+                    self.sync_timeouts += 1
+                    return False
+                time.sleep(pause)
+                pause = min(pause * 2, 0.005)
+        finally:
+            self.sync_wait_s += time.monotonic() - started
+
+    def close(self) -> None:
+        self._http.close()

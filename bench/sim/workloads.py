@@ -1,0 +1,365 @@
+"""Traffic: who sends which prompt when, reproducible from a seed.
+
+Four shapes, each a spec whose fields are command-line parameters (see ``__main__``):
+
+* :class:`ChatSpec` - users hold multi-turn conversations; every turn resends the shared
+  system prompt and the whole history (earlier user turns and the model's answers);
+* :class:`SharedPrefixSpec` - groups of prompts that share a long system prompt, each
+  with its own question, arriving shuffled;
+* :class:`DocQASpec` - documents each asked several questions (prompt = document +
+  question);
+* :class:`AgentSpec` - agent tasks: a fixed system prompt and tool definitions, then a
+  history that grows by the model's tool call and the tool's result at every step.
+
+Arrivals: independent requests (shared prefix) form a Poisson process at ``rate``
+requests/s. Sessions (a conversation, a document's questions, an agent task) start as a
+Poisson process at ``sessions_per_s``, and each later request of a session is sent a
+think time (exponential, mean ``think_s``) after the previous answer is complete - its
+prompt contains that answer. So load is set by how many sessions overlap, and a slow
+cluster slows its users down as real users would be slowed; the report gives the
+request rate each run achieved.
+
+Token ids are random, so two prompts share a block only where the workload says they
+share content. Chat templates' role tokens are not modelled (they are constant
+per-turn overhead). Outputs are fixed by the seed: the tokens a pod "generates" are the
+ones the next turn resends, as when a client returns the model's answer verbatim.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+from kvindex.indexer.keys import BlockHasher
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One request. ``after`` is the request whose answer this one waits for (same
+    session); the first request of a session arrives at ``start_s``."""
+
+    rid: int
+    session: int
+    group: str  # the reusable context: a system prompt group, a document, ...
+    prompt: list[int]
+    output: list[int]
+    fresh_tokens: int  # new content in this prompt (question, user turn, tool result)
+    start_s: float = 0.0
+    after: int | None = None
+    think_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeyedRequest:
+    """A request with its block keys, computed once and shared by every policy's run.
+
+    ``keys`` are the keys of every full block the request will ever cache: its prompt
+    and its output except the last token (whose KV is never computed). A pod may reuse
+    at most ``hit_limit`` blocks: vLLM recomputes the last prompt token to get logits,
+    so a fully cached prompt still computes its last block.
+    """
+
+    request: SimRequest
+    keys: list[int]
+    prompt_blocks: int
+    hit_limit: int
+    total_blocks: int  # blocks allocated for prompt + output
+
+    @property
+    def prompt_keys(self) -> list[int]:
+        return self.keys[: self.prompt_blocks]
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    kind: str
+    params: dict[str, Any]
+    requests: list[SimRequest]
+    sessions: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt) for r in self.requests)
+
+
+@dataclass(slots=True)
+class PreparedWorkload:
+    """A workload with its keys and reference figures.
+
+    ``ideal_prefill_tokens``: what one pod with an unbounded cache computes, in
+    generation order (every shared context once, plus everything new); the target a
+    router can at best approach. ``prompt_tokens``: what no prefix cache computes.
+    """
+
+    workload: Workload
+    requests: list[KeyedRequest]
+    block_size: int
+    ideal_prefill_tokens: int = 0
+    prompt_tokens: int = 0
+    by_rid: dict[int, KeyedRequest] = field(default_factory=dict)
+
+
+def prepare(workload: Workload, hasher: BlockHasher) -> PreparedWorkload:
+    """Hash every request once (vLLM's chain, the index's own key function)."""
+    size = hasher.config.block_size
+    keyed = []
+    for req in workload.requests:
+        plen, olen = len(req.prompt), len(req.output)
+        cached_tokens = plen + max(olen - 1, 0)
+        keys = hasher.keys(req.prompt + req.output[: max(olen - 1, 0)])
+        keyed.append(
+            KeyedRequest(
+                req,
+                keys[: cached_tokens // size],
+                plen // size,
+                (plen - 1) // size,
+                math.ceil((plen + olen) / size),
+            )
+        )
+    prepared = PreparedWorkload(workload, keyed, size)
+    prepared.by_rid = {k.request.rid: k for k in keyed}
+    prepared.prompt_tokens = workload.prompt_tokens
+    prepared.ideal_prefill_tokens = _ideal_prefill(keyed, size)
+    return prepared
+
+
+def _ideal_prefill(keyed: list[KeyedRequest], block_size: int) -> int:
+    seen: set[int] = set()
+    total = 0
+    for k in keyed:
+        hit = 0
+        for key in k.keys[: k.hit_limit]:
+            if key not in seen:
+                break
+            hit += 1
+        total += len(k.request.prompt) - hit * block_size
+        seen.update(k.keys)
+    return total
+
+
+# -- generators ---------------------------------------------------------------------
+
+
+class _Source:
+    """Seeded randomness for one workload: token content, lengths, gaps."""
+
+    VOCAB = (100, 32_000)
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def tokens(self, count: int) -> list[int]:
+        low, high = self.VOCAB
+        randrange = self.rng.randrange
+        return [randrange(low, high) for _ in range(count)]
+
+    def around(self, mean: int) -> int:
+        """A length uniform in [mean/2, 3*mean/2] (at least 1)."""
+        if mean <= 1:
+            return max(mean, 1)
+        return self.rng.randint(max(mean // 2, 1), mean + mean // 2)
+
+    def gap(self, rate: float) -> float:
+        return self.rng.expovariate(rate) if rate > 0 else 0.0
+
+    def think(self, mean_s: float) -> float:
+        return self.rng.expovariate(1.0 / mean_s) if mean_s > 0 else 0.0
+
+
+class WorkloadSpec:
+    """Base of the specs: a name, a kind, and ``build(seed)``."""
+
+    kind: ClassVar[str]
+    help: ClassVar[str]
+
+    def build(self, seed: int, name: str | None = None) -> Workload:
+        raise NotImplementedError
+
+    def params(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    def _sessions(
+        self,
+        src: _Source,
+        count: int,
+        rate: float,
+        make: Callable[[int, float, list[SimRequest]], None],
+    ) -> list[SimRequest]:
+        out: list[SimRequest] = []
+        start = 0.0
+        for session in range(count):
+            start += src.gap(rate)
+            make(session, start, out)
+        return out
+
+
+@dataclass(slots=True)
+class ChatSpec(WorkloadSpec):
+    kind: ClassVar[str] = "chat"
+    help: ClassVar[str] = "multi-turn chat: users x turns, shared system prompt, full history"
+    users: int = 120
+    turns: int = 8
+    system_tokens: int = 500
+    user_tokens: int = 150
+    output_tokens: int = 250
+    think_s: float = 10.0
+    sessions_per_s: float = 1.0
+
+    def build(self, seed: int, name: str | None = None) -> Workload:
+        src = _Source(seed)
+        system = src.tokens(self.system_tokens)
+        rid = iter(range(1 << 62))
+
+        def conversation(session: int, start: float, out: list[SimRequest]) -> None:
+            history = system
+            prev: int | None = None
+            for _ in range(self.turns):
+                user = src.tokens(src.around(self.user_tokens))
+                prompt = history + user
+                answer = src.tokens(src.around(self.output_tokens))
+                req = SimRequest(
+                    rid=next(rid),
+                    session=session,
+                    group="chat",
+                    prompt=prompt,
+                    output=answer,
+                    fresh_tokens=len(user),
+                    start_s=start,
+                    after=prev,
+                    think_s=src.think(self.think_s) if prev is not None else 0.0,
+                )
+                out.append(req)
+                prev, history = req.rid, prompt + answer
+
+        reqs = self._sessions(src, self.users, self.sessions_per_s, conversation)
+        return Workload(name or self.kind, self.kind, self.params(), reqs, self.users)
+
+
+@dataclass(slots=True)
+class SharedPrefixSpec(WorkloadSpec):
+    kind: ClassVar[str] = "shared"
+    help: ClassVar[str] = "groups of prompts sharing a long system prompt, shuffled arrivals"
+    groups: int = 150
+    prompts: int = 5
+    system_tokens: int = 6000
+    question_tokens: int = 1200
+    output_tokens: int = 100
+    rate: float = 3.0
+
+    def build(self, seed: int, name: str | None = None) -> Workload:
+        src = _Source(seed)
+        systems = [src.tokens(self.system_tokens) for _ in range(self.groups)]
+        order = [g for g in range(self.groups) for _ in range(self.prompts)]
+        src.rng.shuffle(order)
+        reqs = []
+        t = 0.0
+        for rid, group in enumerate(order):
+            t += src.gap(self.rate)
+            question = src.tokens(src.around(self.question_tokens))
+            answer = src.tokens(src.around(self.output_tokens))
+            reqs.append(
+                SimRequest(
+                    rid, rid, f"g{group}", systems[group] + question, answer, len(question), t
+                )
+            )
+        return Workload(name or self.kind, self.kind, self.params(), reqs, len(reqs))
+
+
+@dataclass(slots=True)
+class DocQASpec(WorkloadSpec):
+    kind: ClassVar[str] = "docqa"
+    help: ClassVar[str] = "long-document QA: each document asked several questions in turn"
+    docs: int = 60
+    questions: int = 10
+    doc_tokens: int = 4000
+    question_tokens: int = 60
+    output_tokens: int = 150
+    think_s: float = 5.0
+    sessions_per_s: float = 0.4
+
+    def build(self, seed: int, name: str | None = None) -> Workload:
+        src = _Source(seed)
+        rid = iter(range(1 << 62))
+
+        def document(session: int, start: float, out: list[SimRequest]) -> None:
+            doc = src.tokens(self.doc_tokens)
+            prev: int | None = None
+            for _ in range(self.questions):
+                question = src.tokens(src.around(self.question_tokens))
+                req = SimRequest(
+                    rid=next(rid),
+                    session=session,
+                    group=f"doc{session}",
+                    prompt=doc + question,
+                    output=src.tokens(src.around(self.output_tokens)),
+                    fresh_tokens=len(question),
+                    start_s=start,
+                    after=prev,
+                    think_s=src.think(self.think_s) if prev is not None else 0.0,
+                )
+                out.append(req)
+                prev = req.rid
+
+        reqs = self._sessions(src, self.docs, self.sessions_per_s, document)
+        return Workload(name or self.kind, self.kind, self.params(), reqs, self.docs)
+
+
+@dataclass(slots=True)
+class AgentSpec(WorkloadSpec):
+    kind: ClassVar[str] = "agent"
+    help: ClassVar[str] = "agent loop: system prompt + tool definitions + growing history"
+    tasks: int = 40
+    steps: int = 20
+    system_tokens: int = 1500
+    tools_tokens: int = 3000
+    task_tokens: int = 200
+    output_tokens: int = 120
+    observation_tokens: int = 400
+    think_s: float = 1.0
+    sessions_per_s: float = 0.2
+
+    def build(self, seed: int, name: str | None = None) -> Workload:
+        src = _Source(seed)
+        preamble = src.tokens(self.system_tokens) + src.tokens(self.tools_tokens)
+        rid = iter(range(1 << 62))
+
+        def task(session: int, start: float, out: list[SimRequest]) -> None:
+            fresh = src.tokens(src.around(self.task_tokens))
+            history = preamble + fresh
+            prev: int | None = None
+            for _ in range(self.steps):
+                call = src.tokens(src.around(self.output_tokens))
+                req = SimRequest(
+                    rid=next(rid),
+                    session=session,
+                    group="agent",
+                    prompt=history,
+                    output=call,
+                    fresh_tokens=len(fresh),
+                    start_s=start,
+                    after=prev,
+                    think_s=src.think(self.think_s) if prev is not None else 0.0,
+                )
+                out.append(req)
+                fresh = src.tokens(src.around(self.observation_tokens))
+                prev, history = req.rid, history + call + fresh
+
+        reqs = self._sessions(src, self.tasks, self.sessions_per_s, task)
+        return Workload(name or self.kind, self.kind, self.params(), reqs, self.tasks)
+
+
+SPECS: dict[str, type[WorkloadSpec]] = {
+    spec.kind: spec for spec in (ChatSpec, SharedPrefixSpec, DocQASpec, AgentSpec)
+}
+
+
+def spec_fields(spec: type[WorkloadSpec]) -> list[tuple[str, type, Any]]:
+    """(name, type, default) of a spec's parameters, for the command line."""
+    out = []
+    for f in fields(spec):  # type: ignore[arg-type]
+        out.append((f.name, type(f.default), f.default))
+    return out

@@ -30,8 +30,10 @@ from kvindex.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    DecodeError,
     hash_to_int,
     hashes_to_ints,
+    tokens_of,
 )
 from kvindex.indexer.backend import Change, IndexBackend, Op, Tier
 from kvindex.indexer.keys import BlockExtras
@@ -147,7 +149,12 @@ class Ingestor:
 
     def _content_keys(self, member: str, model: str, tier: Tier, event: BlockStored) -> list[int]:
         engine_keys = hashes_to_ints(event.block_hashes)
-        if not event.token_ids:
+        try:
+            tokens = tokens_of(event)
+        except DecodeError:
+            self.counts.skipped["invalid_token_ids"] += 1
+            return []
+        if not tokens:
             own, unknown = self._engine_map.resolve_many(member, tier, engine_keys)
             if unknown:
                 self.counts.skipped["unresolved_placeholder_block"] += unknown
@@ -167,7 +174,7 @@ class Ingestor:
             hasher = self._content[model] = ContentHasher(block_size)
         extras = _content_extras(event)
         try:
-            own = hasher.keys(event.token_ids, extras, parent, 0 if parent is None else 1)
+            own = hasher.keys(tokens, extras, parent, 0 if parent is None else 1)
         except TokenRangeError:
             self.counts.skipped["token_out_of_range"] += 1
             return []

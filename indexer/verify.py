@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvindex.events.wire import BlockStored, hash_to_int
+from kvindex.events.wire import BlockStored, DecodeError, hash_to_int, tokens_of
 from kvindex.indexer.keys import (
     BlockExtras,
     BlockHasher,
@@ -107,14 +107,26 @@ class HashVerifier:
         self._seen[member] = seen + 1
         if seen >= self._full_checks and seen % self._sample_every:
             return
-        if not event.token_ids or event.block_size <= 0:
+        if event.block_size <= 0:
             return  # placeholder (CPU offload) event: nothing to recompute
         parent = event.parent_block_hash
         if parent is not None and not isinstance(parent, bytes):
             return  # truncated uint64 parent: cannot chain from it
-        self._check(member, model, event, parent)
+        try:
+            tokens = tokens_of(event)
+        except DecodeError:
+            return  # malformed token ids: nothing to recompute from
+        if tokens:
+            self._check(member, model, event, tokens, parent)
 
-    def _check(self, member: str, model: str, event: BlockStored, parent: bytes | None) -> None:
+    def _check(
+        self,
+        member: str,
+        model: str,
+        event: BlockStored,
+        tokens: list[int],
+        parent: bytes | None,
+    ) -> None:
         check = self._checks.setdefault(member, HashCheck())
         keying = self._keying(model)
         config = keying.hash
@@ -133,17 +145,13 @@ class HashVerifier:
                 f"(--block-size or the model config; kvindex uses {config.block_size})",
             )
             return
-        count = min(
-            len(event.block_hashes), self._max_blocks, len(event.token_ids) // config.block_size
-        )
+        count = min(len(event.block_hashes), self._max_blocks, len(tokens) // config.block_size)
         if count == 0:
             return
         try:
             extras = _event_extras(event, keying, config.extra_key_style)
             want = [hash_to_int(h) for h in event.block_hashes[:count]]
-            got = self._hasher(model).keys(
-                event.token_ids[: count * config.block_size], extras, parent
-            )
+            got = self._hasher(model).keys(tokens[: count * config.block_size], extras, parent)
         except _Unverifiable as exc:
             check.skipped_events += 1
             check.skip_reason = str(exc)
@@ -155,7 +163,9 @@ class HashVerifier:
         if got == want:
             self._record(member, model, check, ok=True)
             return
-        diagnosis, action = self._diagnose(member, model, event, keying, parent, count, want)
+        diagnosis, action = self._diagnose(
+            member, model, event, tokens[: count * config.block_size], keying, parent, want
+        )
         self._record(member, model, check, ok=False, diagnosis=diagnosis, action=action)
 
     def _record(
@@ -198,9 +208,9 @@ class HashVerifier:
         member: str,
         model: str,
         event: BlockStored,
+        tokens: list[int],
         keying: ModelKeying,
         parent: bytes | None,
-        count: int,
         want: list[int],
     ) -> tuple[str, str]:
         now = self._clock()
@@ -211,7 +221,6 @@ class HashVerifier:
             return check.diagnosis, check.action or ""
         self._last_diagnosis[key] = now
         current = keying.hash
-        tokens = event.token_ids[: count * current.block_size]
         for candidate in _candidates(current):
             try:
                 extras = _event_extras(event, keying, candidate.extra_key_style)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvindex.events.identity import StreamId
 from kvindex.events.sink import Delivery
-from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvindex.events.wire import (
+    AllBlocksCleared,
+    BatchDecoder,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
 from kvindex.indexer.backend import Tier
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import BlockHasher, HashAlgo, HashConfig
@@ -208,3 +215,30 @@ def test_member_stats_count_entries_per_tier(h: Harness) -> None:
     stats = h.backend.member_stats(POD_A.member)
     assert stats is not None
     assert stats.blocks == {"m": {Tier.GPU: 8, Tier.STORAGE: 2}}
+
+
+def decoded_stored(keys: list[int], token_ids: object) -> BlockStored:
+    """A BlockStored as the subscriber hands it over: decoded off the wire."""
+    payload = msgspec.msgpack.encode([0.0, [["BlockStored", keys, None, token_ids, 16]]])
+    (event,) = BatchDecoder().decode(payload).batch.events
+    return event
+
+
+def test_wire_decoded_events_index_and_verify(h: Harness) -> None:
+    h.send(POD_A, decoded_stored(KEYS, TOKENS))
+    assert h.matched()[POD_A.member][0] == 8
+    assert h.verifier.status(POD_A.member).state is CheckState.OK
+
+
+def test_malformed_token_ids_cost_only_the_check(h: Harness) -> None:
+    # The hashes are fine, so the blocks are indexed; the tokens can't be checked.
+    h.send(POD_A, decoded_stored(KEYS, ["not", "tokens"]))
+    assert h.matched()[POD_A.member][0] == 8
+    assert h.verifier.status(POD_A.member).checked_events == 0
+
+
+def test_malformed_token_ids_are_skipped_in_token_mode() -> None:
+    h = tokens_harness()
+    h.send(POD_A, decoded_stored(random_seed_keys("a"), ["not", "tokens"]))
+    assert h.matched() == {}
+    assert h.ingestor.counts.skipped["invalid_token_ids"] == 1

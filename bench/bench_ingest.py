@@ -1,10 +1,10 @@
 """End-to-end ingest: frames on a ZMQ socket -> subscriber -> ingestor -> memory index.
 
 A publisher process sends pre-encoded vLLM batches (32-block BlockStored events with
-their token ids, unique random hashes) as fast as ZMQ takes them; this process runs the
-real Subscriber (receiver + applier threads), Ingestor (with the sampled hash check)
-and MemoryBackend, pinned to one core, and measures blocks applied per second from the
-first delivery to the last. Prints figures; asserts nothing.
+their token ids: real vLLM hashes of random prompts) as fast as ZMQ takes them; this
+process runs the real Subscriber (receiver + applier threads), Ingestor (with the
+sampled hash check) and MemoryBackend, pinned to one core, and measures blocks applied
+per second from the first delivery to the last. Prints figures; asserts nothing.
 
     python bench/bench_ingest.py [--blocks 2000000] [--events-per-batch 1 8]
 """
@@ -23,6 +23,7 @@ from kvindex.events.layouts import wire_format
 from kvindex.events.subscriber import Subscriber
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.keys import BlockHasher, HashConfig
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.models import ModelCatalog
 from kvindex.indexer.verify import HashVerifier
@@ -49,15 +50,14 @@ def _publish(endpoint: str, batches: int, events_per_batch: int, version: str, r
 
     fmt = wire_format(version)
     rng = random.Random(7)
+    hasher = BlockHasher(HashConfig(block_size=BLOCK_SIZE), memo_size=0)
     payloads = []
-    tokens = list(range(BLOCKS_PER_EVENT * BLOCK_SIZE))
     for _ in range(min(batches, 2000)):
-        events = [
-            BlockStored(
-                [rng.getrandbits(64) for _ in range(BLOCKS_PER_EVENT)], None, tokens, BLOCK_SIZE
-            )
-            for _ in range(events_per_batch)
-        ]
+        events = []
+        for _ in range(events_per_batch):
+            # Real vLLM hashes of random prompts, so the sampled hash check passes.
+            tokens = [rng.randrange(150_000) for _ in range(BLOCKS_PER_EVENT * BLOCK_SIZE)]
+            events.append(BlockStored(hasher.keys(tokens), None, tokens, BLOCK_SIZE))
         payloads.append(fmt.encode_batch(events, time.time(), 0))
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)

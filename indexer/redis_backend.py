@@ -1,10 +1,11 @@
 """The Redis backend: one index shared by every kvindex replica, kept across restarts.
 
-Layout (details in :mod:`kvindex.indexer.redis_scripts` and ``indexer/REDIS.md``): per
-model, block keys live in a fixed number of small Redis hashes ("buckets"), each field
-a block key and each value a bitmap of the per-model member ids holding it in that
-tier. Small hashes use Redis's compact listpack encoding, which is why an entry costs
-tens of bytes instead of the ~100 a key per block would. Each member has a reverse
+Layout (details in :mod:`kvindex.indexer.redis_scripts` and the README's "Shared index
+in Redis"): per model, block keys live in a fixed number of Redis hashes ("buckets"),
+each field a block key and each value a bitmap of the per-model member ids holding it
+in that tier: one hash field per block (~64 bytes) instead of a Redis key per block
+(~100 bytes), and with many buckets each stays small enough for Redis's compact
+listpack encoding (~19 bytes per block, slower lookups). Each member has a reverse
 record (the keys it came to hold), so clearing a pod costs that pod's blocks, never a
 scan. Every key starts with the prefix and carries the model as its hash tag.
 

@@ -10,7 +10,7 @@ both).
 
 Every index script gets one key, the model's ``meta`` key, and derives the model's
 other keys from it: they share its hash tag, so in Redis Cluster they live in its slot
-(see ``indexer/REDIS.md``). Layout, with ``B`` = ``<prefix>:{<model>}:``:
+(see the README, "Shared index in Redis"). Layout, with ``B`` = ``<prefix>:{<model>}:``:
 
 * ``B meta``   hash: ``buckets`` (fixed when the model is first written), ``next_id``.
 * ``B b:<n>``  hash, one of ``buckets``: field = block key (8 bytes, big-endian) for

@@ -161,6 +161,7 @@ def _agreement(runs: Runs) -> Claim:
     return Claim(
         name,
         True,
-        f"{checked} runs: block counts equal, every probed chain matched, no score at "
+        f"{checked} runs: key sets equal block for block, block counts equal, every probed "
+        "chain matched, no score at "
         "decision time differed from the pods' true caches, no sync timed out",
     )

@@ -69,7 +69,8 @@ def _index_note(r: RunResult) -> str | None:
         f"precise via kvindex: {i['score_calls']:,} /score calls, {i['syncs']:,} syncs "
         f"({i['sync_waits']:,} found the index behind, {i['sync_timeouts']} timed out, "
         f"{i['sync_wait_s']:.1f} s), {i['score_mismatches']} score mismatches; index "
-        f"{verdict} with the pods ({a['probed_chains']:,}/{a['chains']:,} chains probed)"
+        f"{verdict} with the pods (key sets compared block for block; "
+        f"{a['probed_chains']:,}/{a['chains']:,} chains probed)"
     )
 
 

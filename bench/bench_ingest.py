@@ -15,9 +15,9 @@ import argparse
 import multiprocessing
 import os
 import random
-import socket
 import time
 
+from kvindex.api.testing import free_port
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.layouts import wire_format
 from kvindex.events.subscriber import Subscriber
@@ -30,12 +30,6 @@ from kvindex.indexer.verify import HashVerifier
 
 BLOCKS_PER_EVENT = 32
 BLOCK_SIZE = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _publish(endpoint: str, batches: int, events_per_batch: int, version: str, ready) -> None:
@@ -105,7 +99,7 @@ def run(blocks: int, events_per_batch: int, version: str) -> dict[str, float]:
     subscriber = Subscriber(
         sink, SubscriberConfig(queue_capacity=1_000_000, catch_up_on_first_contact=False)
     )
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     subscriber.bind(endpoint)
     subscriber.start()
     ready = multiprocessing.Event()

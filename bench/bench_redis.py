@@ -29,7 +29,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import redis
 
+from kvindex.api.testing import ServeProcess, free_port
 from kvindex.indexer.backend import Change, MemberMatch, Op, Tier
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from kvindex.indexer.redis_backend import RedisBackend, pack_keys
@@ -50,12 +50,6 @@ EVENT_BLOCKS = 32  # blocks per BlockStored (one scheduler step of a busy pod)
 EVENTS_PER_CALL = 64  # the applier's batches_per_turn: one stream's turn is one apply
 PROMPT_TOKENS = 8192
 BLOCK_SIZE = 16
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def member_ids(n: int) -> list[str]:
@@ -301,28 +295,12 @@ def bench_lookup(args: argparse.Namespace, backend: RedisBackend, tokens: list[i
 
 
 def bench_http(args: argparse.Namespace, url: str, prefix: str, tokens: list[int]) -> None:
-    port = free_port()
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - outlives this statement, closed below
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvindex.api.cli",
-            "serve",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--backend",
-            url,
-            "--redis-prefix",
-            prefix,
-            "--log-level",
-            "warning",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    server = ServeProcess(
+        "--backend", url, "--redis-prefix", prefix, "--log-level", "warning"
+    )  # fmt: skip
     try:
-        conn = _wait_ready(port)
+        server.wait_ready()
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         bodies = {
             "same prompt each time": [json.dumps({"model": MODEL, "token_ids": tokens}).encode()],
             "fresh second half each time": [
@@ -357,9 +335,7 @@ def bench_http(args: argparse.Namespace, url: str, prefix: str, tokens: list[int
             inside = (_score_seconds(conn) - before) / (args.requests + 20) * 1000
             print(f"  {name:<30} {percentiles(samples)}   in handler {inside:5.3f} ms")
     finally:
-        server.terminate()
-        server.wait(timeout=15)
-        log.close()
+        server.stop()
 
 
 def _score_seconds(conn: http.client.HTTPConnection) -> float:
@@ -370,22 +346,6 @@ def _score_seconds(conn: http.client.HTTPConnection) -> float:
         if line.startswith("kvindex_score_seconds_sum"):
             return float(line.split()[-1])
     return 0.0
-
-
-def _wait_ready(port: int) -> http.client.HTTPConnection:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-            conn.request("GET", "/readyz")
-            response = conn.getresponse()
-            response.read()
-            if response.status == 200:
-                return conn
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("kvindex serve did not become ready")
 
 
 # -- main ---------------------------------------------------------------------------------------

@@ -24,13 +24,11 @@ import json
 import multiprocessing
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 import urllib.request
+
+from kvindex.api.testing import ServeProcess, free_port
 
 BLOCK = 16
 PROMPT_TOKENS = 8192
@@ -38,27 +36,9 @@ PODS = 64
 MODEL = "bench/model"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as response:
         return json.loads(response.read())
-
-
-def _wait_ready(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if _get(f"{url}/readyz")["status"] == "ready":
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit("kvindex did not become ready")
 
 
 def _fill(zmq_endpoint: str, url: str, prompt: list[int]) -> None:
@@ -169,27 +149,16 @@ def main() -> None:
     parser.add_argument("--backend", default="memory")
     args = parser.parse_args()
 
-    http, zport = _free_port(), _free_port()
-    url = f"http://127.0.0.1:{http}"
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvindex.api.cli",
-            "serve",
-            "--listen",
-            f"127.0.0.1:{http}",
-            "--zmq-bind",
-            f"tcp://127.0.0.1:{zport}",
-            "--backend",
-            args.backend,
-            "--log-level",
-            "warning",
-        ],
+    zport = free_port()
+    server = ServeProcess(
+        "--zmq-bind", f"tcp://127.0.0.1:{zport}",
+        "--backend", args.backend,
+        "--log-level", "warning",
         env={**os.environ, "KVINDEX_REDIS_PREFIX": f"bench-score-{os.getpid()}"},
-    )
+    )  # fmt: skip
+    http, url = server.port, server.url
     try:
-        _wait_ready(url)
+        server.wait_ready()
         rng = random.Random(11)
         prompt = [rng.randrange(1, 150_000) for _ in range(PROMPT_TOKENS)]
         _fill(f"tcp://127.0.0.1:{zport}", url, prompt)
@@ -223,11 +192,7 @@ def main() -> None:
                 f"({many['requests']} requests)"
             )
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        server.stop()
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from kvindex.api.testing import free_port
 from kvindex.indexer.redis_backend import RedisBackend
-from tests.ports import free_port
 
 REDIS_URL = os.environ.get("KVINDEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 _STARTUP_S = 10.0

@@ -16,11 +16,11 @@ from fastapi.testclient import TestClient
 from kvindex.api.app import create_app
 from kvindex.api.config import Settings
 from kvindex.api.service import Service
+from kvindex.api.testing import free_port
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.testing import wait_until
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from tests.ports import free_port
 
 TOKENS = list(range(1, 16 * 64 + 1))
 KEYS = BlockHasher(HashConfig()).keys(TOKENS)

@@ -14,9 +14,6 @@ import argparse
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,12 +24,12 @@ import pytest
 
 from kvindex.api.cli import build_parser
 from kvindex.api.config import load_model_config
+from kvindex.api.testing import ServeProcess, free_port
 from kvindex.events.identity import parse_topic
 from kvindex.events.k8s_pods import DiscoveryConfig, PodFacts, plan_pod
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockRemoved, BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from tests.ports import free_port
 
 yaml = pytest.importorskip("yaml")
 kubernetes = pytest.importorskip("kubernetes")
@@ -495,31 +492,13 @@ def referenced_metrics() -> tuple[dict[str, set[str]], list[tuple[str, set[str]]
 
 @pytest.fixture
 def running_kvindex() -> Iterator[str]:
-    http, bind = free_port(), free_port()
-    url = f"http://127.0.0.1:{http}"
+    bind = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVINDEX_")}
-    server = subprocess.Popen(
-        [
-            sys.executable, "-m", "kvindex.api.cli", "serve",
-            "--listen", f"127.0.0.1:{http}",
-            "--zmq-bind", f"tcp://127.0.0.1:{bind}",
-            "--log-level", "warning",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None, "kvindex serve exited"
-            assert time.monotonic() < deadline, "kvindex serve never became ready"
-            time.sleep(0.05)
+    with ServeProcess(
+        "--zmq-bind", f"tcp://127.0.0.1:{bind}", "--log-level", "warning", env=env
+    ) as server:
+        server.wait_ready(30.0)
+        url = server.url
         tokens = list(range(100, 100 + 64))
         keys = BlockHasher(HashConfig()).keys(tokens)
         with EnginePublisher(
@@ -542,13 +521,6 @@ def running_kvindex() -> Iterator[str]:
             )
             assert answer.status_code == 200, answer.text
             yield url
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=5)
 
 
 @pytest.mark.slow

@@ -17,10 +17,8 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.ports import free_port
+from kvindex.api.testing import ServeProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -232,19 +230,11 @@ def test_the_dockerfile_commands_build_install_and_start(stages, tmp_path: Path)
     port = free_port()
     env["KVINDEX_LISTEN"] = f"127.0.0.1:{port}"
     entrypoint = json.loads(final.all("ENTRYPOINT")[-1])
-    server = subprocess.Popen(
-        entrypoint, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                answer = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
-                break
-            except httpx.HTTPError:
-                assert server.poll() is None, server.stdout.read().decode()  # type: ignore[union-attr]
-                assert time.monotonic() < deadline, "the service never answered /healthz"
-                time.sleep(0.1)
+    with ServeProcess(
+        port=port, command=entrypoint, listen_flag=False, env=env, cwd=tmp_path
+    ) as server:
+        server.wait_ready(60.0, path="/healthz")
+        answer = httpx.get(f"{server.url}/healthz", timeout=5)
         assert answer.status_code == 200 and answer.json() == {"status": "ok"}
         module = subprocess.run(
             [str(venv / "bin/python"), "-c", "import kvindex.api; print(kvindex.api.__file__)"],
@@ -255,10 +245,3 @@ def test_the_dockerfile_commands_build_install_and_start(stages, tmp_path: Path)
             check=True,
         ).stdout
         assert str(venv) in module, f"kvindex was imported from {module}, not the install"
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=5)

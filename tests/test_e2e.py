@@ -8,19 +8,16 @@ serve replay on the same port of their own loopback address, as vLLM pods would.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 
+from kvindex.api.testing import ServeProcess, free_port
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockRemoved, BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -43,31 +40,17 @@ def eventually(check: Callable[[], bool], timeout_s: float = 10.0, what: str = "
 
 @pytest.fixture
 def cluster() -> Iterator[dict]:
-    http, bind, replay, c_port = free_port(), free_port(), free_port(), free_port()
-    url = f"http://127.0.0.1:{http}"
+    bind, replay, c_port = free_port(), free_port(), free_port()
     env = {**os.environ, "KVINDEX_ADMIN_TOKEN": "t0ken", "KVINDEX_REPLAY_PORT": str(replay)}
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvindex.api.cli",
-            "serve",
-            "--listen",
-            f"127.0.0.1:{http}",
-            "--zmq-bind",
-            f"tcp://127.0.0.1:{bind}",
-            "--zmq-connect",
-            f"{POD_C}@{MODEL}=tcp://127.0.0.3:{c_port}",
-            "--log-format",
-            "json",
-        ],
+    server = ServeProcess(
+        "--zmq-bind", f"tcp://127.0.0.1:{bind}",
+        "--zmq-connect", f"{POD_C}@{MODEL}=tcp://127.0.0.3:{c_port}",
+        "--log-format", "json",
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    )  # fmt: skip
     pubs: list[EnginePublisher] = []
     try:
-        eventually(lambda: _ready(url), 20.0, "kvindex to be ready")
+        server.wait_ready(20.0)
         for pod in (POD_A, POD_B):
             host = pod.split(":")[0]
             pubs.append(
@@ -88,23 +71,11 @@ def cluster() -> Iterator[dict]:
         )
         for pub in pubs:
             assert pub.wait_for_subscribers(1, 10.0)
-        yield {"url": url, "a": pubs[0], "b": pubs[1], "c": pubs[2], "server": server}
+        yield {"url": server.url, "a": pubs[0], "b": pubs[1], "c": pubs[2], "server": server}
     finally:
         for pub in pubs:
             pub.close()
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=5)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200
-    except httpx.HTTPError:
-        return False
+        server.stop()
 
 
 def scores(url: str, tokens: list[int] = TOKENS) -> dict[str, int]:

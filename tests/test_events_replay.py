@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import zmq
 
+from kvindex.api.testing import free_port
 from kvindex.events import BlockStored, EnginePublisher, fetch_replay
 from kvindex.events.replay import END_SEQ
 
@@ -18,13 +18,6 @@ def ctx() -> Iterator[zmq.Context]:
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("version", ["0.22", "0.25", "0.26", "0.33"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -10,6 +9,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvindex.api.testing import free_port
 from kvindex.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -102,12 +102,6 @@ def stored(*hashes: int) -> list[BlockStored]:
 
 def hashes(deliveries: Sequence[Delivery]) -> list[int]:
     return [h for d in deliveries for e in d.batch.events for h in getattr(e, "block_hashes", [])]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- layouts through the live path ----------------------------------------------------

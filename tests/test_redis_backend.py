@@ -8,10 +8,10 @@ import random
 
 import pytest
 
+from kvindex.api.testing import free_port
 from kvindex.indexer.backend import BackendUnavailable, Change, MemberMatch, Op, Tier
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.redis_backend import CLEAR_CHUNK, RedisBackend, model_tag
-from tests.ports import free_port
 from tests.redis_fixtures import RedisClusterProcess, RedisServer, delete_prefix
 
 M = "acme/model-7b"

@@ -13,8 +13,6 @@ Every wait has a deadline; nothing asserts on timing.
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,10 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvindex.api.testing import ServeProcess, free_port
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from tests.ports import free_port
 from tests.redis_fixtures import RedisServer
 
 pytestmark = pytest.mark.slow
@@ -49,32 +47,23 @@ def eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-class Replica:
-    """One `kvindex serve` process; its log goes to a file (a pipe nobody reads fills)."""
+class Replica(ServeProcess):
+    """One `kvindex serve` replica on the shared Redis."""
 
     def __init__(self, name: str, redis_url: str, log_dir: Path, args: list[str]) -> None:
         self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        command = [
-            sys.executable, "-m", "kvindex.api.cli", "serve",
-            "--listen", f"127.0.0.1:{self.port}",
+        super().__init__(
             "--backend", redis_url,
             "--redis-prefix", "kvtest-replicas",
             "--replica-id", name,
             "--lease-ttl", str(LEASE_TTL_S),
             "--log-format", "json",
             *args,
-        ]  # fmt: skip
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            log_path=log_dir / f"{name}.log",
+        )  # fmt: skip
 
     def ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return self.answers("/readyz")
 
     def score(self) -> httpx.Response:
         return httpx.post(
@@ -93,18 +82,8 @@ class Replica:
     def pod(self) -> dict:
         return httpx.get(f"{self.url}/index/pods/{POD}", timeout=5.0).json()
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.send_signal(sig)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=5)
-
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+        return self.log_tail()
 
 
 @pytest.fixture

@@ -9,10 +9,8 @@ pods published (:meth:`IndexClient.wait_applied`).
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -21,25 +19,20 @@ from typing import Any
 import httpx
 import msgspec
 
+from kvindex.api.testing import ServeProcess, free_port
+
 
 class ServiceError(RuntimeError):
     """kvindex did not start, or answered something unusable."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class KvindexProcess:
     """``kvindex serve`` on loopback: HTTP at :attr:`url`, SUB bound at :attr:`zmq_endpoint`.
 
-    ``models`` are declared in a model config file: kvindex answers 404 for a model it
-    has neither configured nor seen in events, and the first requests of a run come
-    before any event. Ports are picked free just before the start; if another process
-    takes one in between, the start is retried with new ports.
+    ``models`` are declared in a model config file, so the first requests of a run
+    (before any event) are answered with zero scores. Ports are picked free just before
+    the start; if another process takes one in between, the start is retried with new
+    ports.
     """
 
     def __init__(
@@ -51,10 +44,6 @@ class KvindexProcess:
         startup_timeout_s: float = 30.0,
         attempts: int = 3,
     ) -> None:
-        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
-            prefix="kvindex-sim-", suffix=".log", delete=False
-        )
-        self.log_path = self._log.name
         with tempfile.NamedTemporaryFile(
             "wb", prefix="kvindex-sim-models-", suffix=".json", delete=False
         ) as config:
@@ -62,76 +51,35 @@ class KvindexProcess:
                 msgspec.json.encode({"models": {m: {"block_size": block_size} for m in models}})
             )
         self._config_path = config.name
-        self._proc: subprocess.Popen[bytes] | None = None
         last_error = ""
         for _ in range(attempts):
-            http_port, zmq_port = free_port(), free_port()
-            self.url = f"http://127.0.0.1:{http_port}"
-            self.zmq_endpoint = f"tcp://127.0.0.1:{zmq_port}"
-            command = [
-                sys.executable,
-                "-m",
-                "kvindex.api.cli",
-                "serve",
-                "--listen",
-                f"127.0.0.1:{http_port}",
-                "--zmq-bind",
-                self.zmq_endpoint,
-                "--block-size",
-                str(block_size),
-                "--model-config",
-                self._config_path,
-                "--log-level",
-                "warning",
+            self.zmq_endpoint = f"tcp://127.0.0.1:{free_port()}"
+            self._server = ServeProcess(
+                "--zmq-bind", self.zmq_endpoint,
+                "--block-size", str(block_size),
+                "--model-config", self._config_path,
+                "--log-level", "warning",
                 *extra_args,
-            ]
-            self._proc = subprocess.Popen(
-                command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-            error = self._wait_ready(startup_timeout_s)
-            if error is None:
+            )  # fmt: skip
+            self.url = self._server.url
+            self.log_path = self._server.log_path
+            try:
+                self._server.wait_ready(startup_timeout_s)
                 return
-            last_error = error
-            self._stop()
-        tail = self.log_tail()
-        self.close()
-        raise ServiceError(f"kvindex serve did not start: {last_error}\n{tail}")
-
-    def _wait_ready(self, timeout_s: float) -> str | None:
-        assert self._proc is not None
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(base_url=self.url, timeout=1.0) as client:
-            while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    return f"exited with code {self._proc.returncode}"
-                try:
-                    if client.get("/readyz").status_code == 200:
-                        return None
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.05)
-        return f"not ready after {timeout_s:.0f} s"
+            except RuntimeError as exc:
+                last_error = str(exc)
+                self._server.stop()
+        os.unlink(self._config_path)
+        raise ServiceError(f"kvindex serve did not start: {last_error}")
 
     def log_tail(self, chars: int = 2000) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()[-chars:]
-
-    def _stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        return self._server.log_tail(chars)
 
     def close(self) -> None:
-        self._stop()
-        self._log.close()
-        os.unlink(self.log_path)
-        os.unlink(self._config_path)
+        self._server.stop()
+        for path in (self.log_path, self._config_path):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def __enter__(self) -> KvindexProcess:
         return self

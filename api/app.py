@@ -21,7 +21,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.api.schemas import (
     ErrorBody,
-    PodScoreBody,
     PurgeResponse,
     ScoreRequest,
     ScoreResponse,
@@ -145,18 +144,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
             result.block_size,
             result.prompt_tokens,
             result.prompt_blocks,
-            [
-                PodScoreBody(
-                    p.pod,
-                    p.matched_blocks,
-                    p.matched_tokens,
-                    p.gpu_blocks,
-                    p.cpu_blocks,
-                    p.storage_blocks,
-                    p.score,
-                )
-                for p in result.pods
-            ],
+            result.pods,
             service.directory.warnings(req.model),
         )
         service.metrics.score_done(result, time.perf_counter() - started)

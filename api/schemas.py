@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvindex.scoring.scorer import PodScore
+
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 
 
@@ -23,22 +25,12 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     cache_salt: str | None = None
 
 
-class PodScoreBody(msgspec.Struct):
-    pod: str
-    matched_blocks: int
-    matched_tokens: int
-    gpu_blocks: int
-    cpu_blocks: int
-    storage_blocks: int
-    score: float
-
-
 class ScoreResponse(msgspec.Struct):
     model: str
     block_size: int
     prompt_tokens: int
     prompt_blocks: int
-    pods: list[PodScoreBody]
+    pods: list[PodScore]
     warnings: list[str] = []
 
 

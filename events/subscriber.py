@@ -937,14 +937,19 @@ class Subscriber:
         stream.standby = True
         stream.epoch = None
         stream.tracker.restart()
+        self._forget_recovery(stream)
+
+    def _forget_recovery(self, stream: _Stream) -> None:
+        """Drop this replica's replay, retry and gap state of a stream whose ownership
+        changed: the owner's stored position is the truth from now on."""
         stream.replaying = False
         stream.replay_job = None  # a replay in flight is discarded when it ends
         stream.stalled_until = None
         stream.resync_until = None
         stream.backoff = 0.0
         stream.gapped = False
-        self._stalled.discard(sid)
-        self._pending_resets.pop(sid, None)
+        self._stalled.discard(stream.sid)
+        self._pending_resets.pop(stream.sid, None)
 
     def _take_over(self, stream: _Stream, claim: Claim) -> None:
         """This replica now owns the stream (again): forget local sequence state and
@@ -965,14 +970,7 @@ class Subscriber:
         )
         stream.epoch = claim.epoch
         stream.standby = False
-        stream.replaying = False
-        stream.replay_job = None
-        stream.stalled_until = None
-        stream.resync_until = None
-        stream.backoff = 0.0
-        stream.gapped = False
-        self._stalled.discard(sid)
-        self._pending_resets.pop(sid, None)
+        self._forget_recovery(stream)
         tracker.restart()
         if after is not None:
             tracker.expected = after + 1

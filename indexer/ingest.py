@@ -100,12 +100,10 @@ class Ingestor:
         for event in delivery.batch.events:
             if isinstance(event, BlockStored):
                 counts.events["BlockStored"] += 1
-                if not self._indexed_group(member, event.group_idx, event.kv_cache_spec_kind):
-                    counts.skipped["other_kv_group"] += 1
-                    continue
-                tier = _TIERS.get(event.medium)
+                tier = self._tier_for(
+                    member, event.group_idx, event.kv_cache_spec_kind, event.medium
+                )
                 if tier is None:
-                    counts.skipped["unknown_medium"] += 1
                     continue
                 if tokens_mode:
                     keys = self._content_keys(member, model, tier, event)
@@ -118,12 +116,8 @@ class Ingestor:
                     changes.append(Change(Op.STORE, member, model, tier, keys))
             elif isinstance(event, BlockRemoved):
                 counts.events["BlockRemoved"] += 1
-                if not self._indexed_group(member, event.group_idx, None):
-                    counts.skipped["other_kv_group"] += 1
-                    continue
-                tier = _TIERS.get(event.medium)
+                tier = self._tier_for(member, event.group_idx, None, event.medium)
                 if tier is None:
-                    counts.skipped["unknown_medium"] += 1
                     continue
                 keys = hashes_to_ints(event.block_hashes)
                 if tokens_mode:
@@ -135,6 +129,19 @@ class Ingestor:
                 counts.events["AllBlocksCleared"] += 1
                 self._engine_map.clear(member)
                 changes.append(Change(Op.CLEAR, member, model, None))
+
+    def _tier_for(
+        self, member: str, group_idx: int | None, kind: str | None, medium: str | None
+    ) -> Tier | None:
+        """The tier an event of this KV-cache group and medium applies to; None (counted)
+        when it is not indexed."""
+        if not self._indexed_group(member, group_idx, kind):
+            self.counts.skipped["other_kv_group"] += 1
+            return None
+        tier = _TIERS.get(medium)
+        if tier is None:
+            self.counts.skipped["unknown_medium"] += 1
+        return tier
 
     def _indexed_group(self, member: str, group_idx: int | None, kind: str | None) -> bool:
         if group_idx is None:

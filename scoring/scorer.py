@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvindex.indexer.backend import IndexBackend, Tier
 from kvindex.indexer.keys import BlockExtras, KeyConfigError
 from kvindex.indexer.models import KeyMode, ModelCatalog
@@ -30,8 +32,9 @@ class TierWeights:
         return (self.gpu, self.cpu, self.storage)[tier]
 
 
-@dataclass(slots=True)
-class PodScore:
+class PodScore(msgspec.Struct, gc=False):
+    """One pod's answer; also the element of /score's JSON answer, as is."""
+
     pod: str
     matched_blocks: int
     matched_tokens: int

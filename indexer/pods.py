@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvindex.events.identity import member_pod
 from kvindex.events.status import StreamStatus
@@ -18,6 +18,13 @@ from kvindex.indexer.backend import IndexBackend, MemberStats, Tier
 from kvindex.indexer.verify import CheckState, HashVerifier
 
 _UNHEALTHY_STREAMS = frozenset({"gapped", "resync"})
+
+
+class _Snapshot(NamedTuple):
+    streams: Sequence[StreamStatus]
+    discovered: Mapping[str, Mapping[str, Any]]
+    members: dict[str, set[str]]  # pod -> its index members (the pod, its DP ranks)
+    owners: Mapping[str, str]
 
 
 def _stream_dict(s: StreamStatus) -> dict[str, Any]:
@@ -78,37 +85,33 @@ class PodDirectory:
 
     def members_of(self, pod: str) -> list[str]:
         """Index members of ``pod`` (itself and its data-parallel ranks)."""
-        members = {m for m in self._backend.members() if member_pod(m) == pod}
-        members |= {s.member for s in self._streams() if s.pod == pod}
-        return sorted(members)
+        return sorted(self._snapshot().members.get(pod, ()))
 
     def reports(self) -> list[dict[str, Any]]:
-        streams = self._streams()
-        discovered = self._discovered()
-        pods = {member_pod(m) for m in self._backend.members()}
-        pods |= {s.pod for s in streams}
-        pods |= set(discovered)
-        return [self._report(pod, streams, discovered) for pod in sorted(pods)]
+        snap = self._snapshot()
+        pods = set(snap.members) | set(snap.discovered)
+        return [self._report(pod, snap) for pod in sorted(pods)]
 
     def report(self, pod: str) -> dict[str, Any] | None:
-        streams = self._streams()
-        discovered = self._discovered()
-        known = (
-            pod in discovered
-            or any(s.pod == pod for s in streams)
-            or any(member_pod(m) == pod for m in self._backend.members())
-        )
-        return self._report(pod, streams, discovered) if known else None
+        snap = self._snapshot()
+        known = pod in snap.members or pod in snap.discovered
+        return self._report(pod, snap) if known else None
 
-    def _report(
-        self,
-        pod: str,
-        streams: Sequence[StreamStatus],
-        discovered: Mapping[str, Mapping[str, Any]],
-    ) -> dict[str, Any]:
-        own_streams = [s for s in streams if s.pod == pod]
-        members = {m for m in self._backend.members() if member_pod(m) == pod}
-        members |= {s.member for s in own_streams}
+    def _snapshot(self) -> _Snapshot:
+        """Streams, discovery, and index members grouped by pod: read once per request,
+        not once per pod (each read is a lock, or a Redis round trip)."""
+        streams = self._streams()
+        members: dict[str, set[str]] = {}
+        for member in self._backend.members():
+            members.setdefault(member_pod(member), set()).add(member)
+        for stream in streams:
+            members.setdefault(stream.pod, set()).add(stream.member)
+        return _Snapshot(streams, self._discovered(), members, self._owners())
+
+    def _report(self, pod: str, snap: _Snapshot) -> dict[str, Any]:
+        own_streams = [s for s in snap.streams if s.pod == pod]
+        members = snap.members.get(pod, set())
+        discovered, owners = snap.discovered, snap.owners
         blocks: dict[str, int] = {t.label: 0 for t in Tier}
         by_model: dict[str, dict[str, int]] = {}
         for member in sorted(members):
@@ -119,7 +122,6 @@ class PodDirectory:
                     model_blocks[tier.label] += count
                     blocks[tier.label] += count
         models = sorted(set(by_model) | {s.model for s in own_streams if s.model})
-        owners = self._owners()
         report: dict[str, Any] = {
             "pod": pod,
             "members": sorted(members),

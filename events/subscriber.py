@@ -367,10 +367,6 @@ class Subscriber:
             and self._applier.is_alive()
         )
 
-    @property
-    def running(self) -> bool:
-        return self.is_running()
-
     def __enter__(self) -> Subscriber:
         self.start()
         return self

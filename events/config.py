@@ -38,8 +38,17 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     batches_per_turn: int = 64
     #: ZMQ receive high-water mark per SUB socket (vLLM's PUB default is 100,000).
     receive_hwm: int = 100_000
-    #: Most streams tracked at once; messages that would open another are skipped.
+    #: Most streams tracked at once. When the table is full a new stream takes the place
+    #: of the least recently active unpinned one (its pod neither configured nor
+    #: discovered) that never delivered a batch or was silent ``stream_evict_idle_s``;
+    #: if there is none, the new stream's messages are skipped (``too_many_streams``).
     max_streams: int = 4096
+    #: Unpinned streams silent this long are evicted and their pod forgotten (entries
+    #: reset); a configured or discovered pod keeps its stream however long it idles.
+    stream_idle_s: float = 3600.0
+    #: How long a stream must have been silent before a new one may push it out of a
+    #: full table.
+    stream_evict_idle_s: float = 10.0
     #: First and longest wait before retrying a stream whose sink delivery failed.
     retry_initial_s: float = 0.5
     retry_max_s: float = 10.0
@@ -59,6 +68,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             "batches_per_turn": self.batches_per_turn,
             "receive_hwm": self.receive_hwm,
             "max_streams": self.max_streams,
+            "stream_idle_s": self.stream_idle_s,
             "retry_initial_s": self.retry_initial_s,
             "retry_max_s": self.retry_max_s,
         }
@@ -67,5 +77,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 raise ValueError(f"SubscriberConfig.{name} must be > 0, got {value}")
         if self.replay_port is not None and not 0 <= self.replay_port < 65536:
             raise ValueError(f"SubscriberConfig.replay_port {self.replay_port} is not a port")
+        if self.stream_evict_idle_s < 0:
+            raise ValueError("SubscriberConfig.stream_evict_idle_s must be >= 0")
         if self.forget_quiet_s < 0:
             raise ValueError("SubscriberConfig.forget_quiet_s must be >= 0")

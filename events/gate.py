@@ -34,12 +34,16 @@ class Claim:
     subscriber sees a new epoch it must not trust what it tracked locally (another
     replica may have applied batches meanwhile): it resumes after ``resume_after``, the
     last seq applied by whoever owned the stream before (None: unknown, so it catches up
-    from the engine's first buffered batch).
+    from the engine's first buffered batch). ``resume_digest`` is the payload digest of
+    that batch when the gate stored it: the subscriber then replays from
+    ``resume_after`` itself and checks the digest, so a position that belongs to an
+    earlier engine incarnation is detected (reset) instead of trusted.
     """
 
     ownership: Ownership
     epoch: int = 0
     resume_after: int | None = None
+    resume_digest: bytes | None = None
 
 
 OWNED = Claim(Ownership.OWNED)
@@ -55,8 +59,10 @@ class StreamGate(Protocol):
         """May this replica apply ``stream`` now? Also registers interest in it: a gate
         tries to acquire streams it is asked about."""
 
-    def committed(self, stream: StreamId, seq: int) -> None:
-        """Batches of ``stream`` up to ``seq`` are applied to the index."""
+    def committed(self, stream: StreamId, seq: int, digest: bytes | None = None) -> None:
+        """Batches of ``stream`` up to ``seq`` are applied to the index; ``digest`` is
+        the payload digest of batch ``seq`` (:func:`kvindex.events.recovery.payload_digest`),
+        to be handed back as ``Claim.resume_digest``."""
 
     def release(self, stream: StreamId) -> None:
         """This replica no longer wants ``stream`` (its pod was removed)."""

@@ -65,6 +65,10 @@ class Arrival:
     #: Set when the payload's envelope is unusable (the reason, already counted): the
     #: message still accounts for its seq, so its stream sees no false gap.
     bad: str | None = None
+    #: The topic frame as sent (replay replies of vLLM >= 0.26 must repeat it).
+    topic: bytes | None = None
+    #: Received on a connect-mode socket: the pod is configured, not just claimed.
+    connected: bool = False
 
 
 @dataclass(slots=True)
@@ -356,7 +360,7 @@ class Receiver:
             # message account for its seq (it is consumed, not applied).
             return Arrival(
                 StreamId(pod, target.rank), model, seq, b"", self._clock(),
-                target.replay_endpoint, reason,
+                target.replay_endpoint, reason, topic, True,
             )  # fmt: skip
         if rank is None:
             rank = target.rank if target is not None else 0
@@ -366,7 +370,10 @@ class Receiver:
             replay = tcp_endpoint(pod_host(pod), self._config.replay_port + rank)
         else:
             replay = None
-        return Arrival(StreamId(pod, rank), model, seq, payload, self._clock(), replay)
+        return Arrival(
+            StreamId(pod, rank), model, seq, payload, self._clock(), replay,
+            topic=topic, connected=target is not None,
+        )  # fmt: skip
 
     def _identify(self, source: _Source, topic_bytes: bytes) -> tuple[str, str] | str:
         """(pod, model) for a topic on this socket, or the reason it names no pod."""

@@ -33,10 +33,12 @@ class ReplayResult:
     ``batches`` are ``(seq, payload)`` in the order the engine sent them. ``complete`` is
     True only when the end marker arrived; ``reason`` is ``"complete"``, ``"timeout"``,
     ``"max_batches"`` or ``"error"`` (with ``detail``). ``bad_replies`` counts replies
-    that were not in either layout and were skipped.
+    that were not in either layout and were skipped. ``topics`` is parallel to
+    ``batches``: each reply's topic frame (vLLM >= 0.26), None in the older layout.
     """
 
     batches: list[tuple[int, bytes]] = field(default_factory=list)
+    topics: list[bytes | None] = field(default_factory=list)
     complete: bool = False
     reason: str = "timeout"
     bad_replies: int = 0
@@ -86,7 +88,9 @@ def fetch_replay(
                 result.complete = True
                 result.reason = "complete"
                 return result
-            result.batches.append(reply)
+            seq, payload, topic = reply
+            result.batches.append((seq, payload))
+            result.topics.append(topic)
             if len(result.batches) >= max_batches:
                 result.reason = "max_batches"
                 return result
@@ -112,19 +116,21 @@ def _send_request(sock: zmq.Socket, start_seq: int, deadline: float) -> bool:
             sock.poll(min(remaining_ms, 50), zmq.POLLOUT)
 
 
-_END = (-1, b"")
+_END = (-1, b"", None)
 
 
-def _parse_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
-    """``(seq, payload)``, the ``_END`` sentinel, or None for a reply in neither layout."""
+def _parse_reply(frames: list[bytes]) -> tuple[int, bytes, bytes | None] | None:
+    """``(seq, payload, topic)``, the ``_END`` sentinel, or None for a reply in neither
+    layout."""
+    topic: bytes | None = None
     if len(frames) == 3:  # vLLM <= 0.25
         delimiter, seq_frame, payload = frames
     elif len(frames) == 4:  # vLLM >= 0.26: a topic frame after the delimiter
-        delimiter, _topic, seq_frame, payload = frames
+        delimiter, topic, seq_frame, payload = frames
     else:
         return None
     if delimiter != b"" or len(seq_frame) != 8:
         return None
     if seq_frame == END_SEQ:
         return _END
-    return int.from_bytes(seq_frame, "big"), payload
+    return int.from_bytes(seq_frame, "big"), payload, topic

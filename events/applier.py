@@ -23,28 +23,22 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvindex.events.config import SubscriberConfig
-from kvindex.events.gate import Claim, StreamGate
+from kvindex.events.gate import StreamGate
 from kvindex.events.identity import StreamId
 from kvindex.events.inbox import Inbox
-from kvindex.events.ownership import Step, ownership_step, plan_takeover
+from kvindex.events.ownership import OwnershipHandling
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.receiver import Arrival
 from kvindex.events.recovery import (
     Anchor,
-    AnchorCheck,
-    ReplayCheck,
-    ReplayRequest,
-    check_replay,
-    eviction_victim,
-    idle_victims,
-    payload_digest,
 )
-from kvindex.events.replay import ReplayResult
-from kvindex.events.replaying import ReplayDone, ReplayWorkers
+from kvindex.events.replaying import ReplayDone, ReplayRecovery, ReplayWorkers
+from kvindex.events.resync import Resync
 from kvindex.events.sequence import Action
 from kvindex.events.sink import BatchSink, Delivery
 from kvindex.events.status import ReasonCounts
-from kvindex.events.stream import COUNTERS, JobKind, ReplayJob, Stream
+from kvindex.events.stream import COUNTERS, JobKind, Stream
+from kvindex.events.stream_table import StreamTable
 from kvindex.events.wire import (
     AllBlocksCleared,
     BatchDecoder,
@@ -56,12 +50,6 @@ from kvindex.events.wire import (
 log = logging.getLogger("kvindex.events.subscriber")
 
 _IDLE_WAIT_S = 1.0
-#: How often ownership is re-checked for every stream (the gate answers from memory).
-_OWNERSHIP_CHECK_S = 0.5
-#: How soon a stream whose ownership is unknown asks the gate again.
-_GATE_RETRY_S = 0.1
-#: How often idle streams are looked for.
-_IDLE_SCAN_S = 1.0
 
 _EVENT_NAMES: dict[type, str] = {}
 
@@ -91,7 +79,7 @@ class Control:
 Work = list[tuple[Arrival, bool]]
 
 
-class Applier:
+class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
     """The stream table and the thread that applies it (see the module docstring).
 
     ``replay_endpoint(sid, arrival)`` is the one place a stream's replay endpoint is
@@ -137,21 +125,6 @@ class Applier:
         self._idle_scan_at = 0.0
         self._event_counts: dict[str, int] = {}
         self.thread: threading.Thread | None = None
-
-    # -- what other threads may read ---------------------------------------------------
-
-    def streams(self) -> list[Stream]:
-        with self._table_lock:
-            return list(self._streams.values())
-
-    def totals(self) -> dict[str, int]:
-        with self._table_lock:
-            totals = dict(self._retired)
-            streams = list(self._streams.values())
-        for stream in streams:
-            for name in COUNTERS:
-                totals[name] += getattr(stream, name)
-        return totals
 
     def event_counts(self) -> dict[str, int]:
         return dict(self._event_counts)
@@ -228,124 +201,6 @@ class Applier:
         if self._gate is None or not self._streams:
             return float("inf")
         return self._ownership_check_at
-
-    def _next_retry(self) -> float:
-        due = float("inf")
-        for sid in self._stalled:
-            stream = self._streams.get(sid)
-            if stream is not None and stream.recovery.stalled_until is not None:
-                due = min(due, stream.recovery.stalled_until)
-        if self._pending_resets and any(s not in self._streams for s in self._pending_resets):
-            due = min(due, self._orphan_retry_at)
-        return due
-
-    # -- the stream table ----------------------------------------------------------------
-
-    def _arrived(self, sid: StreamId) -> None:
-        stream = self._streams.get(sid)
-        if stream is None:
-            stream = self._admit(sid)
-            if stream is None:
-                return
-        self._refresh_ready(stream)
-
-    def _admit(self, sid: StreamId) -> Stream | None:
-        """A lane with no stream: open one, unless the pod was just forgotten or the
-        table is full of streams that may not be evicted."""
-        lane = self._inbox.lane(sid)
-        first = None if lane is None else self._inbox.peek(lane)
-        if lane is None or first is None:
-            return None
-        now = self._clock()
-        quiet_until = self._forgotten.get(sid.pod)
-        if quiet_until is not None:
-            if first.received_at < quiet_until:
-                self._refuse(sid, "forgotten_pod")
-                return None
-            del self._forgotten[sid.pod]
-        if len(self._streams) >= self._config.max_streams:
-            victim = eviction_victim(self._streams.items(), now, self._config.stream_evict_idle_s)
-            if victim is None:
-                self._refuse(sid, "too_many_streams")
-                self._ratelog.warning(
-                    "too_many_streams",
-                    "KV events: ignoring new stream %s, max_streams (%d) reached and no "
-                    "stream may be evicted",
-                    sid,
-                    self._config.max_streams,
-                )
-                return None
-            self._remove(self._streams[victim], "stream_evicted", "the stream table is full")
-        stream = Stream(
-            sid,
-            lane,
-            first.model,
-            self._replay_endpoint(sid, first),
-            topic=first.topic,
-            pinned=self._pinned(first),
-            created_at=now,
-        )
-        with self._table_lock:
-            self._streams[sid] = stream
-        log.info("KV events: new stream %s (model %s)", sid, first.model)
-        return stream
-
-    def _refuse(self, sid: StreamId, reason: str) -> None:
-        lane = self._inbox.close(sid)
-        if lane is not None:
-            self._errors.add(reason, max(1, len(lane)))
-
-    def _evict_idle(self) -> None:
-        """Unpinned streams silent for ``stream_idle_s`` leave the table (and the index)."""
-        now = self._clock()
-        if now < self._idle_scan_at:
-            return
-        self._idle_scan_at = now + _IDLE_SCAN_S
-        idle_s = self._config.stream_idle_s
-        for sid in idle_victims(self._streams.items(), now, idle_s):
-            stream = self._streams[sid]
-            if stream.blocked or stream.held:
-                continue
-            self._remove(stream, "stream_evicted", f"idle for {idle_s:g}s")
-
-    def _remove(self, stream: Stream, reason: str, why: str, quiet: bool = False) -> None:
-        """Drop a stream from the table and reset it in the sink (``reason``)."""
-        sid = stream.sid
-        with self._table_lock:
-            if self._streams.get(sid) is not stream:
-                return
-            del self._streams[sid]
-            for name in COUNTERS:
-                self._retired[name] += getattr(stream, name)
-        self._inbox.close(sid)
-        self._ready.pop(sid, None)
-        self._stalled.discard(sid)
-        stream.recovery.replay_job = None  # a replay in flight is discarded when it ends
-        if reason == "stream_evicted":
-            self._errors.add("stream_evicted")
-            log.info("KV events: evicted stream %s (%s)", sid, why)
-        self._pending_resets[sid] = reason
-        if self._gate is not None:
-            self._gate.release(sid)
-        self._try_reset(sid, reason)
-
-    def forget(self, pod: str) -> None:
-        """On the applier thread: drop the pod's streams, then reset them in the sink.
-        Messages from the pod are ignored for ``forget_quiet_s``."""
-        victims = [s for sid, s in self._streams.items() if sid.pod == pod]
-        self._forgotten[pod] = self._clock() + self._config.forget_quiet_s
-        for stream in victims:
-            self._remove(stream, "pod_removed", "forgotten")
-        for sid in [s for s in self._pending_resets if s.pod == pod and s not in self._streams]:
-            self._try_reset(sid, "pod_removed")
-        log.info("KV events: forgot pod %s (%d stream(s))", pod, len(victims))
-
-    def reconnected(self, pod: str) -> None:
-        """The pod's endpoint was (re)connected: its streams' positions must be proven
-        to belong to the engine now publishing before they read ``live`` again."""
-        for sid, stream in self._streams.items():
-            if sid.pod == pod and stream.recovery.anchor is not None and stream.replay_endpoint:
-                stream.recovery.unverified = True
 
     # -- draining a stream ---------------------------------------------------------------
 
@@ -573,104 +428,6 @@ class Applier:
             self._gate.committed(stream.sid, last.seq, digest)
         return True
 
-    def _sink_failed(self, stream: Stream, first: int, last: int, exc: Exception) -> None:
-        stream.sink_errors += 1
-        self._errors.add("sink_error")
-        self._ratelog.error(
-            "sink_error",
-            "KV events: the sink failed on batches %d-%d of %s: %r",
-            first,
-            last,
-            stream.sid,
-            exc,
-        )
-        rec = stream.recovery
-        stream.tracker.rewind(first)
-        rec.resync_until = last if rec.resync_until is None else max(rec.resync_until, last)
-        if not stream.replay_endpoint:
-            # Nothing can bring these batches back: count them lost now.
-            self._lost(stream, last, last - first + 1, "the sink failed; no replay endpoint")
-            stream.tracker.skip_to(last + 1)
-            rec.resync_until = None
-        self._stall(stream)
-
-    # -- pauses, retries, resets ---------------------------------------------------------
-
-    def _stall(self, stream: Stream) -> None:
-        config = self._config
-        rec = stream.recovery
-        rec.backoff = min(config.retry_max_s, max(config.retry_initial_s, rec.backoff * 2))
-        rec.stalled_until = self._clock() + rec.backoff
-        self._stalled.add(stream.sid)
-        self._ready.pop(stream.sid, None)
-
-    def _retry_due(self) -> None:
-        now = self._clock()
-        for sid in list(self._stalled):
-            stream = self._streams.get(sid)
-            if stream is None:
-                self._stalled.discard(sid)
-                continue
-            rec = stream.recovery
-            if rec.stalled_until is None or rec.stalled_until > now:
-                continue
-            self._stalled.discard(sid)
-            rec.stalled_until = None
-            self._guarded(stream, self._retry)
-        if now >= self._orphan_retry_at:
-            self._retry_orphan_resets()
-
-    def _retry(self, stream: Stream) -> None:
-        rec = stream.recovery
-        if not self._owns(stream) or stream.blocked or not self._ensure_reset(stream):
-            return
-        expected = stream.tracker.expected
-        until, rec.resync_until = rec.resync_until, None
-        if until is not None and expected is not None and expected <= until:
-            if self._can_replay(stream):
-                rec.resync_until = until
-                anchor = self._anchor(stream)
-                start = expected if anchor is None else anchor.seq
-                self._start_replay(stream, start, until, JobKind.GAP, anchor)
-                return
-            self._lost(stream, until, until - expected + 1, self._no_replay_reason(stream))
-            stream.tracker.skip_to(until + 1)
-        self._refresh_ready(stream)
-
-    def _ensure_reset(self, stream: Stream) -> bool:
-        """Run the stream's pending sink reset, if any; pause the stream if it fails."""
-        reason = self._pending_resets.get(stream.sid)
-        if reason is None:
-            return True
-        if self._try_reset(stream.sid, reason):
-            return True
-        self._stall(stream)
-        return False
-
-    def _try_reset(self, sid: StreamId, reason: str) -> bool:
-        try:
-            self._sink.reset(sid, reason)
-        except Exception as exc:
-            self._errors.add("sink_error")
-            self._ratelog.error(
-                "sink_reset_error",
-                "KV events: the sink failed to reset %s (%s): %r",
-                sid,
-                reason,
-                exc,
-            )
-            return False
-        self._pending_resets.pop(sid, None)
-        return True
-
-    def _retry_orphan_resets(self) -> None:
-        """Resets of removed streams that failed: retry until the sink takes them."""
-        failed = False
-        for sid, reason in list(self._pending_resets.items()):
-            if sid not in self._streams and not self._try_reset(sid, reason):
-                failed = True
-        self._orphan_retry_at = self._clock() + (self._config.retry_initial_s if failed else 0)
-
     def _note_restart(self, stream: Stream, why: str) -> None:
         """A new engine incarnation: clear its entries before its first batch, and start
         its recovery state afresh (no cooldown, gap or anchor of the old engine)."""
@@ -718,284 +475,3 @@ class Applier:
             through,
             why,
         )
-
-    # -- ownership (with a gate) ---------------------------------------------------------
-
-    def _owns(self, stream: Stream) -> bool:
-        """Whether this replica may apply ``stream`` now, acting on any change."""
-        gate = self._gate
-        if gate is None:
-            return True
-        claim = gate.claim(stream.sid)
-        step = ownership_step(claim, stream.epoch)
-        if step is Step.KEEP:
-            return True
-        if step is Step.TAKE_OVER:
-            self._take_over(stream, claim)
-            return True
-        if step is Step.STAND_BY:
-            self._stand_by(stream)
-        else:
-            self._wait_for_gate(stream)
-        return False
-
-    def _check_ownership(self) -> None:
-        """Every ``_OWNERSHIP_CHECK_S``: act on ownership changes of idle streams too,
-        so a takeover replays what the previous owner missed without waiting for the
-        pod's next batch, and a replica that lost a stream stops at once."""
-        if self._gate is None:
-            return
-        now = self._clock()
-        if now < self._ownership_check_at:
-            return
-        self._ownership_check_at = now + _OWNERSHIP_CHECK_S
-        for stream in list(self._streams.values()):
-            if stream.recovery.stalled_until is None or stream.standby:
-                self._guarded(stream, self._owns)
-
-    def _waiting(self, stream: Stream) -> list[Arrival]:
-        """Every message of the stream not applied yet, oldest first; taken out."""
-        arrivals = [a for a, _ in stream.held]
-        stream.held.clear()
-        arrivals.extend(self._inbox.take_all(stream.lane))
-        self._ready.pop(stream.sid, None)
-        return arrivals
-
-    def _stand_by(self, stream: Stream) -> None:
-        """Another replica applies this stream: drop what is queued, remember the last
-        seq seen (a later takeover replays from the owner's position up to it)."""
-        arrivals = self._waiting(stream)
-        if arrivals:
-            stream.standby_seq = max(arrivals, key=lambda a: a.received_at).seq
-            stream.not_owner += len(arrivals)
-            self._errors.add("not_owner", len(arrivals))
-        if stream.standby:
-            return
-        log.info("KV events: %s is applied by another replica; standing by", stream.sid)
-        stream.standby = True
-        stream.epoch = None
-        stream.tracker.restart()
-        self._forget_recovery(stream)
-
-    def _forget_recovery(self, stream: Stream) -> None:
-        """Drop this replica's recovery state of a stream whose ownership changed: the
-        owner's stored position is the truth from now on."""
-        stream.fresh_recovery()  # a replay in flight is discarded when it ends
-        self._stalled.discard(stream.sid)
-        self._pending_resets.pop(stream.sid, None)
-
-    def _take_over(self, stream: Stream, claim: Claim) -> None:
-        """This replica now owns the stream (again): forget local sequence state and
-        resume after ``claim.resume_after``; fetch by replay what went by meanwhile."""
-        sid, after = stream.sid, claim.resume_after
-        tracker = stream.tracker
-        dropped = self._inbox.peek_dropped(stream.lane)
-        known = (stream.standby_seq, tracker.highest_live, stream.recovery.resync_until, dropped)
-        seen = max((s for s in known if s is not None), default=None)
-        stream.standby_seq = None
-        log.info(
-            "KV events: applying %s from here on (resuming after seq %s)",
-            sid,
-            "none" if after is None else after,
-        )
-        stream.epoch = claim.epoch
-        stream.standby = False
-        self._forget_recovery(stream)
-        # Batches at or below the position were applied by the previous owner.
-        fresh = [a for a in self._waiting(stream) if after is None or a.seq > after]
-        plan = plan_takeover(
-            after,
-            claim.resume_digest,
-            seen,
-            fresh[-1].seq if fresh else None,
-            self._can_replay(stream),
-        )
-        tracker.restart()
-        tracker.expected, tracker.highest_live = plan.expected, plan.highest_live
-        stream.held.extend((a, False) for a in fresh)  # classified live again
-        if plan.dropped_until is not None:
-            self._inbox.set_dropped(stream.lane, plan.dropped_until)
-        if plan.incomplete_through is not None:
-            self._incomplete(stream, plan.incomplete_through, "cannot verify the stored position")
-        if plan.replay is not None and plan.kind is not None:
-            start, until = plan.replay
-            anchor = Anchor(after, digest=claim.resume_digest) if plan.anchored else None
-            if anchor is not None:
-                tracker.expected = start + 1
-            self._start_replay(stream, start, until, plan.kind, anchor)
-        elif plan.lost:
-            self._lost(stream, plan.skip_to - 1, plan.lost, self._no_replay_reason(stream))
-        if plan.skip_to is not None:
-            tracker.skip_to(plan.skip_to)
-        if after is not None and plan.anchored:
-            stream.recovery.anchor = Anchor(after, digest=claim.resume_digest)
-        self._refresh_ready(stream)
-
-    def _wait_for_gate(self, stream: Stream) -> None:
-        """Ownership unknown: keep everything queued and ask again shortly."""
-        stream.recovery.stalled_until = self._clock() + _GATE_RETRY_S
-        self._stalled.add(stream.sid)
-        self._ready.pop(stream.sid, None)
-
-    # -- replay --------------------------------------------------------------------------
-
-    def _can_replay(self, stream: Stream) -> bool:
-        return bool(stream.replay_endpoint) and self._clock() >= stream.recovery.cooldown_until
-
-    @staticmethod
-    def _no_replay_reason(stream: Stream) -> str:
-        if stream.replay_endpoint:
-            return f"replay endpoint {stream.replay_endpoint} failed recently"
-        return "no replay endpoint"
-
-    def _start_replay(
-        self, stream: Stream, start: int, until: int, kind: JobKind, anchor: Anchor | None = None
-    ) -> None:
-        endpoint = stream.replay_endpoint
-        if not endpoint:  # callers check _can_replay; never fetch from nowhere
-            return
-        job = ReplayJob(stream, start, until, kind, anchor)
-        stream.recovery.replay_job = job
-        self._ready.pop(stream.sid, None)
-        if not self._workers.submit(job, endpoint):  # stopping
-            stream.recovery.replay_job = None
-
-    def _finish_replay(self, done: ReplayDone) -> None:
-        job, result = done.job, done.result
-        stream = job.stream
-        if self._streams.get(stream.sid) is not stream:
-            return  # removed while the replay ran: discard everything it brought
-        rec = stream.recovery
-        if rec.replay_job is not job:
-            return  # a restart or an ownership change made it moot
-        rec.replay_job = None
-        epoch = stream.epoch
-        if not self._owns(stream) or stream.epoch != epoch:
-            return  # nothing applied: the gap is found, and fetched, again once owned
-        check = check_replay(
-            ReplayRequest(job.start, job.need_until, job.anchor, stream.topic, self._live(stream)),
-            result.batches,
-            result.topics,
-        )
-        self._count_bad_replies(stream, job, result, check)
-        failed = not result.complete or check.foreign
-        if failed:
-            self._replay_failed(stream, job, result, "foreign" if check.foreign else result.reason)
-        else:
-            stream.replays_ok += 1
-        if check.foreign:
-            check.batches.clear()  # another engine's batches: never indexed
-        elif check.anchor is AnchorCheck.MISMATCH or (
-            check.anchor is AnchorCheck.ABSENT
-            and result.complete
-            and job.kind is not JobKind.RESUME
-        ):
-            self._unseen_restart(stream, job, check)
-            return
-        elif check.anchor is AnchorCheck.MATCH:
-            rec.unverified = False
-        elif job.kind is JobKind.RESUME and job.anchor is not None:
-            self._incomplete(stream, job.anchor.seq, "the engine no longer has the stored seq")
-        self._apply_replayed(stream, job, check, result, done.received_at)
-
-    def _live(self, stream: Stream) -> dict[int, bytes]:
-        """Digests of the live messages this stream holds, which replies must match."""
-        return {a.seq: payload_digest(a.payload) for a, _ in stream.held if a.bad is None}
-
-    def _count_bad_replies(
-        self, stream: Stream, job: ReplayJob, result: ReplayResult, check: ReplayCheck
-    ) -> None:
-        if result.bad_replies:
-            self._errors.add("bad_replay_reply", result.bad_replies)
-        for reason, n in check.rejected.items():
-            self._errors.add(f"bad_replay_{reason}", n)
-        if check.rejected or result.bad_replies or check.foreign:
-            self._ratelog.warning(
-                "bad_replay_reply",
-                "KV events: replay of %s from %s (seq %d..) sent bad replies: %s%s; "
-                "they were discarded",
-                stream.sid,
-                stream.replay_endpoint,
-                job.start,
-                dict(check.rejected, malformed=result.bad_replies),
-                "; its batches disagree with live ones (another engine?)" if check.foreign else "",
-            )
-
-    def _replay_failed(
-        self, stream: Stream, job: ReplayJob, result: ReplayResult, why: str
-    ) -> None:
-        stream.replays_failed += 1
-        # Do not stall this stream for a full timeout at every gap while its replay
-        # endpoint is down: declare gaps lost at once until the cooldown ends.
-        stream.recovery.cooldown_until = self._clock() + self._config.retry_max_s
-        self._errors.add(f"replay_{why}")
-        self._ratelog.warning(
-            "replay_failed",
-            "KV events: replay of %s from %s (seq %d..) ended with %s %s",
-            stream.sid,
-            stream.replay_endpoint,
-            job.start,
-            why,
-            result.detail,
-        )
-
-    def _unseen_restart(self, stream: Stream, job: ReplayJob, check: ReplayCheck) -> None:
-        """The replay's anchor disagrees (or is gone): the engine restarted without the
-        stream seeing seq go back. Reset, then catch up the new engine from seq 0."""
-        self._errors.add("unseen_restart")
-        held = [(a, False) for a, _ in stream.held]  # to be classified against the new engine
-        stream.held.clear()
-        differs = check.anchor is AnchorCheck.MISMATCH
-        self._note_restart(
-            stream, f"replay of seq {job.start} {'differs' if differs else 'is gone'}"
-        )
-        stream.held.extend(held)
-        if not held and self._ensure_reset(stream) and self._can_replay(stream):
-            self._start_replay(stream, 0, job.need_until, JobKind.CATCH_UP)
-        self._refresh_ready(stream)
-
-    def _apply_replayed(
-        self,
-        stream: Stream,
-        job: ReplayJob,
-        check: ReplayCheck,
-        result: ReplayResult,
-        received_at: float,
-    ) -> None:
-        tracker = stream.tracker
-        incomplete = job.kind in (JobKind.CATCH_UP, JobKind.RESUME)
-        pending: list[Delivery] = []
-        for seq, payload in check.batches:
-            verdict = tracker.position(seq)
-            action = verdict.action
-            if action is Action.DUPLICATE:
-                stream.duplicates += 1
-                continue
-            if action is Action.FIRST_CONTACT:
-                # The buffer no longer reaches back to seq 0.
-                self._incomplete(stream, seq - 1, "no longer in the engine's replay buffer")
-                tracker.skip_to(seq)
-            elif action is Action.GAP:
-                why = "no longer in the engine's replay buffer"
-                if incomplete:
-                    self._incomplete(stream, verdict.missing_to, why)
-                else:
-                    self._lost(stream, verdict.missing_to, verdict.missing, why)
-                tracker.skip_to(seq)
-            self._apply(stream, seq, payload, stream.model, received_at, True, pending)
-        if not self._flush(stream, pending):
-            return
-        expected = tracker.expected
-        if job.kind is not JobKind.VERIFY and (expected is None or expected <= job.need_until):
-            why = f"replay {'foreign' if check.foreign else result.reason}"
-            first = expected if expected is not None else 0
-            if incomplete and not (job.kind is JobKind.RESUME and expected is not None):
-                self._incomplete(stream, job.need_until, why)
-            else:
-                self._lost(stream, job.need_until, job.need_until - first + 1, why)
-            tracker.skip_to(job.need_until + 1)
-        rec = stream.recovery
-        expected = tracker.expected
-        if rec.resync_until is not None and expected is not None and expected > rec.resync_until:
-            rec.resync_until = None
-        self._refresh_ready(stream)

@@ -1,0 +1,160 @@
+"""The applier's stream table: admission, eviction and removal of streams.
+
+A stream is opened by its first message, unless its pod was just forgotten (stragglers
+of a deleted pod must not re-create its entries) or the table is full. A full table
+makes room by evicting the least recently active *unpinned* stream (its pod neither
+configured in connect mode nor discovered) that never delivered a batch or has been
+silent ``stream_evict_idle_s`` (:func:`~kvindex.events.recovery.eviction_victim`), so a
+flood of made-up pods cannot lock a real one out for longer than that. Unpinned streams
+silent for ``stream_idle_s`` are evicted too. Evicting a stream forgets its member: the
+sink resets it (``stream_evicted``), as a removed pod's (``pod_removed``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from kvindex.events.recovery import eviction_victim, idle_victims
+from kvindex.events.stream import COUNTERS, Stream
+
+if TYPE_CHECKING:
+    from kvindex.events.applier import Applier
+    from kvindex.events.identity import StreamId
+
+log = logging.getLogger("kvindex.events.subscriber")
+
+#: How often idle streams are looked for.
+_IDLE_SCAN_S = 1.0
+
+
+class StreamTable:
+    """A mixin of :class:`~kvindex.events.applier.Applier`: the table is written only on
+    the applier thread; the lock makes other threads' copies of it consistent (the
+    streams themselves they only read)."""
+
+    _table_lock: threading.Lock
+    _streams: dict[StreamId, Stream]
+    _retired: dict[str, int]
+    _forgotten: dict[str, float]
+    _idle_scan_at: float
+
+    def streams(self: Applier) -> list[Stream]:
+        with self._table_lock:
+            return list(self._streams.values())
+
+    def totals(self: Applier) -> dict[str, int]:
+        with self._table_lock:
+            totals = dict(self._retired)
+            streams = list(self._streams.values())
+        for stream in streams:
+            for name in COUNTERS:
+                totals[name] += getattr(stream, name)
+        return totals
+
+    def _arrived(self: Applier, sid: StreamId) -> None:
+        stream = self._streams.get(sid)
+        if stream is None:
+            stream = self._admit(sid)
+            if stream is None:
+                return
+        self._refresh_ready(stream)
+
+    def _admit(self: Applier, sid: StreamId) -> Stream | None:
+        """A lane with no stream: open one, unless the pod was just forgotten or the
+        table is full of streams that may not be evicted."""
+        lane = self._inbox.lane(sid)
+        first = None if lane is None else self._inbox.peek(lane)
+        if lane is None or first is None:
+            return None
+        now = self._clock()
+        quiet_until = self._forgotten.get(sid.pod)
+        if quiet_until is not None:
+            if first.received_at < quiet_until:
+                self._refuse(sid, "forgotten_pod")
+                return None
+            del self._forgotten[sid.pod]
+        if len(self._streams) >= self._config.max_streams:
+            victim = eviction_victim(self._streams.items(), now, self._config.stream_evict_idle_s)
+            if victim is None:
+                self._refuse(sid, "too_many_streams")
+                self._ratelog.warning(
+                    "too_many_streams",
+                    "KV events: ignoring new stream %s, max_streams (%d) reached and no "
+                    "stream may be evicted",
+                    sid,
+                    self._config.max_streams,
+                )
+                return None
+            self._remove(self._streams[victim], "stream_evicted", "the stream table is full")
+        stream = Stream(
+            sid,
+            lane,
+            first.model,
+            self._replay_endpoint(sid, first),
+            topic=first.topic,
+            pinned=self._pinned(first),
+            created_at=now,
+        )
+        with self._table_lock:
+            self._streams[sid] = stream
+        log.info("KV events: new stream %s (model %s)", sid, first.model)
+        return stream
+
+    def _refuse(self: Applier, sid: StreamId, reason: str) -> None:
+        lane = self._inbox.close(sid)
+        if lane is not None:
+            self._errors.add(reason, max(1, len(lane)))
+
+    def _evict_idle(self: Applier) -> None:
+        """Unpinned streams silent for ``stream_idle_s`` leave the table (and the index)."""
+        now = self._clock()
+        if now < self._idle_scan_at:
+            return
+        self._idle_scan_at = now + _IDLE_SCAN_S
+        idle_s = self._config.stream_idle_s
+        for sid in idle_victims(self._streams.items(), now, idle_s):
+            stream = self._streams[sid]
+            if stream.blocked or stream.held:
+                continue
+            self._remove(stream, "stream_evicted", f"idle for {idle_s:g}s")
+
+    def _remove(self: Applier, stream: Stream, reason: str, why: str, quiet: bool = False) -> None:
+        """Drop a stream from the table and reset it in the sink (``reason``)."""
+        sid = stream.sid
+        with self._table_lock:
+            if self._streams.get(sid) is not stream:
+                return
+            del self._streams[sid]
+            for name in COUNTERS:
+                self._retired[name] += getattr(stream, name)
+        self._inbox.close(sid)
+        self._ready.pop(sid, None)
+        self._stalled.discard(sid)
+        stream.recovery.replay_job = None  # a replay in flight is discarded when it ends
+        if reason == "stream_evicted":
+            self._errors.add("stream_evicted")
+            log.info("KV events: evicted stream %s (%s)", sid, why)
+        self._pending_resets[sid] = reason
+        if self._gate is not None:
+            self._gate.release(sid)
+        self._try_reset(sid, reason)
+
+    def forget(self: Applier, pod: str) -> None:
+        """On the applier thread: drop the pod's streams, then reset them in the sink.
+        Messages from the pod are ignored for ``forget_quiet_s``."""
+        victims = [s for sid, s in self._streams.items() if sid.pod == pod]
+        self._forgotten[pod] = self._clock() + self._config.forget_quiet_s
+        for stream in victims:
+            self._remove(stream, "pod_removed", "forgotten")
+        for sid in [s for s in self._pending_resets if s.pod == pod and s not in self._streams]:
+            self._try_reset(sid, "pod_removed")
+        log.info("KV events: forgot pod %s (%d stream(s))", pod, len(victims))
+
+    def reconnected(self: Applier, pod: str) -> None:
+        """The pod's endpoint was (re)connected: its streams' positions must be proven
+        to belong to the engine now publishing before they read ``live`` again."""
+        for sid, stream in self._streams.items():
+            if sid.pod == pod and stream.recovery.anchor is not None and stream.replay_endpoint:
+                stream.recovery.unverified = True

@@ -59,6 +59,15 @@ _SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             "--kv-events-config); 0 = no replay (default)",
         },
     ),
+    (
+        "--stream-queue",
+        {
+            "type": int,
+            "help": "batches waiting per engine stream before the newest is dropped "
+            "(and fetched again by replay); raise it if queue_overflow is counted "
+            "(default 4096)",
+        },
+    ),
     ("--backend", {"help": "memory (default) or redis://HOST:PORT/DB"}),
     (
         "--capacity-blocks",

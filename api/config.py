@@ -9,6 +9,7 @@ an error that names it, not a silently ignored setting.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
@@ -67,6 +68,7 @@ class Settings(msgspec.Struct, kw_only=True):
     serving_port: int = 8000
     model: str | None = None
     replay_port: int = 0
+    stream_queue: Annotated[int, msgspec.Meta(ge=1)] = 4096
     backend: str = "memory"
     capacity_blocks: int | None = None
     hash_algo: HashAlgo = HashAlgo.SHA256

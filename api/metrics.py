@@ -33,7 +33,15 @@ if TYPE_CHECKING:
 
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _SCORE_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.008, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
-_STREAM_STATES = ("live", "replaying", "resync", "gapped", "standby")
+_STREAM_STATES = (
+    "live",
+    "verifying",
+    "replaying",
+    "resync",
+    "gapped",
+    "incomplete",
+    "standby",
+)
 
 
 class ScoreMetrics:
@@ -226,7 +234,8 @@ class ServiceCollector(Collector):
 
         state = GaugeMetricFamily(
             "kvindex_pod_stream_state",
-            "1 for each pod stream's current state (live, replaying, resync, gapped).",
+            "1 for each pod stream's current state (live, verifying, replaying, resync, "
+            "gapped, incomplete, standby).",
             labels=["pod", "state"],
         )
         age = GaugeMetricFamily(

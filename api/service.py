@@ -130,6 +130,7 @@ class Service:
             SubscriberConfig(
                 topic_filter=settings.topic_filter,
                 replay_port=settings.replay_port or None,
+                queue_capacity=settings.stream_queue,
                 default_serving_port=settings.serving_port,
                 default_model=settings.model,
             ),

@@ -7,7 +7,11 @@ round-robin (at most ``batches_per_turn`` at a time, so a flooding pod cannot st
 others), runs the sequence state machine, decodes, and calls the sink - the sink is only
 ever called from this thread. Recovery verdicts come from pure functions
 (:mod:`~kvindex.events.sequence`, :mod:`~kvindex.events.recovery`,
-:mod:`~kvindex.events.ownership`); this module does the I/O they ask for.
+:mod:`~kvindex.events.ownership`); the applier does the I/O they ask for. Its parts live
+in their own modules, one concern each, all running on this thread: the stream table
+(:mod:`~kvindex.events.stream_table`), pauses and retries
+(:mod:`~kvindex.events.resync`), the gate (:mod:`~kvindex.events.ownership`) and
+replay (:mod:`~kvindex.events.replaying`).
 
 A failure while handling one stream (a bug, a gate that raises) is caught, counted
 (``internal_error``) and pauses that stream with backoff: it never stops ingestion for
@@ -29,9 +33,7 @@ from kvindex.events.inbox import Inbox
 from kvindex.events.ownership import OwnershipHandling
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.receiver import Arrival
-from kvindex.events.recovery import (
-    Anchor,
-)
+from kvindex.events.recovery import Anchor
 from kvindex.events.replaying import ReplayDone, ReplayRecovery, ReplayWorkers
 from kvindex.events.resync import Resync
 from kvindex.events.sequence import Action

@@ -14,12 +14,26 @@ from dataclasses import dataclass
 class StreamStatus:
     """A snapshot of one engine stream (a pod's data-parallel rank).
 
-    ``state`` is ``"live"`` (in sequence), ``"replaying"`` (fetching missed batches or
-    catching up), ``"resync"`` (waiting to retry after the sink failed), ``"gapped"``
-    (batches were lost for good: the index may lack some of this engine's blocks or keep
-    some it evicted, until the engine restarts or the pod is forgotten), or
-    ``"standby"`` (another kvindex replica applies this stream; ``not_owner`` counts the
-    batches this one dropped for that reason).
+    ``state`` is one of:
+
+    * ``"live"``: in sequence, and its position proven to belong to the engine now
+      publishing: the index holds exactly what the engine reported;
+    * ``"verifying"``: the position is being checked against the engine (a replay of the
+      last applied seq, whose digest must match) after a gap, a reconnect or a takeover;
+    * ``"replaying"``: fetching missed batches, or catching up on first contact;
+    * ``"resync"``: waiting to retry after the sink failed (or the gate cannot tell who
+      owns the stream);
+    * ``"gapped"``: batches were lost mid-stream for good (no replay endpoint, replay
+      failed, the buffer no longer had them): the index may lack some of this engine's
+      blocks or keep some it evicted;
+    * ``"incomplete"``: history before some seq cannot be fetched (kvindex joined or
+      resumed after the engine's replay buffer, or could not verify the position it
+      resumed from): the index may lack some of this engine's blocks;
+    * ``"standby"``: another kvindex replica applies this stream; ``not_owner`` counts
+      the batches this one dropped for that reason.
+
+    ``gapped`` and ``incomplete`` last until the engine sends AllBlocksCleared or
+    restarts (its entries are then rebuilt from nothing), or the pod is forgotten.
     ``last_seq`` is the last seq delivered to the sink (-1 before any), ``first_seq`` the
     first one (> 0 when kvindex joined after the engine started and could not catch up).
     ``last_batch_ts`` is the engine's clock, ``last_received_at`` the subscriber's.

@@ -9,7 +9,10 @@ attempt, resuming after the position the previous holder stored - the last seq i
 applied - by asking the engine to replay the rest.
 
 Keys (one hash tag per stream, so both live in one slot of a cluster):
-``<prefix>:stream:{<member>}:lease`` = replica id, ``...:pos`` = last applied seq.
+``<prefix>:stream:{<member>}:lease`` = replica id, ``...:pos`` = last applied seq, with
+the payload digest of that batch when known (``<seq>:<hex digest>``; a bare ``<seq>`` is
+read too), so the next owner can check that the engine still is the incarnation that
+published it.
 
 Safety: the holder stops applying once ``0.8 * ttl_s`` has passed since its last
 successful renewal was *sent* (a fence on the local monotonic clock), before anyone else
@@ -43,6 +46,9 @@ _FENCE = 0.8
 #: /index/pods reads the lease holders at most this often.
 _OWNERS_TTL_S = 1.0
 
+#: A stream's applied position: the last seq and its payload digest (None: not known).
+_Position = tuple[int, bytes | None]
+
 
 def default_replica_id() -> str:
     """``hostname:pid``: unique per process; the hostname is the pod name in Kubernetes."""
@@ -58,9 +64,10 @@ class _Lease:
     owned: bool = False
     epoch: int = 0
     resume_after: int | None = None
+    resume_digest: bytes | None = None
     renewed_at: float = float("-inf")  # when the last successful renewal was sent
     holder: str | None = None  # last known holder when not ours
-    pending: int | None = None  # applied position not yet written
+    pending: _Position | None = None  # applied position not yet written
     releasing: bool = False
 
 
@@ -117,15 +124,17 @@ class RedisLeases:
             lease.releasing = False
             if lease.owned:
                 if now - lease.renewed_at < _FENCE * self.ttl_s:
-                    return Claim(Ownership.OWNED, lease.epoch, lease.resume_after)
+                    return Claim(
+                        Ownership.OWNED, lease.epoch, lease.resume_after, lease.resume_digest
+                    )
                 return UNKNOWN  # our lease may have lapsed: apply nothing until renewed
             return NOT_OWNED if lease.holder is not None else UNKNOWN
 
-    def committed(self, stream: StreamId, seq: int) -> None:
+    def committed(self, stream: StreamId, seq: int, digest: bytes | None = None) -> None:
         with self._lock:
             lease = self._leases.get(stream.member)
             if lease is not None and lease.owned:
-                lease.pending = seq
+                lease.pending = (seq, digest)
 
     def release(self, stream: StreamId) -> None:
         with self._lock:
@@ -236,7 +245,9 @@ class RedisLeases:
                     continue
                 self._settle(lease, pending, result, sent_at)
 
-    def _settle(self, lease: _Lease, pending: int | None, result: object, sent_at: float) -> None:
+    def _settle(
+        self, lease: _Lease, pending: _Position | None, result: object, sent_at: float
+    ) -> None:
         """Record one command's answer (under the lock)."""
         if lease.releasing:
             if lease.owned:
@@ -263,7 +274,7 @@ class RedisLeases:
         lease.epoch = next(self._epochs)
         lease.renewed_at = sent_at
         lease.pending = None
-        lease.resume_after = int(value) if value else None
+        lease.resume_after, lease.resume_digest = _parse_pos(value)
         log.info(
             "acquired the lease of %s (resuming after seq %s)",
             lease.member,
@@ -271,5 +282,22 @@ class RedisLeases:
         )
 
 
-def _pos(seq: int | None) -> str:
-    return "" if seq is None else str(seq)
+def _pos(position: _Position | None) -> str:
+    if position is None:
+        return ""
+    seq, digest = position
+    return str(seq) if digest is None else f"{seq}:{digest.hex()}"
+
+
+def _parse_pos(value: bytes | str) -> _Position | tuple[None, None]:
+    """A stored position: ``<seq>`` or ``<seq>:<hex digest>``; anything unreadable is
+    no position (resume from the engine's first buffered batch)."""
+    text = value.decode() if isinstance(value, bytes) else value
+    if not text:
+        return None, None
+    seq_text, _, digest_text = text.partition(":")
+    try:
+        return int(seq_text), bytes.fromhex(digest_text) if digest_text else None
+    except ValueError:
+        log.warning("unreadable stream position %r; resuming from the engine's buffer", text)
+        return None, None

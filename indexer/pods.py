@@ -17,7 +17,8 @@ from kvindex.events.status import StreamStatus
 from kvindex.indexer.backend import IndexBackend, MemberStats, Tier
 from kvindex.indexer.verify import CheckState, HashVerifier
 
-_UNHEALTHY_STREAMS = frozenset({"gapped", "resync"})
+#: States in which a stream's entries may differ from what its engine holds.
+_UNHEALTHY_STREAMS = frozenset({"gapped", "incomplete", "resync"})
 
 
 class _Snapshot(NamedTuple):
@@ -175,7 +176,8 @@ class PodDirectory:
             if stream.state in _UNHEALTHY_STREAMS:
                 problems.append(
                     f"pod {stream.member}: event stream {stream.state} "
-                    f"({stream.missed_batches} batches missed); its entries may be stale"
+                    f"({stream.missed_batches} batches missed); its entries may be stale "
+                    "or missing until the engine clears or restarts"
                 )
             if problems:
                 out.setdefault(stream.model, []).extend(problems)
@@ -183,7 +185,7 @@ class PodDirectory:
 
 
 def _worst_state(streams: Sequence[StreamStatus]) -> str | None:
-    order = ["gapped", "resync", "replaying", "live", "standby"]
+    order = ["gapped", "incomplete", "resync", "verifying", "replaying", "live", "standby"]
     states = {s.state for s in streams}
     for state in order:
         if state in states:

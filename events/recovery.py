@@ -7,7 +7,8 @@ the applier does the I/O a verdict asks for. Three decisions live here:
   is contiguous, so a good reply is a run of consecutive seqs starting at or after the
   asked seq and no later than one past the last needed seq, each payload a batch
   envelope, each topic (vLLM >= 0.26 sends it) the stream's own. Anything else is
-  discarded and counted by reason: a far-ahead seq must never move the stream's
+  discarded and counted by reason (``seq_out_of_range``, ``seq_repeated``,
+  ``bad_payload``, ``wrong_topic``): a far-ahead seq must never move the stream's
   position (it would drop every later live batch as a duplicate).
 * **Is it still the same engine?** The wire has no incarnation id, and an engine that
   restarts and passes its old seq before kvindex hears from it looks like a plain gap.
@@ -124,12 +125,15 @@ def check_replay(
     previous: int | None = None
     for i, (seq, payload) in enumerate(replies):
         topic = topics[i] if i < len(topics) else None
+        # The next seq a contiguous buffer can send: one past the previous reply, or for
+        # the first one anything up to one past the last seq needed.
+        limit = request.need_until + 1 if previous is None else previous + 1
         if topic is not None and request.topic is not None and topic != request.topic:
             reason = "wrong_topic"
-        elif seq < request.start or (previous is None and seq > request.need_until + 1):
+        elif previous is not None and seq <= previous:
+            reason = "seq_repeated"
+        elif seq < request.start or seq > limit:
             reason = "seq_out_of_range"
-        elif previous is not None and seq != previous + 1:
-            reason = "seq_not_contiguous"
         elif not _well_formed(payload):
             reason = "bad_payload"
         else:

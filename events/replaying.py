@@ -137,9 +137,17 @@ class ReplayRecovery:
             result.topics,
         )
         self._count_bad_replies(stream, job, result, check)
-        failed = not result.complete or check.foreign
-        if failed:
-            self._replay_failed(stream, job, result, "foreign" if check.foreign else result.reason)
+        # Bad replies are survivable when the anchor proved the endpoint right; otherwise
+        # the reply as a whole cannot be trusted to say anything about the engine.
+        tainted = (
+            bool(check.rejected or result.bad_replies) and check.anchor is not AnchorCheck.MATCH
+        )
+        if check.foreign:
+            self._replay_failed(stream, job, result, "foreign")
+        elif not result.complete:
+            self._replay_failed(stream, job, result, result.reason)
+        elif tainted:
+            self._replay_failed(stream, job, result, "bad_reply")
         else:
             stream.replays_ok += 1
         if check.foreign:
@@ -147,6 +155,7 @@ class ReplayRecovery:
         elif check.anchor is AnchorCheck.MISMATCH or (
             check.anchor is AnchorCheck.ABSENT
             and result.complete
+            and not tainted
             and job.kind is not JobKind.RESUME
         ):
             self._unseen_restart(stream, job, check)

@@ -238,3 +238,18 @@ def test_readyz_reports_a_stopped_subscriber() -> None:
         response = client.get("/readyz")
     assert response.status_code == 503
     assert "subscriber" in response.json()["problems"][0]
+
+
+def test_stream_queue_flag_and_environment() -> None:
+    from kvindex.api.cli import _settings_from, build_parser
+    from kvindex.api.config import ConfigError
+    from kvindex.events import SubscriberConfig
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--stream-queue", "100"])
+    assert _settings_from(args, {"KVINDEX_STREAM_QUEUE": "7"}).stream_queue == 100
+    args = parser.parse_args(["serve"])
+    assert _settings_from(args, {"KVINDEX_STREAM_QUEUE": "7"}).stream_queue == 7
+    assert _settings_from(args, {}).stream_queue == SubscriberConfig().queue_capacity
+    with pytest.raises(ConfigError, match="stream_queue"):
+        _settings_from(args, {"KVINDEX_STREAM_QUEUE": "0"})

@@ -52,3 +52,4 @@ def test_rate_limited_log(caplog: pytest.LogCaptureFixture) -> None:
         "another kind",
         "bad topic y (4 similar messages suppressed)",
     ]
+

@@ -11,6 +11,7 @@ import zmq
 
 from kvindex.events import EnginePublisher, PodEndpoint, StreamId, Subscriber, SubscriberConfig
 from kvindex.events.gate import NOT_OWNED, UNKNOWN, Claim, Ownership
+from kvindex.events.recovery import payload_digest
 from kvindex.events.testing import RecordingSink, wait_until
 from kvindex.events.wire import BlockStored
 
@@ -26,6 +27,7 @@ class FakeGate:
         self._lock = threading.Lock()
         self._claim = claim
         self.commits: list[tuple[StreamId, int]] = []
+        self.digests: list[bytes | None] = []
         self.released: list[StreamId] = []
 
     def set(self, claim: Claim) -> None:
@@ -39,6 +41,7 @@ class FakeGate:
     def committed(self, stream: StreamId, seq: int, digest: bytes | None = None) -> None:
         with self._lock:
             self.commits.append((stream, seq))
+            self.digests.append(digest)
 
     def release(self, stream: StreamId) -> None:
         with self._lock:
@@ -146,3 +149,67 @@ def test_a_forgotten_pod_is_released(setup) -> None:
     assert sink.wait_for_count(1)
     sub.forget_pod(POD)
     assert wait_until(lambda: gate.released == [StreamId(POD)])
+
+
+# -- resuming from a stored digest (a takeover, a restored snapshot) ---------------------
+
+
+def resume(epoch: int, after: int, digest: bytes) -> Claim:
+    return Claim(Ownership.OWNED, epoch, after, digest)
+
+
+def publish_payloads(pub: EnginePublisher, n: int) -> list[bytes]:
+    payloads = [pub.encode([BlockStored([1000 + i], None, [1] * 16, 16)]) for i in range(n)]
+    for payload in payloads:
+        pub.publish_payload(payload)
+    return payloads
+
+
+def test_commits_carry_the_applied_batch_digest(setup) -> None:
+    _, sink, gate, pub = setup(owned(1))
+    payloads = publish_payloads(pub, 3)
+    assert sink.wait_for_count(3)
+    assert wait_until(lambda: gate.last_commit() == 2)
+    assert gate.digests[-1] == payload_digest(payloads[2])
+
+
+def test_takeover_with_a_matching_digest_resumes_live(setup) -> None:
+    sub, sink, gate, pub = setup(NOT_OWNED)
+    payloads = publish_payloads(pub, 5)
+    assert wait_until(lambda: state(sub).get("not_owner") == 5)
+    gate.set(resume(1, 2, payload_digest(payloads[2])))
+    assert sink.wait_for(lambda s: s.seqs() == [3, 4]), sink.seqs()
+    assert wait_until(lambda: state(sub)["state"] == "live")
+    assert sink.resets == []
+
+
+def test_takeover_with_another_incarnations_digest_resets(setup) -> None:
+    sub, sink, gate, pub = setup(NOT_OWNED)
+    publish_payloads(pub, 5)
+    assert wait_until(lambda: state(sub).get("not_owner") == 5)
+    # The stored position was applied from an engine that has restarted since.
+    gate.set(resume(1, 2, payload_digest(b"the previous engine's batch 2")))
+    assert sink.wait_for(lambda s: s.seqs() == [0, 1, 2, 3, 4]), sink.seqs()
+    assert sink.log[0][0] == "reset"  # before any batch of the new incarnation
+    assert sink.resets[0].reason == "engine_restart"
+    assert wait_until(lambda: state(sub)["state"] == "live")
+
+
+def test_takeover_the_engine_can_no_longer_verify_is_incomplete(ctx) -> None:
+    sink, gate = RecordingSink(), FakeGate(NOT_OWNED)
+    sub = Subscriber(sink, SubscriberConfig(**CONFIG), gate=gate)
+    sub.start()
+    with EnginePublisher(
+        LOOPBACK, bind=True, replay_endpoint=LOOPBACK, buffer_steps=2, context=ctx
+    ) as pub:
+        sub.connect(
+            PodEndpoint(pub.endpoint, pod=POD, model="m", replay_endpoint=pub.replay_endpoint)
+        )
+        assert pub.wait_for_subscribers(1)
+        payloads = publish_payloads(pub, 5)  # the buffer keeps only 3 and 4
+        assert wait_until(lambda: state(sub).get("not_owner") == 5)
+        gate.set(resume(1, 1, payload_digest(payloads[1])))
+        assert sink.wait_for(lambda s: s.seqs() == [3, 4]), sink.seqs()
+        assert wait_until(lambda: state(sub)["state"] == "incomplete")
+    sub.stop()
+    assert sink.resets == []  # the entries are kept: not known wrong, only incomplete

@@ -74,6 +74,27 @@ def test_a_released_stream_is_resumed_after_the_stored_position(make_leases) -> 
     assert (claim.ownership, claim.resume_after) == (Ownership.OWNED, 42)
 
 
+def test_the_stored_position_carries_the_batch_digest(make_leases) -> None:
+    a, b = make_leases("replica-a"), make_leases("replica-b")
+    a.claim(STREAM)
+    a.tick()
+    b.claim(STREAM)
+    b.tick()
+    a.committed(STREAM, 7, bytes(range(16)))
+    a.tick()
+    a.committed(STREAM, 8)  # digest unknown (an undecodable batch): position only
+    a.tick()
+    a.committed(STREAM, 9, b"\xff" * 16)
+    a.close()
+    b.tick()
+    claim = b.claim(STREAM)
+    assert (claim.ownership, claim.resume_after, claim.resume_digest) == (
+        Ownership.OWNED,
+        9,
+        b"\xff" * 16,
+    )
+
+
 def test_a_dead_owners_lease_expires_and_is_taken_over(make_leases) -> None:
     a, b = make_leases("replica-a", ttl_s=0.3), make_leases("replica-b", ttl_s=0.3)
     a.claim(STREAM)

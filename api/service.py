@@ -135,6 +135,8 @@ class Service:
                 default_model=settings.model,
             ),
             gate=self.leases,
+            # Discovered pods keep their streams however long they idle.
+            pod_known=lambda pod: self.discovery is not None and pod in self.discovery.discovered(),
         )
         self.discovery: KubernetesDiscovery | None = None
         if settings.k8s_namespace:

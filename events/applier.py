@@ -86,7 +86,8 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
 
     ``replay_endpoint(sid, arrival)`` is the one place a stream's replay endpoint is
     chosen; ``pinned(arrival)`` says whether the stream's pod is configured or
-    discovered (never evicted for idling).
+    discovered (never evicted for idling), ``pod_known(pod)`` whether it was discovered
+    since (asked again before evicting).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
         gate: StreamGate | None,
         replay_endpoint: Callable[[StreamId, Arrival], str | None],
         pinned: Callable[[Arrival], bool],
+        pod_known: Callable[[str], bool],
     ) -> None:
         self._sink = sink
         self._config = config
@@ -111,6 +113,7 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
         self._gate = gate
         self._replay_endpoint = replay_endpoint
         self._pinned = pinned
+        self._pod_known = pod_known
         self._decoder = BatchDecoder()
         self._workers = workers_factory(inbox.post)
         # The stream table: written only here; the lock makes other threads' copies of

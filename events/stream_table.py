@@ -76,7 +76,7 @@ class StreamTable:
                 return None
             del self._forgotten[sid.pod]
         if len(self._streams) >= self._config.max_streams:
-            victim = eviction_victim(self._streams.items(), now, self._config.stream_evict_idle_s)
+            victim = self._victim(now)
             if victim is None:
                 self._refuse(sid, "too_many_streams")
                 self._ratelog.warning(
@@ -102,6 +102,20 @@ class StreamTable:
         log.info("KV events: new stream %s (model %s)", sid, first.model)
         return stream
 
+    def _victim(self: Applier, now: float) -> StreamId | None:
+        """The stream a full table gives up for a newcomer (None: none may go)."""
+        while True:  # ends: each round pins a stream for good, or returns
+            sid = eviction_victim(self._streams.items(), now, self._config.stream_evict_idle_s)
+            if sid is None or not self._repinned(self._streams[sid]):
+                return sid
+
+    def _repinned(self: Applier, stream: Stream) -> bool:
+        """Whether ``stream``'s pod was discovered since the stream opened (asked only
+        of streams about to be evicted, so discovery is asked rarely); pins it if so."""
+        if not stream.pinned and self._pod_known(stream.sid.pod):
+            stream.pinned = True
+        return stream.pinned
+
     def _refuse(self: Applier, sid: StreamId, reason: str) -> None:
         lane = self._inbox.close(sid)
         if lane is not None:
@@ -116,11 +130,11 @@ class StreamTable:
         idle_s = self._config.stream_idle_s
         for sid in idle_victims(self._streams.items(), now, idle_s):
             stream = self._streams[sid]
-            if stream.blocked or stream.held:
+            if stream.blocked or stream.held or self._repinned(stream):
                 continue
             self._remove(stream, "stream_evicted", f"idle for {idle_s:g}s")
 
-    def _remove(self: Applier, stream: Stream, reason: str, why: str, quiet: bool = False) -> None:
+    def _remove(self: Applier, stream: Stream, reason: str, why: str) -> None:
         """Drop a stream from the table and reset it in the sink (``reason``)."""
         sid = stream.sid
         with self._table_lock:
@@ -136,9 +150,11 @@ class StreamTable:
         if reason == "stream_evicted":
             self._errors.add("stream_evicted")
             log.info("KV events: evicted stream %s (%s)", sid, why)
-        self._pending_resets[sid] = reason
         if self._gate is not None:
             self._gate.release(sid)
+            if reason == "stream_evicted" and stream.epoch is None:
+                return  # another replica applies it: its entries are not ours to reset
+        self._pending_resets[sid] = reason
         self._try_reset(sid, reason)
 
     def forget(self: Applier, pod: str) -> None:

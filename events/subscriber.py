@@ -152,6 +152,7 @@ class Subscriber:
             gate,
             self._replay_endpoint,
             self._pinned,
+            self._discovered,
         )
         self._receiver = Receiver(
             self._ctx, self._config, self._inbox.put_arrivals, self._errors, self._ratelog, clock
@@ -167,9 +168,10 @@ class Subscriber:
         return arrival.replay_endpoint
 
     def _pinned(self, arrival: Arrival) -> bool:
-        if arrival.connected:
-            return True
-        return self._pod_known is not None and self._pod_known(arrival.stream.pod)
+        return arrival.connected or self._discovered(arrival.stream.pod)
+
+    def _discovered(self, pod: str) -> bool:
+        return self._pod_known is not None and self._pod_known(pod)
 
     def _overflowed(self, sid: StreamId, capacity: int) -> None:
         self._ratelog.warning(
@@ -212,7 +214,7 @@ class Subscriber:
                 pod = normalize_pod(target.pod, self._config.default_serving_port)
             except IdentityError:
                 return
-            self._control(lambda: self._applier.reconnected(pod))
+            self._post(lambda: self._applier.reconnected(pod))
 
     def disconnect(self, endpoint: str) -> bool:
         """Stop listening on an endpoint; the pod's streams and entries stay."""
@@ -237,6 +239,15 @@ class Subscriber:
         future: Future[object] = Future()
         self._inbox.post(Control(fn, future))
         return future.result(timeout=_CONTROL_TIMEOUT_S)
+
+    def _post(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the applier thread without waiting for it (discovery must not
+        block on an applier busy with a slow sink)."""
+        applier = self._applier.thread
+        if applier is None or not applier.is_alive() or threading.current_thread() is applier:
+            fn()
+            return
+        self._inbox.post(Control(fn, Future()))
 
     # -- lifecycle ------------------------------------------------------------------
 

@@ -426,3 +426,53 @@ def test_idle_unpinned_streams_are_evicted_pinned_ones_stay(ctx, sink, make_sub)
     (reset,) = sink.resets
     assert reset.stream.pod == "10.0.0.1:8000" and reset.reason == "stream_evicted"
     assert [s.pod for s in sub.streams()] == ["10.0.0.2:8000"]
+
+
+def test_a_resubscribed_pod_is_verified_before_it_reads_live(ctx, sink, make_sub) -> None:
+    sub = make_sub()
+    sub.start()
+    with EnginePublisher(LOOPBACK, bind=True, replay_endpoint=LOOPBACK, context=ctx) as pub:
+        target = PodEndpoint(pub.endpoint, pod=POD, model="m", replay_endpoint=pub.replay_endpoint)
+        sub.connect(target)
+        assert pub.wait_for_subscribers(1)
+        for n in range(3):
+            pub.publish(stored(n))
+        assert sink.wait_for_count(3)
+        # While kvindex was away the engine restarted and published exactly as many
+        # batches as before: seq 3 comes next, in sequence, from another incarnation.
+        pub.restart()
+        for n in range(3):
+            pub.publish(stored(100 + n), send=False)
+        sub.connect(target)  # re-subscribed (discovery saw the pod again)
+        pub.publish(stored(103))
+        assert sink.wait_for_count(7), sink.seqs()
+    kinds = [(kind, getattr(item, "seq", None)) for kind, item in sink.log]
+    assert kinds == [
+        ("deliver", 0), ("deliver", 1), ("deliver", 2), ("reset", None),
+        ("deliver", 0), ("deliver", 1), ("deliver", 2), ("deliver", 3),
+    ]  # fmt: skip
+    assert hashes(sink)[3:] == [100, 101, 102, 103]
+    assert stream_of(sub).state == "live" and sub.error_counts()["unseen_restart"] == 1
+
+
+def test_a_pod_discovered_after_its_stream_opened_keeps_it(ctx, sink) -> None:
+    discovered: set[str] = set()
+    config = SubscriberConfig(**{**FAST, "stream_idle_s": 0.3, "default_serving_port": 8000})
+    sub = Subscriber(sink, config, pod_known=lambda pod: pod in discovered)
+    endpoint = sub.bind(LOOPBACK)
+    sub.start()
+    try:
+        with (
+            EnginePublisher(endpoint, topic=make_topic("10.0.0.1", "m"), context=ctx) as known,
+            EnginePublisher(endpoint, topic=make_topic("10.0.0.3", "m"), context=ctx) as stranger,
+        ):
+            assert known.wait_for_subscribers(1) and stranger.wait_for_subscribers(1)
+            known.publish(stored(1))
+            stranger.publish(stored(2))
+            assert sink.wait_for_count(2)
+            discovered.add("10.0.0.1:8000")  # discovery saw the pod only now
+            assert sink.wait_for(lambda s: len(s.resets) == 1)
+        assert [r.stream.pod for r in sink.resets] == ["10.0.0.3:8000"]
+        assert [s.pod for s in sub.streams()] == ["10.0.0.1:8000"]
+    finally:
+        sub.stop()

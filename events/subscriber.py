@@ -67,8 +67,10 @@ Several replicas (a :class:`~kvindex.events.gate.StreamGate`, optional):
   re-acquired after the lease lapsed): local sequence state is dropped and the stream
   resumes after the seq the gate says was applied last; batches seen while standing by
   are fetched again by replay.
-* After every successful delivery the gate is told the last applied seq, which is what
-  the next owner resumes from. Ownership is re-checked every ``ownership_check_s`` even
+* After every successful delivery the gate is told the last applied seq and its payload
+  digest, which is what the next owner resumes from: it replays from that seq and checks
+  the digest (a mismatch is a restart: reset; a seq the engine no longer has leaves the
+  stream ``incomplete``). Ownership is re-checked every ``ownership_check_s`` even
   for idle streams, so a takeover does not wait for the pod's next batch.
 """
 

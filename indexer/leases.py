@@ -9,10 +9,9 @@ attempt, resuming after the position the previous holder stored - the last seq i
 applied - by asking the engine to replay the rest.
 
 Keys (one hash tag per stream, so both live in one slot of a cluster):
-``<prefix>:stream:{<member>}:lease`` = replica id, ``...:pos`` = last applied seq, with
-the payload digest of that batch when known (``<seq>:<hex digest>``; a bare ``<seq>`` is
-read too), so the next owner can check that the engine still is the incarnation that
-published it.
+``<prefix>:stream:{<member>}:lease`` = replica id, ``...:pos`` = last applied seq,
+``...:digest`` = the payload digest (hex) of that batch when known, so the next owner can
+check that the engine still is the incarnation that published it.
 
 Safety: the holder stops applying once ``0.8 * ttl_s`` has passed since its last
 successful renewal was *sent* (a fence on the local monotonic clock), before anyone else
@@ -106,9 +105,9 @@ class RedisLeases:
         self._owners: tuple[float, dict[str, str]] = (float("-inf"), {})
         self.errors = 0
 
-    def keys(self, member: str) -> tuple[str, str]:
+    def keys(self, member: str) -> tuple[str, str, str]:
         base = f"{self._prefix}:stream:{{{member}}}:"
-        return base + "lease", base + "pos"
+        return base + "lease", base + "pos", base + "digest"
 
     # -- StreamGate (applier thread; memory only) ------------------------------------------
 
@@ -190,7 +189,7 @@ class RedisLeases:
             for lease in held:
                 lease.owned = False
         commands = [
-            _RELEASE.args(self.keys(lease.member), [self.replica_id, _pos(lease.pending)])
+            _RELEASE.args(self.keys(lease.member), [self.replica_id, *_pos(lease.pending)])
             for lease in held
         ]
         try:
@@ -225,10 +224,10 @@ class RedisLeases:
         for lease, pending in plan:
             keys = self.keys(lease.member)
             if lease.releasing:
-                commands.append(_RELEASE.args(keys, [self.replica_id, _pos(pending)]))
+                commands.append(_RELEASE.args(keys, [self.replica_id, *_pos(pending)]))
             else:
-                position = _pos(pending) if lease.owned else ""
-                commands.append(_LEASE.args(keys, [self.replica_id, ttl_ms, position]))
+                position = _pos(pending) if lease.owned else ("", "")
+                commands.append(_LEASE.args(keys, [self.replica_id, ttl_ms, *position]))
         if not commands:
             return
         sent_at = self._clock()
@@ -254,7 +253,7 @@ class RedisLeases:
                 log.info("released the lease of %s", lease.member)
             self._leases.pop(lease.member, None)
             return
-        status, value = result  # type: ignore[misc]
+        status, value, *stored_digest = result  # type: ignore[misc]
         if status == 0:
             if lease.owned:
                 log.warning("lost the lease of %s to replica %s", lease.member, value.decode())
@@ -274,7 +273,7 @@ class RedisLeases:
         lease.epoch = next(self._epochs)
         lease.renewed_at = sent_at
         lease.pending = None
-        lease.resume_after, lease.resume_digest = _parse_pos(value)
+        lease.resume_after, lease.resume_digest = _parse_pos(value, *stored_digest)
         log.info(
             "acquired the lease of %s (resuming after seq %s)",
             lease.member,
@@ -282,22 +281,25 @@ class RedisLeases:
         )
 
 
-def _pos(position: _Position | None) -> str:
+def _pos(position: _Position | None) -> tuple[str, str]:
+    """The position and digest arguments of the lease scripts ('' = none)."""
     if position is None:
-        return ""
+        return "", ""
     seq, digest = position
-    return str(seq) if digest is None else f"{seq}:{digest.hex()}"
+    return str(seq), "" if digest is None else digest.hex()
 
 
-def _parse_pos(value: bytes | str) -> _Position | tuple[None, None]:
-    """A stored position: ``<seq>`` or ``<seq>:<hex digest>``; anything unreadable is
-    no position (resume from the engine's first buffered batch)."""
-    text = value.decode() if isinstance(value, bytes) else value
-    if not text:
+def _parse_pos(value: bytes, digest: bytes = b"") -> _Position | tuple[None, None]:
+    """A stored position and its digest; an unreadable one is no position (resume from
+    the engine's first buffered batch), an unreadable digest no digest."""
+    if not value:
         return None, None
-    seq_text, _, digest_text = text.partition(":")
     try:
-        return int(seq_text), bytes.fromhex(digest_text) if digest_text else None
+        seq = int(value)
     except ValueError:
-        log.warning("unreadable stream position %r; resuming from the engine's buffer", text)
+        log.warning("unreadable stream position %r; resuming from the engine's buffer", value)
         return None, None
+    try:
+        return seq, bytes.fromhex(digest.decode()) if digest else None
+    except ValueError:
+        return seq, None

@@ -236,12 +236,13 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
         """Apply a turn's messages in order; stop and hold the rest when one must wait."""
         tracker = stream.tracker
         pending: list[Delivery] = []
+        newest = work[-1][0]  # what the stream is now: per turn, not per message
+        stream.model = newest.model
+        if newest.topic is not None:
+            stream.topic = newest.topic
+        stream.replay_endpoint = self._replay_endpoint(stream.sid, newest)
         for i, (arrival, observed) in enumerate(work):
             seq = arrival.seq
-            stream.model = arrival.model
-            if arrival.topic is not None:
-                stream.topic = arrival.topic
-            stream.replay_endpoint = self._replay_endpoint(stream.sid, arrival)
             verdict = tracker.position(seq) if observed else tracker.live(seq)
             if verdict.action is Action.RESTART:
                 # Batches of the old engine first, then the reset, then the new engine.
@@ -354,7 +355,7 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
     ) -> None:
         """Decode one batch and queue its delivery; an undecodable batch is consumed."""
         stream.tracker.applied(seq)
-        stream.recovery.pending_anchor = Anchor(seq, payload)
+        stream.recovery.pending_anchor = (seq, payload)
         try:
             decoded = self._decoder.decode(payload, stream.layout)
         except DecodeError as exc:
@@ -402,7 +403,7 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
         rec = stream.recovery
         if not pending:
             if rec.pending_anchor is not None:  # only undecodable batches were consumed
-                rec.anchor, rec.pending_anchor = rec.pending_anchor, None
+                rec.anchor, rec.pending_anchor = Anchor(*rec.pending_anchor), None
             return True
         try:
             self._sink.deliver(pending)
@@ -426,7 +427,7 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
         stream.last_batch_ts = last.batch.ts
         rec.backoff = 0.0
         if rec.pending_anchor is not None:
-            rec.anchor, rec.pending_anchor = rec.pending_anchor, None
+            rec.anchor, rec.pending_anchor = Anchor(*rec.pending_anchor), None
         if self._gate is not None:
             anchor = rec.anchor
             digest = anchor.digest if anchor is not None and anchor.seq == last.seq else None

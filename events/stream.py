@@ -79,9 +79,9 @@ class Recovery:
     unverified: bool = False
     #: The last batch delivered (or consumed) by the sink: the incarnation check.
     anchor: Anchor | None = None
-    #: The last batch applied in the turn being delivered (becomes ``anchor`` once the
-    #: delivery succeeded).
-    pending_anchor: Anchor | None = None
+    #: ``(seq, payload)`` of the last batch applied in the turn being delivered (becomes
+    #: ``anchor`` once the delivery succeeded; a tuple, not an Anchor: once per batch).
+    pending_anchor: tuple[int, bytes] | None = None
 
     @property
     def replaying(self) -> bool:

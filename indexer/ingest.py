@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from kvindex.events.identity import StreamId
 from kvindex.events.sink import Delivery
@@ -91,6 +92,15 @@ class Ingestor:
             self._verifier.reset(member)
         dropped = self._backend.clear_member(member)
         log.info("cleared %d entries of %s (%s)", dropped, member, reason)
+
+    def to_state(self) -> dict[str, Any]:
+        """Per-member state that shapes how future events are indexed (token-key map,
+        primary KV group), for a snapshot taken with the index's own state."""
+        return {"engine_map": self._engine_map.to_state(), "primary_group": self._primary_group}
+
+    def from_state(self, state: dict[str, Any]) -> None:
+        self._engine_map.from_state(state["engine_map"])
+        self._primary_group = {str(m): int(g) for m, g in state["primary_group"].items()}
 
     def _changes_for(self, delivery: Delivery, changes: list[Change]) -> None:
         member = delivery.stream.member

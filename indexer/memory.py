@@ -13,7 +13,7 @@ import secrets
 import threading
 from collections.abc import Collection, Sequence
 from itertools import chain
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -327,6 +327,55 @@ class MemoryBackend:
         del self._ids[name]
         self._names[mid] = None
         heapq.heappush(self._free_ids, mid)
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """Everything this index holds, as arrays (copies) and scalars, for a snapshot.
+
+        Waits for the writer (so a step is never half in it) but not for readers; the
+        arrays are copied under the writer lock, so writes resume as soon as they are.
+        """
+        with self._writer:
+            return {
+                "seed": self._seed,
+                "names": list(self._names),
+                "width": self._width,
+                "tick": self._tick,
+                "evictions": self._evictions,
+                "tables": {model: t.to_state() for model, t in self._tables.items()},
+            }
+
+    def from_state(self, state: dict[str, Any]) -> None:
+        """Replace this index's content with :meth:`to_state`'s output (the capacity
+        bound stays this backend's own, and is applied at once). Raises ValueError,
+        leaving the index as it was, when the state does not fit together."""
+        names = state["names"]
+        width = int(state["width"])
+        if not all(n is None or isinstance(n, str) for n in names) or len(names) > 64 * width:
+            raise ValueError("member names do not fit the mask width")
+        ids = {name: mid for mid, name in enumerate(names) if name is not None}
+        if len(ids) != sum(n is not None for n in names):
+            raise ValueError("a member name appears twice")
+        stamped = self._capacity is not None
+        tables = {}
+        for model, table_state in state["tables"].items():
+            table = BlockTable.from_state(table_state, stamped=stamped)
+            if table.width != width or int(table.seed) != int(state["seed"]) & WORD:
+                raise ValueError(f"table of model {model!r} does not match the index")
+            tables[str(model)] = table
+        with self._writer:
+            with self._lock:
+                self._seed = int(state["seed"]) & WORD
+                self._tables = tables
+                self._names = list(names)
+                self._ids = ids
+                self._free_ids = [mid for mid, name in enumerate(names) if name is None]
+                heapq.heapify(self._free_ids)
+                self._width = width
+                self._tick = int(state["tick"])
+                self._evictions = int(state["evictions"])
+            self._maintain(set(ids.values()))
 
     # -- reads -----------------------------------------------------------------------------------
 

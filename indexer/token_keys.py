@@ -12,7 +12,9 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import xxhash
 
 from kvindex.indexer.keys import NO_EXTRAS, BlockExtras
@@ -130,3 +132,30 @@ class EngineKeyMap:
 
     def size(self, member: str) -> int:
         return len(self._maps.get(member, {}))
+
+    def to_state(self) -> dict[str, Any]:
+        """Every member's map as flat arrays, for a snapshot."""
+        members = sorted(m for m, table in self._maps.items() if table)
+        entries = [self._maps[m] for m in members]
+        flat = [(e, own, tiers) for table in entries for e, (own, tiers) in table.items()]
+        return {
+            "members": members,
+            "sizes": np.array([len(table) for table in entries], np.int64),
+            "engine": np.array([e for e, _, _ in flat], np.uint64),
+            "own": np.array([o for _, o, _ in flat], np.uint64),
+            "tiers": np.array([t for _, _, t in flat], np.uint8),
+        }
+
+    def from_state(self, state: dict[str, Any]) -> None:
+        """Replace every map with :meth:`to_state`'s output."""
+        engine, own, tiers = (state[k].tolist() for k in ("engine", "own", "tiers"))
+        if not len(engine) == len(own) == len(tiers) == int(state["sizes"].sum()):
+            raise ValueError("engine-key map arrays do not fit together")
+        maps: dict[str, dict[int, tuple[int, int]]] = {}
+        start = 0
+        for member, n in zip(state["members"], state["sizes"].tolist(), strict=True):
+            end = start + n
+            values = zip(own[start:end], tiers[start:end], strict=True)
+            maps[str(member)] = dict(zip(engine[start:end], values, strict=True))
+            start = end
+        self._maps = maps

@@ -139,15 +139,16 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
         except BackendUnavailable:
             service.metrics.score_rejected("backend_unavailable")
             raise
+        warnings = service.directory.warnings(req.model, candidates)
         response = ScoreResponse(
             result.model,
             result.block_size,
             result.prompt_tokens,
             result.prompt_blocks,
             result.pods,
-            service.directory.warnings(req.model),
+            warnings,
         )
-        service.metrics.score_done(result, time.perf_counter() - started)
+        service.metrics.score_done(result, time.perf_counter() - started, bool(warnings))
         return _json(response)
 
     @app.get("/index/pods", summary="Every pod: blocks by tier, stream state, hash check")

@@ -78,6 +78,18 @@ _SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     (
+        "--snapshot",
+        {
+            "metavar": "PATH",
+            "help": "memory backend: save the index to PATH periodically and at shutdown, "
+            "restore it at start and resume every pod's stream from it (default off)",
+        },
+    ),
+    (
+        "--snapshot-interval",
+        {"type": float, "metavar": "SECONDS", "help": "seconds between snapshots (default 60)"},
+    ),
+    (
         "--hash-algo",
         {
             "choices": [a.value for a in HashAlgo],
@@ -165,9 +177,9 @@ def _settings_from(args: argparse.Namespace, environ: dict[str, str]) -> Setting
                 continue
             if spec.get("action") == "append":
                 value = [part for part in raw.replace("\n", ",").split(",") if part.strip()]
-            elif spec.get("type") is int:
+            elif spec.get("type") in (int, float):
                 try:
-                    value = int(raw)
+                    value = spec["type"](raw)
                 except ValueError:
                     raise ConfigError(f"KVINDEX_{name.upper()}={raw!r} is not a number") from None
             else:

@@ -71,6 +71,8 @@ class Settings(msgspec.Struct, kw_only=True):
     stream_queue: Annotated[int, msgspec.Meta(ge=1)] = 4096
     backend: str = "memory"
     capacity_blocks: int | None = None
+    snapshot: str | None = None
+    snapshot_interval: float = 60.0
     hash_algo: HashAlgo = HashAlgo.SHA256
     hash_seed: str | None = None
     block_size: int = 16

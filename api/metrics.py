@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvindex.indexer.ingest import Ingestor
     from kvindex.indexer.leases import RedisLeases
     from kvindex.indexer.redis_backend import RedisBackend
+    from kvindex.indexer.snapshot import SnapshotGate, Snapshotter
     from kvindex.indexer.verify import HashVerifier
     from kvindex.scoring.scorer import ScoreResult
 
@@ -70,10 +71,19 @@ class ScoreMetrics:
             "Cached blocks of the best pod for each scored prompt (numerator of the hit ratio).",
             registry=registry,
         )
+        self.warned = Counter(
+            "kvindex_score_warnings",
+            "Score answers that carried warnings: a pod's entries not known complete "
+            "(stream gapped, incomplete, or restored and not heard since) or its hashes "
+            "not matching.",
+            registry=registry,
+        )
         self._ok = self.requests.labels("ok")
 
-    def score_done(self, result: ScoreResult, seconds: float) -> None:
+    def score_done(self, result: ScoreResult, seconds: float, warned: bool = False) -> None:
         self._ok.inc()
+        if warned:
+            self.warned.inc()
         self.seconds.observe(seconds)
         self.prompt_blocks.inc(result.prompt_blocks)
         self.matched_blocks.inc(result.best_matched_blocks)
@@ -298,3 +308,72 @@ class RedisCollector(Collector):
         for member, is_owned in sorted(self._leases.owned().items()):
             owned.add_metric([member], 1.0 if is_owned else 0.0)
         yield owned
+
+
+class SnapshotCollector(Collector):
+    """Snapshot writes and restore, and the streams whose entries are not known complete
+    because of a restart (restored and not heard since, or recorded incomplete)."""
+
+    def __init__(self, snapshotter: Snapshotter, gate: SnapshotGate) -> None:
+        self._snapshotter = snapshotter
+        self._gate = gate
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator:
+        stats = self._snapshotter.stats
+        writes = CounterMetricFamily(
+            "kvindex_snapshot_writes",
+            "Snapshot writes by result (ok, failed, skipped: no consistent cut in time).",
+            labels=["result"],
+        )
+        writes.add_metric(["ok"], stats.writes_ok)
+        writes.add_metric(["failed"], stats.writes_failed)
+        writes.add_metric(["skipped"], stats.writes_skipped)
+        yield writes
+        if stats.last_ok_at is not None:
+            yield GaugeMetricFamily(
+                "kvindex_snapshot_last_success_timestamp_seconds",
+                "When the last snapshot was written (Unix time).",
+                value=stats.last_ok_at,
+            )
+        yield GaugeMetricFamily(
+            "kvindex_snapshot_last_write_seconds",
+            "How long the last snapshot took (cut and write).",
+            value=stats.last_seconds,
+        )
+        yield GaugeMetricFamily(
+            "kvindex_snapshot_bytes", "Size of the last snapshot written.", value=stats.last_bytes
+        )
+        restore = GaugeMetricFamily(
+            "kvindex_snapshot_restore",
+            "1 for what happened to the snapshot at start: restored, missing (first start), "
+            "or why it was refused (foreign, version, truncated, corrupt, invalid, unreadable).",
+            labels=["result"],
+        )
+        restore.add_metric([stats.restore], 1.0)
+        yield restore
+        yield GaugeMetricFamily(
+            "kvindex_snapshot_restore_seconds",
+            "Time to read and install the snapshot at start.",
+            value=stats.restore_seconds,
+        )
+        marks = self._gate.marks()
+        unverified = GaugeMetricFamily(
+            "kvindex_streams_unverified",
+            "Streams whose entries are not known complete after a restart: restored (not "
+            "heard since) or incomplete (history missing until the engine clears or restarts).",
+            labels=["state"],
+        )
+        per_pod = GaugeMetricFamily(
+            "kvindex_pod_stream_unverified",
+            "1 for each pod stream restored and not heard since, or recorded incomplete.",
+            labels=["pod", "state"],
+        )
+        for state in ("restored", "incomplete"):
+            unverified.add_metric([state], sum(m.state == state for m in marks.values()))
+        for member, mark in sorted(marks.items()):
+            per_pod.add_metric([member, mark.state], 1.0)
+        yield unverified
+        yield per_pod

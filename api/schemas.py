@@ -31,7 +31,14 @@ class ScoreResponse(msgspec.Struct):
     prompt_tokens: int
     prompt_blocks: int
     pods: list[PodScore]
-    warnings: list[str] = []
+    warnings: Annotated[
+        list[str],
+        msgspec.Meta(
+            description="One line per pod whose entries are not known to be exact, "
+            "naming the pod and the reason (stream gapped, incomplete or restored and "
+            "unverified; block hashes not matching). Empty when every candidate is trusted."
+        ),
+    ] = []
 
 
 class ErrorBody(msgspec.Struct):

@@ -22,7 +22,13 @@ from kvindex.api.config import (
     tier_weights,
     tokenizer_dirs,
 )
-from kvindex.api.metrics import InstrumentedSink, RedisCollector, ScoreMetrics, ServiceCollector
+from kvindex.api.metrics import (
+    InstrumentedSink,
+    RedisCollector,
+    ScoreMetrics,
+    ServiceCollector,
+    SnapshotCollector,
+)
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.discovery import KubernetesDiscovery
 from kvindex.events.endpoints import PodEndpoint, endpoint_host, tcp_endpoint
@@ -32,6 +38,7 @@ from kvindex.indexer.backend import BackendError, IndexBackend
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.pods import PodDirectory
+from kvindex.indexer.snapshot import SnapshotGate, Snapshotter
 from kvindex.indexer.verify import HashVerifier
 from kvindex.scoring.scorer import Scorer
 from kvindex.scoring.tokenize import TokenizerRegistry
@@ -71,6 +78,23 @@ def make_leases(settings: Settings, backend: IndexBackend) -> RedisLeases | None
     if settings.lease_ttl <= 0:
         raise ConfigError(f"--lease-ttl {settings.lease_ttl}: must be at least 1 second")
     return RedisLeases(backend, settings.replica_id, float(settings.lease_ttl))
+
+
+def make_snapshots(
+    settings: Settings, backend: IndexBackend
+) -> tuple[SnapshotGate | None, str | None]:
+    """The snapshot gate when ``--snapshot`` is set (memory backend only: Redis keeps
+    its own data across kvindex restarts, and several replicas use leases)."""
+    if not settings.snapshot:
+        return None, None
+    if not isinstance(backend, MemoryBackend):
+        raise ConfigError(
+            "--snapshot works with the memory backend; a Redis index survives kvindex "
+            "restarts on its own (drop --snapshot, or use --backend memory)"
+        )
+    if settings.snapshot_interval < 0:
+        raise ConfigError(f"--snapshot-interval {settings.snapshot_interval}: must be >= 0")
+    return SnapshotGate(), settings.snapshot
 
 
 def parse_connect(spec: str, settings: Settings) -> PodEndpoint:
@@ -125,8 +149,10 @@ class Service:
         self.registry = registry or CollectorRegistry()
         self.verifier = HashVerifier(self.catalog.keying, self.catalog.hasher)
         self.ingestor = Ingestor(self.backend, self.catalog, self.verifier)
+        self.snapshot_gate, snapshot_path = make_snapshots(settings, self.backend)
+        sink = InstrumentedSink(self.ingestor, self.registry)
         self.subscriber = Subscriber(
-            InstrumentedSink(self.ingestor, self.registry),
+            sink if self.snapshot_gate is None else self.snapshot_gate.wrap(sink),
             SubscriberConfig(
                 topic_filter=settings.topic_filter,
                 replay_port=settings.replay_port or None,
@@ -134,10 +160,21 @@ class Service:
                 default_serving_port=settings.serving_port,
                 default_model=settings.model,
             ),
-            gate=self.leases,
+            gate=self.leases or self.snapshot_gate,
             # Discovered pods keep their streams however long they idle.
             pod_known=lambda pod: self.discovery is not None and pod in self.discovery.discovered(),
         )
+        self.snapshotter: Snapshotter | None = None
+        if self.snapshot_gate is not None and snapshot_path is not None:
+            assert isinstance(self.backend, MemoryBackend)
+            self.snapshotter = Snapshotter(
+                snapshot_path,
+                settings.snapshot_interval,
+                self.backend,
+                self.ingestor,
+                self.snapshot_gate,
+                self.subscriber.streams,
+            )
         self.discovery: KubernetesDiscovery | None = None
         if settings.k8s_namespace:
             self.discovery = KubernetesDiscovery(self.subscriber, discovery_config(settings))
@@ -150,9 +187,16 @@ class Service:
         )
         if self.leases is not None:
             self.registry.register(RedisCollector(self.leases.backend, self.leases))
+        if self.snapshotter is not None and self.snapshot_gate is not None:
+            self.registry.register(SnapshotCollector(self.snapshotter, self.snapshot_gate))
             owners = owners or self.leases.owners
         self.directory = PodDirectory(
-            self.backend, self.subscriber.streams, self.verifier, discovered, owners
+            self.backend,
+            self.subscriber.streams,
+            self.verifier,
+            discovered,
+            owners,
+            marks=self.snapshot_gate.marks if self.snapshot_gate is not None else None,
         )
         self.bound: list[str] = []
         self._models_cache: tuple[float, frozenset[str]] = (float("-inf"), frozenset())
@@ -160,6 +204,8 @@ class Service:
     def start(self) -> None:
         if self.leases is not None:
             self.leases.start()
+        if self.snapshotter is not None:
+            self.snapshotter.restore()  # before any batch is applied
         self.subscriber.start()
         for endpoint in self.settings.zmq_bind:
             self.bound.append(self.subscriber.bind(endpoint))
@@ -169,6 +215,8 @@ class Service:
             log.info("subscribed to %s (pod %s)", target.endpoint, target.pod or "from topic")
         if self.discovery is not None:
             self.discovery.start()
+        if self.snapshotter is not None:
+            self.snapshotter.start()
         if self.settings.k8s_namespace and self.settings.k8s_mode == "bind":
             if not self.settings.zmq_bind:
                 log.warning("--k8s-mode bind: add --zmq-bind tcp://*:5557 for pods to connect to")
@@ -182,6 +230,8 @@ class Service:
         if self.discovery is not None:
             self.discovery.stop()
         self.subscriber.stop()
+        if self.snapshotter is not None:
+            self.snapshotter.close()  # the final snapshot: nothing is applied any more
         if self.leases is not None:
             self.leases.close()  # final positions; another replica takes over within a second
         self.backend.close()

@@ -9,8 +9,8 @@ stored twice and nothing can disagree.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from kvindex.events.identity import member_pod
 from kvindex.events.status import StreamStatus
@@ -19,6 +19,27 @@ from kvindex.indexer.verify import CheckState, HashVerifier
 
 #: States in which a stream's entries may differ from what its engine holds.
 _UNHEALTHY_STREAMS = frozenset({"gapped", "incomplete", "resync"})
+#: Worst first: the state a pod shows when its streams differ.
+_STATE_ORDER = (
+    "gapped",
+    "incomplete",
+    "resync",
+    "restored",
+    "verifying",
+    "replaying",
+    "live",
+    "standby",
+)
+
+
+class Mark(Protocol):
+    """Why a stream's entries are not known complete, from outside the subscriber
+    (a restored snapshot): ``state`` overrides the stream's own."""
+
+    member: str
+    model: str
+    state: str
+    reason: str
 
 
 class _Snapshot(NamedTuple):
@@ -26,6 +47,7 @@ class _Snapshot(NamedTuple):
     discovered: Mapping[str, Mapping[str, Any]]
     members: dict[str, set[str]]  # pod -> its index members (the pod, its DP ranks)
     owners: Mapping[str, str]
+    marks: Mapping[str, Mark]
 
 
 def _stream_dict(s: StreamStatus) -> dict[str, Any]:
@@ -62,7 +84,9 @@ class PodDirectory:
     ``streams`` returns this process's stream snapshots; ``discovered`` (optional)
     returns what discovery knows of each pod (Kubernetes name, namespace, address);
     ``owners`` (optional) returns which replica applies each member's stream when
-    several kvindex replicas share one backend.
+    several kvindex replicas share one backend; ``marks`` (optional) returns streams
+    whose entries are not known complete for reasons the subscriber cannot see (a
+    restored snapshot), which override the stream's own state.
     """
 
     def __init__(
@@ -74,15 +98,18 @@ class PodDirectory:
         owners: Callable[[], Mapping[str, str]] | None = None,
         clock: Callable[[], float] = time.time,
         warnings_ttl_s: float = 1.0,
+        *,
+        marks: Callable[[], Mapping[str, Mark]] | None = None,
     ) -> None:
         self._backend = backend
         self._streams = streams
         self._verifier = verifier
         self._discovered = discovered or dict
         self._owners = owners or dict
+        self._marks = marks or dict
         self._clock = clock
         self._warnings_ttl = warnings_ttl_s
-        self._warnings: tuple[float, dict[str, list[str]]] = (float("-inf"), {})
+        self._warnings: tuple[float, dict[str, list[tuple[str, str]]]] = (float("-inf"), {})
 
     def members_of(self, pod: str) -> list[str]:
         """Index members of ``pod`` (itself and its data-parallel ranks)."""
@@ -107,11 +134,15 @@ class PodDirectory:
             members.setdefault(member_pod(member), set()).add(member)
         for stream in streams:
             members.setdefault(stream.pod, set()).add(stream.member)
-        return _Snapshot(streams, self._discovered(), members, self._owners())
+        marks = self._marks()
+        for member in marks:
+            members.setdefault(member_pod(member), set()).add(member)
+        return _Snapshot(streams, self._discovered(), members, self._owners(), marks)
 
     def _report(self, pod: str, snap: _Snapshot) -> dict[str, Any]:
         own_streams = [s for s in snap.streams if s.pod == pod]
         members = snap.members.get(pod, set())
+        marks = [snap.marks[m] for m in sorted(members) if m in snap.marks]
         discovered, owners = snap.discovered, snap.owners
         blocks: dict[str, int] = {t.label: 0 for t in Tier}
         by_model: dict[str, dict[str, int]] = {}
@@ -138,8 +169,8 @@ class PodDirectory:
                 "failed": sum(s.replays_failed for s in own_streams),
             },
             "restarts": sum(s.restarts for s in own_streams),
-            "stream_state": _worst_state(own_streams),
-            "streams": [_stream_dict(s) for s in own_streams],
+            "stream_state": _worst_state(own_streams, marks),
+            "streams": _stream_dicts(own_streams, marks),
             "hash_check": {m: self._verifier.status(m).as_dict() for m in sorted(members)}
             if self._verifier is not None
             else {},
@@ -151,19 +182,26 @@ class PodDirectory:
             report["owners"] = member_owners
         return report
 
-    def warnings(self, model: str) -> list[str]:
-        """Problems that make scores for ``model`` untrustworthy, cached for a second:
-        a hash mismatch means a pod's entries can never match; a gapped stream means
-        its entries may be stale."""
+    def warnings(self, model: str, pods: Collection[str] | None = None) -> list[str]:
+        """Problems that make scores for ``model`` untrustworthy (only those of
+        ``pods``, when given), cached for a second: a hash mismatch means a pod's
+        entries can never match; a gapped, incomplete or restored-but-unheard stream
+        means its entries may be stale or missing."""
         now = self._clock()
         expires, cached = self._warnings
         if now >= expires:
             cached = self._compute_warnings()
             self._warnings = (now + self._warnings_ttl, cached)
-        return cached.get(model, [])
+        found = cached.get(model, [])
+        return [text for pod, text in found if pods is None or pod in pods]
 
-    def _compute_warnings(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
+    def _compute_warnings(self) -> dict[str, list[tuple[str, str]]]:
+        out: dict[str, list[tuple[str, str]]] = {}
+        marks = self._marks()
+        for mark in marks.values():
+            out.setdefault(mark.model, []).append(
+                (member_pod(mark.member), f"pod {mark.member}: stream {mark.state} ({mark.reason})")
+            )
         for stream in self._streams():
             problems = []
             if self._verifier is not None:
@@ -173,21 +211,38 @@ class PodDirectory:
                         f"pod {stream.member}: block hashes do not match ({check.diagnosis}); "
                         f"{check.action}"
                     )
-            if stream.state in _UNHEALTHY_STREAMS:
+            if stream.state in _UNHEALTHY_STREAMS and stream.member not in marks:
                 problems.append(
                     f"pod {stream.member}: event stream {stream.state} "
                     f"({stream.missed_batches} batches missed); its entries may be stale "
                     "or missing until the engine clears or restarts"
                 )
             if problems:
-                out.setdefault(stream.model, []).extend(problems)
+                out.setdefault(stream.model, []).extend((stream.pod, p) for p in problems)
         return out
 
 
-def _worst_state(streams: Sequence[StreamStatus]) -> str | None:
-    order = ["gapped", "incomplete", "resync", "verifying", "replaying", "live", "standby"]
-    states = {s.state for s in streams}
-    for state in order:
+def _stream_dicts(streams: Sequence[StreamStatus], marks: Sequence[Mark]) -> list[dict[str, Any]]:
+    """Each stream as /index/pods shows it; a mark overrides its state and adds its
+    reason; a marked stream the subscriber has not seen is listed from the mark."""
+    by_member = {m.member: m for m in marks}
+    out = []
+    for stream in streams:
+        entry = _stream_dict(stream)
+        mark = by_member.pop(stream.member, None)
+        if mark is not None:
+            entry["state"], entry["state_reason"] = mark.state, mark.reason
+        out.append(entry)
+    for mark in by_member.values():
+        entry = {"member": mark.member, "model": mark.model, "state": mark.state}
+        out.append({**entry, "state_reason": mark.reason})
+    return out
+
+
+def _worst_state(streams: Sequence[StreamStatus], marks: Sequence[Mark] = ()) -> str | None:
+    marked = {m.member: m.state for m in marks}
+    states = {marked.get(s.member, s.state) for s in streams} | set(marked.values())
+    for state in _STATE_ORDER:
         if state in states:
             return state
     return next(iter(states), None)

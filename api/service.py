@@ -187,9 +187,9 @@ class Service:
         )
         if self.leases is not None:
             self.registry.register(RedisCollector(self.leases.backend, self.leases))
+            owners = owners or self.leases.owners
         if self.snapshotter is not None and self.snapshot_gate is not None:
             self.registry.register(SnapshotCollector(self.snapshotter, self.snapshot_gate))
-            owners = owners or self.leases.owners
         self.directory = PodDirectory(
             self.backend,
             self.subscriber.streams,

@@ -1,0 +1,317 @@
+"""Restarting `kvindex serve --snapshot`: real processes, real ZMQ engines with replay
+buffers, real snapshot files.
+
+Each engine is an :class:`EnginePublisher` bound on its own loopback address (connect
+mode) that also keeps the set of blocks it holds, so every check compares the index
+with what the engine really holds, not with a number written down in the test.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from kvindex.api.testing import ServeProcess, free_port
+from kvindex.events.publisher import EnginePublisher
+from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvindex.indexer.snapshot_file import read_snapshot, write_snapshot
+
+pytestmark = pytest.mark.slow
+
+MODEL = "acme/chat-7b"
+INCOMPLETE = ("incomplete", "gapped")  # the subscriber's name for history it lacks
+
+
+def eventually(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Engine:
+    """A publishing engine and the blocks it holds (what the index must equal)."""
+
+    def __init__(self, host: str, replay_port: int, seed: int, buffer_steps: int = 10_000):
+        self.pod = f"{host}:8000"
+        self._host, self._replay_port, self._buffer = host, replay_port, buffer_steps
+        self._rng = random.Random(seed)
+        self.held: set[int] = set()
+        self.pub = self._open()
+
+    def _open(self) -> EnginePublisher:
+        return EnginePublisher(
+            f"tcp://{self._host}:{free_port()}",
+            replay_endpoint=f"tcp://{self._host}:{self._replay_port}",
+            bind=True,
+            buffer_steps=self._buffer,
+        )
+
+    @property
+    def connect(self) -> str:
+        return f"{self.pod}@{MODEL}={self.pub.endpoint}"
+
+    def step(self, stores: int = 8, removes: int = 3) -> int:
+        """One batch: new blocks, and evictions of blocks it holds."""
+        gone = self._rng.sample(sorted(self.held), min(removes, len(self.held)))
+        new = [self._rng.getrandbits(64) for _ in range(stores)]
+        self.held.difference_update(gone)
+        self.held.update(new)
+        events: list = [BlockStored(new, None, [], 16)]
+        if gone:
+            events.append(BlockRemoved(gone))
+        return self.pub.publish(events)
+
+    def clear(self) -> int:
+        self.held.clear()
+        return self.pub.publish([AllBlocksCleared()])
+
+    def restart(self) -> None:
+        """The engine process restarted: seq from 0, empty cache and replay buffer."""
+        self.pub.restart()
+        self.held.clear()
+
+    @property
+    def last_seq(self) -> int:
+        return self.pub.next_seq - 1
+
+
+class Cluster:
+    def __init__(self, tmp_path: Path, engines: list[Engine], interval_s: float, replay_port: int):
+        self.path = tmp_path / "kvindex.snap"
+        self.engines = engines
+        self._flags = [
+            "--snapshot", str(self.path),
+            "--snapshot-interval", str(interval_s),
+            "--replay-port", str(replay_port),
+            "--log-format", "json",
+        ]  # fmt: skip
+        for engine in engines:
+            self._flags += ["--zmq-connect", engine.connect]
+        self._tmp = tmp_path
+        self._runs = 0
+        self.server: ServeProcess | None = None
+
+    def start(self) -> ServeProcess:
+        self._runs += 1
+        self.server = ServeProcess(*self._flags, log_path=self._tmp / f"serve-{self._runs}.log")
+        self.server.wait_ready(30.0)
+        return self.server
+
+    def stop(self, sig: int) -> None:
+        assert self.server is not None
+        self.server.stop(sig)
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def blocks(self, engine: Engine) -> list[int] | None:
+        answer = httpx.get(
+            f"{self.url}/index/pods/{engine.pod}/blocks", params={"model": MODEL}, timeout=5
+        )
+        if answer.status_code != 200:
+            return None
+        return answer.json()["blocks"].get(engine.pod)
+
+    def exact(self, engine: Engine) -> bool:
+        return self.blocks(engine) == sorted(engine.held)
+
+    def pod(self, engine: Engine) -> dict:
+        return httpx.get(f"{self.url}/index/pods/{engine.pod}", timeout=5).json()
+
+    def state(self, engine: Engine) -> str | None:
+        answer = httpx.get(f"{self.url}/index/pods/{engine.pod}", timeout=5)
+        return answer.json()["stream_state"] if answer.status_code == 200 else None
+
+    def warnings(self, engine: Engine) -> list[str]:
+        body = {"model": MODEL, "token_ids": list(range(64)), "pods": [engine.pod]}
+        return httpx.post(f"{self.url}/score", json=body, timeout=5).json()["warnings"]
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=5).text
+
+    def saved(self) -> dict[str, int]:
+        """Pod -> seq in the snapshot file now ({} when there is none yet)."""
+        if not self.path.exists():
+            return {}
+        return {s["pod"]: s["seq"] for s in read_snapshot(self.path)["streams"]}
+
+    def wait_connected(self) -> None:
+        for engine in self.engines:
+            assert engine.pub.wait_for_subscribers(self._runs, 10.0)
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+    made: list[Cluster] = []
+    replay_port = free_port()
+
+    def build(*buffers: int, interval_s: float = 0.2) -> Cluster:
+        engines = [
+            Engine(f"127.0.0.{31 + i}", replay_port, seed=i, buffer_steps=b)
+            for i, b in enumerate(buffers)
+        ]
+        cluster = Cluster(tmp_path, engines, interval_s, replay_port)
+        made.append(cluster)
+        return cluster
+
+    yield build
+    for cluster in made:
+        if cluster.server is not None:
+            cluster.server.stop(signal.SIGKILL)
+        for engine in cluster.engines:
+            engine.pub.close()
+
+
+def ingest(cluster: Cluster, batches: int) -> None:
+    for _ in range(batches):
+        for engine in cluster.engines:
+            engine.step()
+    for engine in cluster.engines:
+        eventually(lambda e=engine: cluster.exact(e), f"{engine.pod} indexed")
+
+
+def wait_for_snapshot(cluster: Cluster) -> None:
+    want = {e.pod: e.last_seq for e in cluster.engines}
+    eventually(lambda: cluster.saved() == want, "a snapshot of the last batches")
+
+
+def test_kill_9_after_a_snapshot_replays_the_tail_and_ends_exact(make) -> None:
+    cluster = make(10_000, 10_000)
+    cluster.start()
+    cluster.wait_connected()
+    ingest(cluster, 40)
+    wait_for_snapshot(cluster)
+    cluster.stop(signal.SIGKILL)
+    a, b = cluster.engines
+    for _ in range(25):  # published while kvindex is down: only the replay buffer has them
+        a.step()
+    b.step()
+    cluster.start()
+    cluster.wait_connected()
+    for engine in cluster.engines:  # restored before any new batch
+        assert cluster.state(engine) == "restored"
+        assert any(engine.pod in w for w in cluster.warnings(engine))
+    a.step()
+    b.step()
+    for engine in cluster.engines:
+        eventually(lambda e=engine: cluster.exact(e), f"{engine.pod} exact after the replay")
+        eventually(lambda e=engine: cluster.state(e) == "live", f"{engine.pod} live")
+        eventually(lambda e=engine: cluster.warnings(e) == [], "no warning (cached a second)")
+        report = cluster.pod(engine)
+        assert report["streams"][0]["missed_batches"] == 0
+    assert 'kvindex_snapshot_restore{result="restored"} 1.0' in cluster.metrics()
+
+
+def test_an_engine_whose_buffer_no_longer_reaches_the_snapshot_is_incomplete_until_cleared(
+    make,
+) -> None:
+    cluster = make(8, 10_000)
+    cluster.start()
+    cluster.wait_connected()
+    ingest(cluster, 12)
+    wait_for_snapshot(cluster)
+    cluster.stop(signal.SIGKILL)
+    short, fine = cluster.engines
+    for _ in range(30):  # far more than its 8-batch buffer
+        short.step()
+    fine.step()
+    cluster.start()
+    cluster.wait_connected()
+    short.step()
+    fine.step()
+    eventually(lambda: cluster.state(short) in INCOMPLETE, "the short engine incomplete")
+    eventually(lambda: cluster.exact(fine) and cluster.state(fine) == "live", "the other exact")
+    warned = cluster.warnings(short)
+    assert len(warned) == 1 and short.pod in warned[0], warned
+    assert cluster.warnings(fine) == []
+    assert "kvindex_score_warnings_total 1.0" in cluster.metrics()
+    # The engine clears its cache: nothing it held before matters any more.
+    short.clear()
+    short.step()
+    eventually(lambda: cluster.state(short) == "live", "cleared engine live again")
+    eventually(lambda: cluster.exact(short), "cleared engine exact")
+    eventually(lambda: cluster.warnings(short) == [], "no warning (cached a second)")
+
+
+def test_an_engine_that_restarted_while_kvindex_was_down_is_reset(make) -> None:
+    cluster = make(10_000, 10_000)
+    cluster.start()
+    cluster.wait_connected()
+    ingest(cluster, 10)
+    wait_for_snapshot(cluster)
+    cluster.stop(signal.SIGKILL)
+    fewer, more = cluster.engines
+    for engine, batches in ((fewer, 3), (more, 25)):  # below and past the snapshot's seq
+        engine.restart()
+        for _ in range(batches):
+            engine.step()
+    cluster.start()
+    cluster.wait_connected()
+    fewer.step()
+    more.step()
+    for engine in cluster.engines:
+        eventually(lambda e=engine: cluster.exact(e), f"{engine.pod}: only the new engine's blocks")
+        eventually(lambda e=engine: cluster.state(e) == "live", f"{engine.pod} live")
+        assert cluster.pod(engine)["restarts"] == 1
+
+
+def test_sigterm_writes_a_final_snapshot_and_idle_pods_come_back_restored(make) -> None:
+    cluster = make(10_000, 10_000, interval_s=3600)  # no periodic snapshot in this test
+    cluster.start()
+    cluster.wait_connected()
+    ingest(cluster, 15)
+    assert cluster.saved() == {}
+    cluster.stop(signal.SIGTERM)
+    assert cluster.saved() == {e.pod: e.last_seq for e in cluster.engines}
+    cluster.start()
+    cluster.wait_connected()
+    idle, busy = cluster.engines
+    for engine in cluster.engines:
+        assert cluster.exact(engine)  # restored from the file, nothing replayed yet
+    busy.step()
+    eventually(lambda: cluster.exact(busy) and cluster.state(busy) == "live", "busy pod live")
+    # The idle pod is never heard: restored, unverified, and said so everywhere.
+    assert cluster.state(idle) == "restored"
+    assert [s["state"] for s in cluster.pod(idle)["streams"]] == ["restored"]
+    warned = cluster.warnings(idle)
+    assert len(warned) == 1 and idle.pod in warned[0] and "restored" in warned[0]
+    metrics = cluster.metrics()
+    assert 'kvindex_streams_unverified{state="restored"} 1.0' in metrics
+    assert f'kvindex_pod_stream_unverified{{pod="{idle.pod}",state="restored"}} 1.0' in metrics
+
+
+def test_a_corrupt_snapshot_is_refused_and_nothing_is_reported_live_falsely(make) -> None:
+    cluster = make(6, 10_000)
+    short, whole = cluster.engines
+    for _ in range(20):  # before kvindex starts: the short engine's seq 0 is gone
+        short.step()
+    whole.step()
+    write_snapshot(cluster.path, {"index": {"keys": np.arange(1000, dtype=np.uint64)}})
+    damaged = bytearray(cluster.path.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x40  # ours, but one bit flipped
+    cluster.path.write_bytes(bytes(damaged))
+    server = cluster.start()
+    cluster.wait_connected()
+    assert "cannot use snapshot" in server.log_tail()
+    assert (cluster.path.parent / "kvindex.snap.refused").exists()
+    short.step()
+    whole.step()
+    eventually(lambda: cluster.state(short) in INCOMPLETE, "the short engine not live")
+    eventually(lambda: cluster.exact(whole) and cluster.state(whole) == "live", "whole one exact")
+    assert any(short.pod in w for w in cluster.warnings(short))
+    assert 'kvindex_snapshot_restore{result="corrupt"} 1.0' in cluster.metrics()

@@ -5,6 +5,7 @@ subscriber applies a real ZMQ stream."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -279,6 +280,8 @@ def test_cuts_taken_while_a_real_stream_applies_match_their_positions_exactly(
         cutter.start()
         for seq in range(total):
             pub.publish([BlockStored([seq + 1], None, [], 0)])
+            if seq % 20 == 0:
+                time.sleep(0.01)  # spread the applying over many cuts
         cutter.join(timeout=60)
         assert not cutter.is_alive()
         assert wait_until(lambda: len(backend.member_keys(POD, "m")) == total, 10.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, disable_created_metrics
@@ -80,13 +81,12 @@ def make_leases(settings: Settings, backend: IndexBackend) -> RedisLeases | None
     return RedisLeases(backend, settings.replica_id, float(settings.lease_ttl))
 
 
-def make_snapshots(
-    settings: Settings, backend: IndexBackend
-) -> tuple[SnapshotGate | None, str | None]:
-    """The snapshot gate when ``--snapshot`` is set (memory backend only: Redis keeps
-    its own data across kvindex restarts, and several replicas use leases)."""
+def snapshot_backend(settings: Settings, backend: IndexBackend) -> MemoryBackend | None:
+    """The backend to snapshot when ``--snapshot`` is set: the memory backend only
+    (Redis keeps its own data across kvindex restarts, and several replicas use
+    leases). Refuses settings that cannot work before anything starts."""
     if not settings.snapshot:
-        return None, None
+        return None
     if not isinstance(backend, MemoryBackend):
         raise ConfigError(
             "--snapshot works with the memory backend; a Redis index survives kvindex "
@@ -94,7 +94,10 @@ def make_snapshots(
         )
     if settings.snapshot_interval < 0:
         raise ConfigError(f"--snapshot-interval {settings.snapshot_interval}: must be >= 0")
-    return SnapshotGate(), settings.snapshot
+    directory = Path(settings.snapshot).parent
+    if not directory.is_dir():
+        raise ConfigError(f"--snapshot {settings.snapshot}: directory {directory} does not exist")
+    return backend
 
 
 def parse_connect(spec: str, settings: Settings) -> PodEndpoint:
@@ -149,7 +152,8 @@ class Service:
         self.registry = registry or CollectorRegistry()
         self.verifier = HashVerifier(self.catalog.keying, self.catalog.hasher)
         self.ingestor = Ingestor(self.backend, self.catalog, self.verifier)
-        self.snapshot_gate, snapshot_path = make_snapshots(settings, self.backend)
+        snapshotted = snapshot_backend(settings, self.backend)
+        self.snapshot_gate = SnapshotGate() if snapshotted is not None else None
         sink = InstrumentedSink(self.ingestor, self.registry)
         self.subscriber = Subscriber(
             sink if self.snapshot_gate is None else self.snapshot_gate.wrap(sink),
@@ -165,12 +169,11 @@ class Service:
             pod_known=lambda pod: self.discovery is not None and pod in self.discovery.discovered(),
         )
         self.snapshotter: Snapshotter | None = None
-        if self.snapshot_gate is not None and snapshot_path is not None:
-            assert isinstance(self.backend, MemoryBackend)
+        if snapshotted is not None and self.snapshot_gate is not None and settings.snapshot:
             self.snapshotter = Snapshotter(
-                snapshot_path,
+                settings.snapshot,
                 settings.snapshot_interval,
-                self.backend,
+                snapshotted,
                 self.ingestor,
                 self.snapshot_gate,
                 self.subscriber.streams,

@@ -96,7 +96,10 @@ class Ingestor:
     def to_state(self) -> dict[str, Any]:
         """Per-member state that shapes how future events are indexed (token-key map,
         primary KV group), for a snapshot taken with the index's own state."""
-        return {"engine_map": self._engine_map.to_state(), "primary_group": self._primary_group}
+        return {
+            "engine_map": self._engine_map.to_state(),
+            "primary_group": dict(self._primary_group),  # a copy: written after the cut
+        }
 
     def from_state(self, state: dict[str, Any]) -> None:
         self._engine_map.from_state(state["engine_map"])

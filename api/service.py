@@ -246,6 +246,8 @@ class Service:
         removed = 0
         for member in members:
             removed += self.backend.clear_member(member)
+            if self.snapshot_gate is not None:
+                self.snapshot_gate.purged(member)
         log.info("operator purged pod %s (%d entries)", pod, removed)
         return members, removed
 

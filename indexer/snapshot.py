@@ -145,6 +145,15 @@ class SnapshotGate:
             self._claims.pop(stream, None)
             self._unheard.discard(stream)
 
+    def purged(self, member: str) -> None:
+        """An operator dropped ``member``'s entries: its saved position and marks go too
+        (when its engine is heard again, its whole history is needed)."""
+        with self._cond:
+            for stream in [s for s in self._positions if s.member == member]:
+                del self._positions[stream]
+                self._unheard.discard(stream)
+                self._incomplete.pop(stream, None)
+
     # -- the sink side -------------------------------------------------------------------
 
     def wrap(self, inner: BatchSink) -> BatchSink:
@@ -430,7 +439,11 @@ class Snapshotter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.write()
+        try:
+            self.write()
+        except Exception:  # shutting down: say so, never raise into the shutdown path
+            self.stats.writes_failed += 1
+            log.exception("the final snapshot failed")
 
 
 def _streams_of(tree: dict[str, Any]) -> list[tuple[StreamId, StreamPosition, bool]]:

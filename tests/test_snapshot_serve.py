@@ -97,6 +97,7 @@ class Cluster:
             "--snapshot-interval", str(interval_s),
             "--replay-port", str(replay_port),
             "--log-format", "json",
+            "--admin-token", "t0ken",
         ]  # fmt: skip
         for engine in engines:
             self._flags += ["--zmq-connect", engine.connect]
@@ -310,6 +311,14 @@ def test_sigterm_writes_a_final_snapshot_and_idle_pods_come_back_restored(make) 
     metrics = cluster.metrics()
     assert 'kvindex_streams_unverified{state="restored"} 1.0' in metrics
     assert f'kvindex_pod_stream_unverified{{pod="{idle.pod}",state="restored"}} 1.0' in metrics
+    # An operator who knows the pod is gone purges it: entries and mark go together.
+    purged = httpx.delete(
+        f"{cluster.url}/index/pods/{idle.pod}", headers={"Authorization": "Bearer t0ken"}
+    )
+    assert purged.json()["entries_removed"] == len(idle.held)
+    assert cluster.state(idle) is None  # no longer known at all
+    assert 'kvindex_streams_unverified{state="restored"} 0.0' in cluster.metrics()
+    eventually(lambda: cluster.warnings(idle) == [], "no warning once purged")
 
 
 def test_a_corrupt_snapshot_is_refused_and_nothing_is_reported_live_falsely(make) -> None:

@@ -129,7 +129,7 @@ class RedisLeases:
                 return UNKNOWN  # our lease may have lapsed: apply nothing until renewed
             return NOT_OWNED if lease.holder is not None else UNKNOWN
 
-    def committed(self, stream: StreamId, seq: int) -> None:
+    def committed(self, stream: StreamId, seq: int, digest: bytes | None = None) -> None:
         with self._lock:
             lease = self._leases.get(stream.member)
             if lease is not None and lease.owned:

@@ -38,7 +38,7 @@ class FakeGate:
         with self._lock:
             return self._claim
 
-    def committed(self, stream: StreamId, seq: int) -> None:
+    def committed(self, stream: StreamId, seq: int, digest: bytes | None = None) -> None:
         with self._lock:
             self.commits.append((stream, seq))
             self.digests.append(digest)

@@ -2,10 +2,11 @@
 
 Gateways often have only text. A score is only right if the text becomes exactly the
 tokens the engine will see, so kvindex uses the model's own ``tokenizer.json`` (the
-``tokenizers`` library, the optional ``tokenize`` extra) and renders chat messages with
-the model's own chat template from ``tokenizer_config.json`` (jinja2), the way vLLM
-does: a completion prompt is encoded with special tokens added, a rendered chat prompt
-without (its template already holds them).
+``tokenizers`` library, the optional ``tokenize`` extra) and renders chat messages the
+way vLLM 0.33 does: the messages rebuilt as vLLM rebuilds them (``conversation``), the
+model's own chat template rendered as transformers renders it (``chat_template``). A
+completion prompt is encoded with special tokens added, a rendered chat prompt without
+(its template already holds them).
 
 Nothing is downloaded at run time: a tokenizer comes from a configured local directory,
 or from the local Hugging Face cache (``$HF_HUB_CACHE`` or ``$HF_HOME/hub``, else
@@ -14,7 +15,6 @@ or from the local Hugging Face cache (``$HF_HUB_CACHE`` or ``$HF_HOME/hub``, els
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -22,20 +22,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvindex.scoring.chat_template import (
+    ChatTemplateError,
+    ContentFormat,
+    load_chat_templates,
+    render,
+)
+from kvindex.scoring.conversation import conversation, detect_content_format, vllm_tools
+
 
 class TokenizerUnavailable(LookupError):
     """No tokenizer can be loaded for a model; the message says what to set."""
 
 
 @dataclass(frozen=True, slots=True)
-class ChatTemplate:
-    source: str
-    bos_token: str
-    eos_token: str
+class ChatOptions:
+    """How a chat request asks vLLM to render its messages (vLLM 0.33's chat completion
+    fields of the same names, with the same defaults)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Sequence[Mapping[str, Any]] | None = None
+    documents: Sequence[Mapping[str, Any]] | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+
+
+# Keywords vLLM 0.33 refuses in chat_template_kwargs (it picks the template and
+# tokenizes itself), plus the conversation, which the request gives as `messages`.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "messages", "conversation"})
 
 
 class ModelTokenizer:
-    """One model's tokenizer and chat template."""
+    """One model's tokenizer and chat templates."""
 
     def __init__(self, model: str, directory: Path) -> None:
         try:
@@ -50,62 +68,60 @@ class ModelTokenizer:
         self.model = model
         self.directory = directory
         self._tokenizer = Tokenizer.from_file(str(path))
-        self._template = _load_chat_template(directory)
-        self._compiled: Any = None
+        self._templates = load_chat_templates(directory)
+        self._formats: dict[str, ContentFormat] = {}
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return self._tokenizer.encode(prompt, add_special_tokens=True).ids
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        text = self.render_chat(messages)
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], options: ChatOptions | None = None
+    ) -> list[int]:
+        """The token ids vLLM feeds the engine for this chat request: the rendered text
+        encoded without added special tokens (the template holds them)."""
+        text = self.render_chat(messages, options)
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        if self._template is None:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], options: ChatOptions | None = None
+    ) -> str:
+        """The prompt text vLLM 0.33 renders for ``messages``; raises ChatTemplateError
+        when the request or the template refuses."""
+        options = options or ChatOptions()
+        if self._templates is None:
             raise TokenizerUnavailable(
-                f"model {self.model!r}: tokenizer_config.json in {self.directory} has no "
-                "chat_template; send token_ids or prompt instead of messages"
+                f"model {self.model!r}: {self.directory} has no chat template "
+                "(tokenizer_config.json chat_template or chat_template.jinja); send "
+                "token_ids or prompt instead of messages"
             )
-        if self._compiled is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            self._compiled = env.from_string(self._template.source)
-        return self._compiled.render(
-            messages=list(messages),
-            add_generation_prompt=True,
-            bos_token=self._template.bos_token,
-            eos_token=self._template.eos_token,
+        kwargs = dict(options.chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        # The request's own fields win over the same names in chat_template_kwargs.
+        kwargs.pop("add_generation_prompt", None)
+        kwargs.pop("continue_final_message", None)
+        tools = kwargs.pop("tools", None)
+        if options.tools is not None:  # vLLM rebuilds the request's tools, not these
+            tools = vllm_tools(options.tools)
+        documents = kwargs.pop("documents", None)
+        if options.documents is not None:
+            documents = options.documents
+        template = self._templates.select(tools)
+        content_format = self._formats.get(template)
+        if content_format is None:
+            content_format = self._formats[template] = detect_content_format(template)
+        chat = conversation(messages, content_format, template)
+        return render(
+            template,
+            chat,
+            special_tokens=self._templates.special_tokens,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **kwargs,
         )
-
-
-def _raise_template_error(message: str) -> None:
-    raise ValueError(f"chat template refused the messages: {message}")
-
-
-def _load_chat_template(directory: Path) -> ChatTemplate | None:
-    path = directory / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text(encoding="utf-8"))
-    source = config.get("chat_template")
-    if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}]
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default") or next(iter(named.values()), None)
-    if not source and (directory / "chat_template.jinja").is_file():
-        source = (directory / "chat_template.jinja").read_text(encoding="utf-8")
-    if not isinstance(source, str) or not source:
-        return None
-    return ChatTemplate(
-        source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
-    )
-
-
-def _token_text(value: Any) -> str:
-    if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
-        value = value.get("content")
-    return value if isinstance(value, str) else ""
 
 
 def hub_cache_dirs() -> list[Path]:

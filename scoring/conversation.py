@@ -1,0 +1,322 @@
+"""OpenAI chat messages turned into the conversation vLLM hands its chat template.
+
+vLLM does not pass a request's ``messages`` to the template as they come: it rebuilds
+each message (vLLM 0.33, ``vllm/renderers/chat_utils/chat_message.py`` and
+``vllm/renderers/hf.py``), and the rendered prompt depends on every step. These are the
+steps for text conversations, as pure functions:
+
+- Content parts become one string joined with ``"\\n"`` when the template treats
+  ``content`` as a string, or a list of ``{"type": "text", "text": ...}`` parts when the
+  template loops over it (the "openai" content format, detected from the template's
+  syntax tree); a plain string content becomes one text part in that case.
+- Only the fields vLLM keeps survive: ``role``, ``content``, and per role
+  ``tool_calls`` and ``reasoning``/``reasoning_content`` (assistant), ``tool_call_id``
+  (tool), ``name``, ``task``, ``tools`` (developer).
+- Assistant tool calls: ``arguments`` given as a JSON string become an object (``{}``
+  when empty or not a JSON object); an empty ``tool_calls`` list is dropped.
+- ``developer`` messages become ``system`` ones (merged into a single first system
+  message) when the template never mentions the ``developer`` role.
+- Tools are rebuilt as vLLM's request model dumps them: ``{"type": "function",
+  "function": {"name", "description", "parameters"}}`` with absent fields as null.
+
+Multimodal parts (images, audio, video, embeddings) are refused: their placeholders and
+hashes are the engine's business and kvindex cannot score them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvindex.scoring.chat_template import ChatTemplateError, ContentFormat
+
+# Content part types vLLM 0.33 reads as text, and the key each keeps its text under.
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+# Fields of OpenAI content parts; anything else on a text part is passed through to an
+# "openai" format template, as vLLM does.
+_KNOWN_PART_FIELDS = frozenset(
+    {
+        "type", "text", "refusal", "thinking", "image_url", "input_audio", "audio_url",
+        "video_url", "image_embeds", "audio_embeds", "video_embeds", "image_pil", "uuid",
+        "data", "file", "detail", "name", "signature",
+    }
+)  # fmt: skip
+# System text parts starting with this Claude Code attribution line lose that line:
+# its value changes every request (vLLM 0.33 strips it to keep prefixes cacheable).
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def conversation(
+    messages: Sequence[Mapping[str, Any]], content_format: ContentFormat, template: str
+) -> list[dict[str, Any]]:
+    """``messages`` as vLLM 0.33 hands them to ``template``."""
+    out = [_message(m, content_format) for m in messages]
+    for message in out:
+        _parse_tool_call_arguments(message)
+    if any(m["role"] == "developer" for m in out) and not _mentions_developer(template):
+        out = _developer_as_system(out)
+    return out
+
+
+def _message(message: Mapping[str, Any], content_format: ContentFormat) -> dict[str, Any]:
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise ChatTemplateError("every message needs a string 'role'")
+    content = message.get("content")
+    if content is None:
+        parts: list[Any] = []
+    elif isinstance(content, str):
+        parts = [{"type": "text", "text": content}]
+    elif isinstance(content, list):
+        parts = content
+    else:
+        raise ChatTemplateError(f"a {role} message's content must be a string or a list of parts")
+    if role == "system":
+        parts = _without_billing_header(parts)
+    texts = [_part(p, content_format) for p in parts]
+    texts = [t for t in texts if t is not None]
+    result: dict[str, Any] = {"role": role}
+    if content_format == "openai":
+        result["content"] = texts
+    else:
+        result["content"] = "\n".join(texts)
+    reasoning = message.get("reasoning")
+    if role == "assistant":
+        if message.get("tool_calls") is not None:
+            calls = message["tool_calls"]
+            if not isinstance(calls, list):
+                raise ChatTemplateError("assistant tool_calls must be a list")
+            result["tool_calls"] = [dict(c) if isinstance(c, Mapping) else c for c in calls]
+        if reasoning is not None:
+            result["reasoning"] = reasoning
+            result["reasoning_content"] = reasoning
+    elif role == "tool":
+        if "tool_call_id" in message:
+            result["tool_call_id"] = message["tool_call_id"]
+        if isinstance(result["content"], list):
+            result["content"] = "\n".join(p["text"] for p in result["content"])
+    if isinstance(message.get("name"), str):
+        result["name"] = message["name"]
+    if isinstance(message.get("task"), str):
+        result["task"] = message["task"]
+    if role == "developer":
+        result["tools"] = message.get("tools")
+    return result
+
+
+def _part(part: Any, content_format: ContentFormat) -> Any:
+    if isinstance(part, str):
+        return {"type": "text", "text": part} if content_format == "openai" else part
+    if not isinstance(part, Mapping):
+        raise ChatTemplateError("a content part must be a string or an object")
+    kind = part.get("type")
+    key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+    if key is None:
+        raise ChatTemplateError(
+            f"content part of type {kind!r} is not supported: kvindex scores text "
+            "conversations (text, input_text, output_text, refusal, thinking parts)"
+        )
+    text = part.get(key)
+    if text is None:
+        return None  # vLLM skips text parts without text
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"a {kind} part's {key!r} must be a string")
+    if content_format == "string":
+        return text
+    wrapped: dict[str, Any] = {"type": "text", "text": text}
+    wrapped.update({k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS})
+    return wrapped
+
+
+def _without_billing_header(parts: list[Any]) -> list[Any]:
+    out = []
+    for part in parts:
+        text = part if isinstance(part, str) else None
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            text = part.get("text")
+        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+            out.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out
+
+
+def _parse_tool_call_arguments(message: dict[str, Any]) -> None:
+    if message["role"] != "assistant" or "tool_calls" not in message:
+        return
+    calls = message["tool_calls"]
+    if not calls:
+        del message["tool_calls"]
+        return
+    parsed_calls = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, Mapping) or call.get("type", "function") != "function":
+            raise ChatTemplateError("assistant tool_calls must be objects of type 'function'")
+        function = dict(function)
+        arguments = function.get("arguments")
+        if not arguments:
+            function["arguments"] = {}
+        elif isinstance(arguments, str):
+            try:
+                decoded = json.loads(arguments)
+            except json.JSONDecodeError:
+                decoded = None  # vLLM coerces malformed history to {} to keep it usable
+            function["arguments"] = decoded if isinstance(decoded, dict) else {}
+        elif not isinstance(arguments, Mapping):
+            function["arguments"] = {}
+        parsed_calls.append({**call, "function": function})
+    message["tool_calls"] = parsed_calls
+
+
+def _mentions_developer(template: str) -> bool:
+    return '"developer"' in template or "'developer'" in template
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    converted = []
+    for message in messages:
+        if message["role"] == "developer":
+            message = {k: v for k, v in message.items() if k != "tools"}
+            message["role"] = "system"
+        converted.append(message)
+    systems: list[str] = []
+    others: list[dict[str, Any]] = []
+    merge = False
+    for i, message in enumerate(converted):
+        if message["role"] != "system":
+            others.append(message)
+            continue
+        merge = merge or i > 0 or bool(systems)
+        content = message.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                p["text"] if isinstance(p, Mapping) else p
+                for p in content
+                if isinstance(p, str) or (isinstance(p, Mapping) and "text" in p)
+            )
+        if content:
+            systems.append(content)
+    if not merge:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(systems)}, *others]
+
+
+def vllm_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
+    """``tools`` as vLLM 0.33's ``ChatCompletionToolsParam.model_dump()`` hands them to the
+    template: unknown fields dropped, absent ``description``/``parameters`` as null,
+    ``strict`` and ``defer_loading`` only when set."""
+    out = []
+    for tool in tools:
+        if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
+            raise ChatTemplateError("each tool must be an object with a 'function' object")
+        if tool.get("type", "function") != "function":
+            raise ChatTemplateError("only tools of type 'function' are supported")
+        function = tool["function"]
+        if not isinstance(function.get("name"), str):
+            raise ChatTemplateError("each tool function needs a string 'name'")
+        defer = function.get("defer_loading")
+        if defer is None:
+            defer = tool.get("defer_loading")
+        dumped: dict[str, Any] = {
+            "name": function["name"],
+            "description": function.get("description"),
+            "parameters": function.get("parameters"),
+        }
+        if function.get("strict") is not None:
+            dumped["strict"] = function["strict"]
+        if defer is not None:
+            dumped["defer_loading"] = defer
+        entry: dict[str, Any] = {"type": "function", "function": dumped}
+        if tool.get("defer_loading") is not None:
+            entry["defer_loading"] = tool["defer_loading"]
+        out.append(entry)
+    return out
+
+
+def detect_content_format(template: str) -> ContentFormat:
+    """The content format vLLM 0.33 picks for ``template``: "openai" when the template
+    loops over a message's ``content`` (it expects a list of parts), else "string".
+
+    vLLM answers this from the template's syntax tree; so does this: names bound to
+    ``messages`` (directly, by ``set`` or as a loop variable), then any ``for`` over
+    ``<message>.content`` or over a name set from it. (vLLM also follows content passed
+    into macros; a template that loops over content only inside a macro is detected as
+    "string" here.)
+    """
+    import jinja2.nodes as n
+
+    from kvindex.scoring.chat_template import environment
+
+    try:
+        tree = environment().parse(template)
+    except Exception:
+        return "string"
+    message_lists = {"messages"}
+    changed = True
+    while changed:  # names assigned from messages (slices, filters) are messages too
+        changed = False
+        for assign in tree.find_all(n.Assign):
+            if (
+                isinstance(assign.target, n.Name)
+                and assign.target.name not in message_lists
+                and _reads_name(assign.node, message_lists)
+            ):
+                message_lists.add(assign.target.name)
+                changed = True
+    messages = {
+        loop.target.name
+        for loop in tree.find_all(n.For)
+        if isinstance(loop.target, n.Name) and _reads_name(loop.iter, message_lists)
+    }
+    contents = {
+        assign.target.name
+        for assign in tree.find_all(n.Assign)
+        if isinstance(assign.target, n.Name) and _reads_content(assign.node, messages)
+    }
+    for loop in tree.find_all(n.For):
+        if _reads_content(loop.iter, messages):
+            return "openai"
+        if isinstance(loop.iter, n.Name) and loop.iter.name in contents:
+            return "openai"
+    return "string"
+
+
+def _unwrap(node: Any) -> Any:
+    """The variable under filters, tests and slices: ``messages[1:] | reverse`` reads
+    ``messages``."""
+    import jinja2.nodes as n
+
+    while True:
+        filtered = isinstance(node, n.Filter | n.Test) and node.node is not None
+        sliced = isinstance(node, n.Getitem) and isinstance(node.arg, n.Slice)
+        if not (filtered or sliced):
+            return node
+        node = node.node
+
+
+def _reads_name(node: Any, names: set[str]) -> bool:
+    import jinja2.nodes as n
+
+    node = _unwrap(node)
+    return isinstance(node, n.Name) and node.ctx == "load" and node.name in names
+
+
+def _reads_content(node: Any, message_names: set[str]) -> bool:
+    import jinja2.nodes as n
+
+    node = _unwrap(node)
+    if isinstance(node, n.Getattr) and node.attr == "content":
+        return _reads_name(node.node, message_names)
+    if isinstance(node, n.Getitem) and isinstance(node.arg, n.Const):
+        return node.arg.value == "content" and _reads_name(node.node, message_names)
+    return False

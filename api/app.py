@@ -30,7 +30,7 @@ from kvindex.events.identity import IdentityError, normalize_pod
 from kvindex.indexer.backend import BackendUnavailable, Tier
 from kvindex.indexer.keys import KeyConfigError
 from kvindex.indexer.token_keys import TokenRangeError
-from kvindex.scoring.tokenize import TokenizerUnavailable
+from kvindex.scoring.tokenize import ChatOptions, TokenizerUnavailable
 
 if TYPE_CHECKING:
     from kvindex.api.service import Service
@@ -248,6 +248,13 @@ def _tokens_of(service: Service, req: ScoreRequest, max_tokens: int, max_chars: 
             f"model {req.model!r} is neither configured (--model-config) nor seen in any "
             f"pod's events; known: {', '.join(service.known_models()) or 'none yet'}",
         )
+    if req.messages is None and _chat_fields_given(req):
+        raise HttpError(
+            400,
+            "invalid_request",
+            "add_generation_prompt, continue_final_message, tools, documents and "
+            "chat_template_kwargs apply to messages only",
+        )
     tokens = req.token_ids if req.token_ids is not None else _tokenize(service, req, max_chars)
     if not tokens:
         raise HttpError(400, "invalid_request", "the prompt is empty")
@@ -265,7 +272,11 @@ def _tokenize(service: Service, req: ScoreRequest, max_chars: int) -> list[int]:
     if req.prompt is not None:
         size = len(req.prompt)
     else:
-        size = sum(len(msgspec.json.encode(m)) for m in req.messages or [])
+        size = sum(
+            len(msgspec.json.encode(part))
+            for part in (req.messages, req.tools, req.documents, req.chat_template_kwargs)
+            if part is not None
+        )
         if any(not isinstance(m.get("role"), str) for m in req.messages or []):
             raise HttpError(400, "invalid_request", "every message needs a string 'role'")
     if size > max_chars:
@@ -279,13 +290,32 @@ def _tokenize(service: Service, req: ScoreRequest, max_chars: int) -> list[int]:
         tokenizer = service.tokenizers.get(req.model)
         if req.prompt is not None:
             return tokenizer.encode_prompt(req.prompt)
-        return tokenizer.encode_chat(req.messages or [])
+        return tokenizer.encode_chat(
+            req.messages or [],
+            ChatOptions(
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                tools=req.tools,
+                documents=req.documents,
+                chat_template_kwargs=req.chat_template_kwargs,
+            ),
+        )
     except TokenizerUnavailable as exc:
         raise HttpError(503, "tokenizer_unavailable", str(exc)) from None
     except ValueError as exc:  # the chat template refused the messages
         raise HttpError(400, "invalid_request", str(exc)) from None
     except Exception as exc:  # jinja2 errors from a model's template
         raise HttpError(400, "invalid_request", f"chat template failed: {exc}") from None
+
+
+def _chat_fields_given(req: ScoreRequest) -> bool:
+    return (
+        not req.add_generation_prompt
+        or req.continue_final_message
+        or req.tools is not None
+        or req.documents is not None
+        or req.chat_template_kwargs is not None
+    )
 
 
 def _candidates(pods: list[str] | None, serving_port: int) -> list[str] | None:

@@ -14,7 +14,11 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 
 
 class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /score``: exactly one of ``token_ids``, ``prompt``, ``messages``."""
+    """``POST /score``: exactly one of ``token_ids``, ``prompt``, ``messages``.
+
+    With ``messages``, the chat fields below render the prompt as vLLM's chat completions
+    endpoint does with the same fields and defaults (vLLM 0.33): send what the client
+    sends vLLM, or the score is for a different prompt."""
 
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
     token_ids: list[TokenId] | None = None
@@ -23,6 +27,11 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     pods: list[str] | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ScoreResponse(msgspec.Struct):

@@ -247,11 +247,12 @@ def detect_content_format(template: str) -> ContentFormat:
     """The content format vLLM 0.33 picks for ``template``: "openai" when the template
     loops over a message's ``content`` (it expects a list of parts), else "string".
 
-    vLLM answers this from the template's syntax tree; so does this: names bound to
-    ``messages`` (directly, by ``set`` or as a loop variable), then any ``for`` over
-    ``<message>.content`` or over a name set from it. (vLLM also follows content passed
-    into macros; a template that loops over content only inside a macro is detected as
-    "string" here.)
+    vLLM answers this from the template's syntax tree, by these rules, applied here to
+    the same tree: the names that hold the message list (``messages``, and whatever is
+    ``set`` from it, sliced or filtered, including ``namespace`` attributes); the loop
+    variables over those lists (the messages); then "openai" if any ``for`` iterates a
+    message's ``content``, a macro parameter that a call fills with a message's
+    ``content``, or, outside macros, a variable named ``content``.
     """
     import jinja2.nodes as n
 
@@ -261,62 +262,100 @@ def detect_content_format(template: str) -> ContentFormat:
         tree = environment().parse(template)
     except Exception:
         return "string"
-    message_lists = {"messages"}
-    changed = True
-    while changed:  # names assigned from messages (slices, filters) are messages too
-        changed = False
-        for assign in tree.find_all(n.Assign):
-            if (
-                isinstance(assign.target, n.Name)
-                and assign.target.name not in message_lists
-                and _reads_name(assign.node, message_lists)
-            ):
-                message_lists.add(assign.target.name)
-                changed = True
-    messages = {
-        loop.target.name
-        for loop in tree.find_all(n.For)
-        if isinstance(loop.target, n.Name) and _reads_name(loop.iter, message_lists)
-    }
-    contents = {
-        assign.target.name
-        for assign in tree.find_all(n.Assign)
-        if isinstance(assign.target, n.Name) and _reads_content(assign.node, messages)
-    }
+    message_lists = _aliases(tree, "messages")
+    messages = set()
     for loop in tree.find_all(n.For):
-        if _reads_content(loop.iter, messages):
+        if isinstance(loop.target, n.Name) and any(
+            _access(loop.iter, name) for name in message_lists
+        ):
+            messages.add(loop.target.name)
+
+    def reads_content(node: Any) -> bool:
+        return any(_access(node, name, "content") for name in messages)
+
+    in_macros: set[int] = set()
+    for macro in tree.find_all(n.Macro):
+        params = [arg.name for arg in macro.args]
+        content_params = set()
+        for call in tree.find_all(n.Call):
+            if not (isinstance(call.node, n.Name) and call.node.name == macro.name):
+                continue
+            for i, arg in enumerate(call.args):
+                if i < len(params) and reads_content(arg):
+                    content_params.add(params[i])
+            for keyword in call.kwargs:
+                if keyword.key in params and reads_content(keyword.value):
+                    content_params.add(keyword.key)
+        for loop in macro.find_all(n.For):
+            in_macros.add(id(loop))
+            if isinstance(loop.iter, n.Name) and loop.iter.name in content_params:
+                return "openai"
+    for loop in tree.find_all(n.For):
+        if reads_content(loop.iter):
             return "openai"
-        if isinstance(loop.iter, n.Name) and loop.iter.name in contents:
+        outside_macros = id(loop) not in in_macros
+        if outside_macros and isinstance(loop.iter, n.Name) and loop.iter.name == "content":
             return "openai"
     return "string"
 
 
-def _unwrap(node: Any) -> Any:
-    """The variable under filters, tests and slices: ``messages[1:] | reverse`` reads
-    ``messages``."""
+def _aliases(tree: Any, root: str) -> set[str]:
+    """``root`` and every name assigned from it (``x = root[1:]``, ``ns.x = root``,
+    ``ns = namespace(x=root)``), transitively; namespace attributes as ``ns.x``."""
     import jinja2.nodes as n
 
-    while True:
-        filtered = isinstance(node, n.Filter | n.Test) and node.node is not None
-        sliced = isinstance(node, n.Getitem) and isinstance(node.arg, n.Slice)
-        if not (filtered or sliced):
-            return node
-        node = node.node
+    found = {root}
+    pending = [root]
+    while pending:
+        current = pending.pop()
+        for assign in tree.find_all(n.Assign):
+            target, value = assign.target, assign.node
+            new: list[str] = []
+            if isinstance(target, n.Name) and _access(value, current):
+                new.append(target.name)
+            if (
+                isinstance(target, n.Name)
+                and isinstance(value, n.Call)
+                and isinstance(value.node, n.Name)
+                and value.node.name == "namespace"
+            ):
+                new += [f"{target.name}.{k.key}" for k in value.kwargs if _access(k.value, current)]
+            elif isinstance(target, n.NSRef) and _access(value, current):
+                new.append(f"{target.name}.{target.attr}")
+            for name in new:
+                if name not in found:
+                    found.add(name)
+                    pending.append(name)
+    return found
 
 
-def _reads_name(node: Any, names: set[str]) -> bool:
+def _is_name(node: Any, name: str) -> bool:
+    """``node`` reads variable ``name``; a dotted name ``ns.x`` is an attribute read."""
     import jinja2.nodes as n
 
-    node = _unwrap(node)
-    return isinstance(node, n.Name) and node.ctx == "load" and node.name in names
+    if isinstance(node, n.Name):
+        return node.ctx == "load" and node.name == name
+    if isinstance(node, n.Getattr) and "." in name:
+        base, _, attr = name.rpartition(".")
+        return node.attr == attr and _is_name(node.node, base)
+    return False
 
 
-def _reads_content(node: Any, message_names: set[str]) -> bool:
+def _access(node: Any, name: str, key: str | None = None) -> bool:
+    """``node`` reads ``name`` (or its ``key`` item/attribute), possibly filtered, tested
+    or sliced: ``messages[1:] | reverse`` reads ``messages``."""
     import jinja2.nodes as n
 
-    node = _unwrap(node)
-    if isinstance(node, n.Getattr) and node.attr == "content":
-        return _reads_name(node.node, message_names)
-    if isinstance(node, n.Getitem) and isinstance(node.arg, n.Const):
-        return node.arg.value == "content" and _reads_name(node.node, message_names)
+    if isinstance(node, n.Filter) and node.node is not None:
+        return _access(node.node, name, key)
+    if isinstance(node, n.Test):
+        return _access(node.node, name, key)
+    if isinstance(node, n.Getitem) and isinstance(node.arg, n.Slice):
+        return _access(node.node, name, key)
+    if key is None:
+        return _is_name(node, name)
+    if isinstance(node, n.Getitem):
+        return isinstance(node.arg, n.Const) and node.arg.value == key and _is_name(node.node, name)
+    if isinstance(node, n.Getattr):
+        return node.attr == key and _is_name(node.node, name)
     return False

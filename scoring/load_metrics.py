@@ -1,0 +1,110 @@
+"""A vLLM pod's ``/metrics`` text to its live load: requests running and waiting, and how
+full its KV cache is, per engine.
+
+Names and labels as vLLM 0.33 registers them (``vllm/v1/metrics/loggers.py``,
+``PrometheusStatLogger``): the gauges ``vllm:num_requests_running``,
+``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (0..1), each labelled
+``model_name`` and ``engine`` (one series per data-parallel engine core). Older vLLM
+releases named the KV gauge ``vllm:gpu_cache_usage_perc`` (0.33 no longer exports it);
+it is read when the new name is absent. Parsing is prometheus_client's own text parser.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_OLD_NAME = "vllm:gpu_cache_usage_perc"
+
+
+class MetricsError(ValueError):
+    """A metrics page kvindex cannot read a load from; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One engine core's scheduler state (one data-parallel rank)."""
+
+    running: int
+    waiting: int
+    kv_usage: float | None  # fraction of KV blocks in use, 0..1; None if not exported
+
+
+def parse_engine_loads(text: str) -> dict[str, EngineLoad]:
+    """Per ``engine`` label, the load in a vLLM metrics page.
+
+    Requests are summed over the other labels (``model_name``); KV usage is the largest
+    value seen for the engine. Raises MetricsError for text that does not parse, holds no
+    vLLM scheduler gauges, or holds values that cannot be a load (negative, NaN).
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    running: dict[str, float] = {}
+    waiting: dict[str, float] = {}
+    kv_new: dict[str, float] = {}
+    kv_old: dict[str, float] = {}
+    sums = {RUNNING: running, WAITING: waiting}
+    maxima = {KV_USAGE: kv_new, KV_USAGE_OLD_NAME: kv_old}
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name not in sums and family.name not in maxima:
+                continue
+            for sample in family.samples:
+                if sample.name != family.name:
+                    continue
+                value = sample.value
+                if math.isnan(value) or value < 0:
+                    raise MetricsError(f"{sample.name} has impossible value {value}")
+                engine = sample.labels.get("engine", "0")
+                if family.name in sums:
+                    target = sums[family.name]
+                    target[engine] = target.get(engine, 0.0) + value
+                else:
+                    target = maxima[family.name]
+                    target[engine] = max(target.get(engine, 0.0), value)
+    except MetricsError:
+        raise
+    except Exception as exc:  # the parser raises ValueError and friends on bad text
+        raise MetricsError(f"not Prometheus text: {exc}") from None
+    if not running and not waiting:
+        raise MetricsError(f"no {RUNNING} or {WAITING}: is this a vLLM metrics endpoint?")
+    kv = kv_new or kv_old
+    engines = sorted(set(running) | set(waiting) | set(kv), key=_engine_order)
+    return {
+        engine: EngineLoad(
+            int(running.get(engine, 0)), int(waiting.get(engine, 0)), _fraction(kv.get(engine))
+        )
+        for engine in engines
+    }
+
+
+def _fraction(value: float | None) -> float | None:
+    return None if value is None else min(value, 1.0)
+
+
+def _engine_order(engine: str) -> tuple[int, str]:
+    return (int(engine), "") if engine.isdigit() else (1 << 30, engine)
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """A pod's load over all its engines."""
+
+    running: int
+    waiting: int
+    kv_usage: float | None  # mean over engines that export it
+    kv_usage_max: float | None  # the fullest engine, for admission
+
+
+def totals(engines: Mapping[str, EngineLoad]) -> Totals:
+    usage = [e.kv_usage for e in engines.values() if e.kv_usage is not None]
+    return Totals(
+        sum(e.running for e in engines.values()),
+        sum(e.waiting for e in engines.values()),
+        sum(usage) / len(usage) if usage else None,
+        max(usage) if usage else None,
+    )

@@ -1,0 +1,256 @@
+"""Live load per pod, for routing decisions: what each vLLM pod's ``/metrics`` said in its
+last good scrape, plus what kvindex routed to it since (the in-flight ledger).
+
+Interface for the router (``/route``, issue 11)::
+
+    view = LoadView(interval_s=1.0, timeout_s=0.5, stale_after_s=3.0)
+    view.set_pods(["10.0.0.7:8000", "10.0.0.8:8000"])  # from discovery, any time
+    view.start()                                        # background scraping
+    loads = view.snapshot(candidate_pods)               # per request, no I/O
+    for pod, load in loads.items():
+        if isinstance(load, Unknown): ...               # never "idle": unknown
+        else: load.running, load.waiting, load.kv_usage, load.in_flight ...
+    view.ledger.begin(pod, route_id, prompt_blocks, ttl_s=...)  # after choosing
+    view.ledger.done(route_id)                                   # POST /route/{id}/done
+    view.stop()
+
+- A pod is scraped at ``metrics_url(pod)`` (default ``http://<pod>/metrics``: vLLM
+  serves its metrics on the OpenAI server's port, which is the pod id) every
+  ``interval_s``, all pods concurrently, each with ``timeout_s`` and a body limit.
+- A pod whose last good scrape is older than ``stale_after_s`` (or that never had one)
+  is ``Unknown``, with the reason and the last error: a pod we cannot see is not idle.
+- Scrape failures (connection, timeout, HTTP status, unreadable text, no vLLM gauges)
+  are counted per pod (``scrape_errors``) and never raise.
+- Requests are summed over a pod's engines (data-parallel ranks, the ``engine`` label);
+  KV usage is reported as the mean and the max over engines, and per engine.
+- The scraper thread is the only writer of scrape results; it publishes each pod's new
+  immutable record by a single dict assignment, so ``snapshot`` takes no lock for them.
+
+Metrics (Prometheus counters for errors and staleness, gauges for in-flight) are left to
+the caller to wrap around ``scrape_errors()`` and ``snapshot``, as the index backends
+are wrapped: this module holds no registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvindex.scoring.inflight import InFlight, InFlightLedger
+from kvindex.scoring.load_metrics import EngineLoad, MetricsError, parse_engine_loads, totals
+
+log = logging.getLogger(__name__)
+
+_MAX_BODY_BYTES = 8 * 1024 * 1024  # a vLLM metrics page is ~100 KB
+
+
+@dataclass(frozen=True, slots=True)
+class PodLoad:
+    """A pod's load as of its last good scrape, plus kvindex's own in-flight count."""
+
+    pod: str
+    running: int
+    waiting: int
+    kv_usage: float | None  # mean over engines, 0..1; None if the pod exports none
+    kv_usage_max: float | None
+    engines: Mapping[str, EngineLoad]
+    in_flight: InFlight
+    age_s: float  # since the scrape that produced these figures
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """A pod whose load kvindex cannot see now; route to it as a last resort only."""
+
+    pod: str
+    reason: str  # "not_scraped" (never a good scrape) or "stale"
+    last_error: str | None
+    age_s: float | None  # since the last good scrape, None if there was none
+    in_flight: InFlight
+
+
+@dataclass(frozen=True, slots=True)
+class _Scrape:
+    engines: Mapping[str, EngineLoad]
+    at: float
+
+
+@dataclass(slots=True)
+class _PodState:
+    good: _Scrape | None = None
+    last_error: str | None = None
+    failures_by_kind: dict[str, int] = field(default_factory=dict)
+
+
+def default_metrics_url(pod: str) -> str:
+    return f"http://{pod}/metrics"
+
+
+class LoadView:
+    """Background scraper of every pod's vLLM metrics and the in-flight ledger."""
+
+    def __init__(
+        self,
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 0.5,
+        stale_after_s: float | None = None,
+        metrics_url: Callable[[str], str] = default_metrics_url,
+        max_workers: int = 16,
+        clock: Callable[[], float] = time.monotonic,
+        ledger: InFlightLedger | None = None,
+    ) -> None:
+        if interval_s <= 0 or timeout_s <= 0:
+            raise ValueError("interval_s and timeout_s must be positive")
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        # Three missed rounds before a pod counts as unknown: one slow scrape is noise.
+        self.stale_after_s = stale_after_s if stale_after_s is not None else 3 * interval_s
+        self._metrics_url = metrics_url
+        self._clock = clock
+        self.ledger = ledger or InFlightLedger(clock)
+        self._pods: tuple[str, ...] = ()
+        self._states: dict[str, _PodState] = {}
+        self._max_workers = max_workers
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client = None
+
+    def set_pods(self, pods: Iterable[str]) -> None:
+        """The pods to scrape from the next round on; pods no longer listed are forgotten
+        at that round (the scraper thread is the only writer of their state)."""
+        self._pods = tuple(dict.fromkeys(pods))
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kvindex-load", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout_s + 5)
+            self._thread = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def scrape_once(self) -> None:
+        """One round over every pod, concurrently; returns when all have answered or
+        timed out. The background thread calls this every ``interval_s``."""
+        pods = self._pods
+        for gone in [p for p in self._states if p not in set(pods)]:
+            del self._states[gone]
+        if not pods:
+            return
+        client = self._http()
+        workers = min(self._max_workers, len(pods))
+        with ThreadPoolExecutor(workers, thread_name_prefix="kvindex-scrape") as pool:
+            results = list(pool.map(lambda pod: (pod, self._fetch(client, pod)), pods))
+        for pod, result in results:
+            state = self._states.get(pod)
+            if state is None:
+                state = self._states[pod] = _PodState()
+            if isinstance(result, _Scrape):
+                state.good = result
+                state.last_error = None
+            else:
+                kind, message = result
+                state.failures_by_kind[kind] = state.failures_by_kind.get(kind, 0) + 1
+                state.last_error = message
+
+    def snapshot(self, pods: Iterable[str]) -> dict[str, PodLoad | Unknown]:
+        """Each of ``pods`` as a PodLoad, or Unknown when its figures are missing or older
+        than ``stale_after_s``. No I/O; safe from any thread."""
+        now = self._clock()
+        in_flight = self.ledger.all()
+        out: dict[str, PodLoad | Unknown] = {}
+        for pod in pods:
+            state = self._states.get(pod)
+            flying = in_flight.get(pod, InFlight())
+            good = state.good if state is not None else None
+            error = state.last_error if state is not None else None
+            if good is None:
+                out[pod] = Unknown(pod, "not_scraped", error, None, flying)
+                continue
+            age = max(0.0, now - good.at)
+            if age > self.stale_after_s:
+                out[pod] = Unknown(pod, "stale", error, age, flying)
+                continue
+            total = totals(good.engines)
+            out[pod] = PodLoad(
+                pod,
+                total.running,
+                total.waiting,
+                total.kv_usage,
+                total.kv_usage_max,
+                good.engines,
+                flying,
+                age,
+            )
+        return out
+
+    def scrape_errors(self) -> dict[str, dict[str, int]]:
+        """Failed scrapes per pod, by kind (connect, timeout, http_status, too_large,
+        bad_metrics)."""
+        return {
+            pod: dict(state.failures_by_kind)
+            for pod, state in list(self._states.items())
+            if state.failures_by_kind
+        }
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = self._clock()
+            try:
+                self.scrape_once()
+            except Exception:  # a bug, not a pod's failure (those are counted): keep going
+                log.exception("load scrape round failed")
+            elapsed = self._clock() - started
+            self._stop.wait(max(0.0, self.interval_s - elapsed))
+
+    def _http(self):  # -> httpx.Client
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.Client(
+                timeout=httpx.Timeout(self.timeout_s),
+                limits=httpx.Limits(max_connections=self._max_workers * 2),
+                follow_redirects=False,
+                trust_env=False,
+            )
+        return self._client
+
+    def _fetch(self, client, pod: str) -> _Scrape | tuple[str, str]:
+        import httpx
+
+        url = self._metrics_url(pod)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            with client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    return ("http_status", f"GET {url}: HTTP {response.status_code}")
+                chunks = []
+                size = 0
+                for chunk in response.iter_bytes():
+                    size += len(chunk)
+                    if size > _MAX_BODY_BYTES:
+                        return ("too_large", f"GET {url}: body over {_MAX_BODY_BYTES} bytes")
+                    if time.monotonic() > deadline:
+                        return ("timeout", f"GET {url}: body not read within {self.timeout_s}s")
+                    chunks.append(chunk)
+            text = b"".join(chunks).decode("utf-8", errors="replace")
+            engines = parse_engine_loads(text)
+        except httpx.TimeoutException:
+            return ("timeout", f"GET {url}: no answer within {self.timeout_s}s")
+        except httpx.HTTPError as exc:
+            return ("connect", f"GET {url}: {type(exc).__name__}: {exc}")
+        except MetricsError as exc:
+            return ("bad_metrics", f"GET {url}: {exc}")
+        return _Scrape(engines, self._clock())

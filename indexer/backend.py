@@ -41,16 +41,26 @@ TIERS = tuple(Tier)
 
 
 class Op(enum.Enum):
-    STORE = "store"
-    REMOVE = "remove"
-    CLEAR = "clear"
+    """What a change does to each (member, tier, key) it names.
+
+    An engine can hold one block hash in several physical blocks (vLLM 0.33 recomputes
+    the last block of a fully cached, block-aligned prompt into a new block, and
+    publishes a ``BlockStored`` for every copy and a ``BlockRemoved`` for every copy it
+    evicts), so the index counts copies: a member holds a key while its count is >= 1.
+    """
+
+    STORE = "store"  # one more copy
+    REMOVE = "remove"  # one copy fewer; a key held in no copy stays absent (never < 0)
+    ANNOUNCE = "announce"  # held: one copy if none is counted, else nothing changes
+    CLEAR = "clear"  # every copy of everything, in one tier or all
 
 
 @dataclass(slots=True)
 class Change:
     """One change to the index, as produced from an event.
 
-    STORE and REMOVE touch ``keys`` of ``model`` for ``member`` in ``tier`` only.
+    STORE, REMOVE and ANNOUNCE touch ``keys`` of ``model`` for ``member`` in ``tier``
+    only, once per occurrence (a key listed twice in a STORE is two copies).
     CLEAR drops everything ``member`` holds, in every model, in ``tier`` or (tier None)
     in every tier.
     """
@@ -112,7 +122,11 @@ class IndexBackend(Protocol):
     """A block-key → members index. Writers call from one thread; readers from any."""
 
     def apply(self, changes: Sequence[Change]) -> None:
-        """Apply changes in order. A backend may batch them (one round trip for Redis)."""
+        """Apply changes in order. A backend may batch them (one round trip for Redis).
+
+        Per (member, model, tier, key) the backend keeps a copy count: STORE adds one,
+        REMOVE takes one away (not below zero), ANNOUNCE makes it at least one, CLEAR
+        zeroes it. Lookups, stats and member keys see only whether it is >= 1."""
 
     def clear_member(self, member: str) -> int:
         """Drop everything ``member`` holds, in every model and tier; return the entries

@@ -27,16 +27,19 @@ from kvindex.indexer.backend import (
     Tier,
 )
 from kvindex.indexer.memory_table import (
+    ANNOUNCE,
     CHUNK_KEYS,
     DEAD_FRACTION,
     EVICT_FRACTION,
     MIN_CAP,
+    REMOVE,
     STAMP_MAX,
+    STORE,
     WORD,
     BlockTable,
-    Bools,
     ChainMatch,
     NeedRoom,
+    Ops,
     Slots,
     TableFull,
     U64s,
@@ -46,27 +49,28 @@ from kvindex.indexer.memory_table import (
 
 
 class _Group:
-    """STORE/REMOVE changes of one (model, tier) gathered for one vectorised update.
+    """STORE/REMOVE/ANNOUNCE changes of one (model, tier) gathered for one vectorised
+    update.
 
-    Only the last operation on a (key, member) pair decides its final state, so a group
-    may mix members and operations: :meth:`BlockTable.update` keeps the last one per pair.
+    A group may mix members and operations: :meth:`BlockTable.update` folds the
+    operations on each (key, member) pair in order.
     """
 
-    __slots__ = ("keys", "members", "pieces", "sizes", "stores")
+    __slots__ = ("keys", "members", "ops", "pieces", "sizes")
 
     def __init__(self) -> None:
         self.pieces: list[Sequence[int] | np.ndarray] = []  # the changes' keys, as given
         self.members: list[str] = []
-        self.stores: list[bool] = []
+        self.ops: list[int] = []  # STORE, REMOVE or ANNOUNCE per change
         self.sizes: list[int] = []
         self.keys: U64s = _NO_KEYS  # all pieces' keys, once converted
 
-    def ops(self) -> bool | Bools:
-        """Store (true) or remove per key; a scalar when uniform."""
-        first = self.stores[0]
-        if all(s is first for s in self.stores):
+    def op_codes(self) -> int | Ops:
+        """The op per key; a scalar when uniform."""
+        first = self.ops[0]
+        if all(o == first for o in self.ops):
             return first
-        return np.repeat(np.array(self.stores, np.bool_), self.sizes)
+        return np.repeat(np.array(self.ops, np.int8), self.sizes)
 
 
 class _Clear(NamedTuple):
@@ -175,16 +179,16 @@ class MemoryBackend:
         while pending:
             (model, tier), group = pending[-1]
             table = self._tables.get(model)
-            store = group.ops()
-            if table is None and store is not False:
+            op = group.op_codes()
+            if table is None and not (isinstance(op, int) and op == REMOVE):
                 table = self._tables[model] = BlockTable(
                     self._width, seed=self._seed, stamped=self._capacity is not None
                 )
             if table is not None:
-                keys, mid, store = self._member_ids(group, store, touched)
+                keys, mid, op = self._member_ids(group, op, touched)
                 try:
                     if keys.size:
-                        table.update(tier, keys, mid, store, self._tick)
+                        table.update(tier, keys, mid, op, self._tick)
                 except NeedRoom as room:
                     return table, table.cap_for(table.n_live + room.need)
                 except TableFull:
@@ -199,28 +203,28 @@ class MemoryBackend:
             table.install(layout)
 
     def _member_ids(
-        self, group: _Group, store: bool | Bools, touched: set[int]
-    ) -> tuple[U64s, int | Slots, bool | Bools]:
+        self, group: _Group, op: int | Ops, touched: set[int]
+    ) -> tuple[U64s, int | Slots, int | Ops]:
         """The group's keys, member id per key and op per key (scalars when uniform),
-        adding the ids to ``touched``. Stores intern their member; removes by members
-        that hold nothing are dropped."""
+        adding the ids to ``touched``. Stores and announcements intern their member;
+        removes by members that hold nothing are dropped."""
         ids = self._ids
         mids = [
-            self._intern(m) if s else ids.get(m, -1)
-            for m, s in zip(group.members, group.stores, strict=True)
+            self._intern(m) if o != REMOVE else ids.get(m, -1)
+            for m, o in zip(group.members, group.ops, strict=True)
         ]
         touched.update(mids)
         touched.discard(-1)
         keys, first = group.keys, mids[0]
         if all(m == first for m in mids):
-            return (keys, first, store) if first >= 0 else (_NO_KEYS, first, store)
+            return (keys, first, op) if first >= 0 else (_NO_KEYS, first, op)
         mid = np.repeat(np.array(mids, np.intp), group.sizes)
         if first < 0 or min(mids) < 0:
             known = mid >= 0
             keys, mid = keys[known], mid[known]
-            if not isinstance(store, bool):
-                store = store[known]
-        return keys, mid, store
+            if not isinstance(op, int):
+                op = op[known]
+        return keys, mid, op
 
     def _clear(self, mid: int, tiers: Collection[Tier]) -> int:
         return sum(table.clear_member(mid, tiers) for table in self._tables.values())
@@ -531,7 +535,8 @@ def _plan(changes: Sequence[Change]) -> list[_Step]:
                 groups, budget = {}, CHUNK_KEYS
             steps.append(_Clear(change.member, tier))
             continue
-        if op is not Op.STORE and op is not Op.REMOVE:
+        code = _OP_CODES.get(op)
+        if code is None:
             raise ValueError(f"unknown op {op!r}")
         if not isinstance(tier, Tier):
             raise ValueError(f"{op.name} needs a tier, got {tier!r}")
@@ -552,7 +557,7 @@ def _plan(changes: Sequence[Change]) -> list[_Step]:
                 group = groups[(change.model, tier)] = _Group()
             group.pieces.append(piece)  # this loop runs per change: kept flat
             group.members.append(change.member)
-            group.stores.append(op is Op.STORE)
+            group.ops.append(code)
             group.sizes.append(n)
             budget -= n
             if budget <= 0:
@@ -581,3 +586,4 @@ def _convert(groups: list[_Group]) -> None:
 
 
 _NO_KEYS = np.zeros(0, np.uint64)
+_OP_CODES = {Op.STORE: STORE, Op.REMOVE: REMOVE, Op.ANNOUNCE: ANNOUNCE}

@@ -21,6 +21,10 @@ Layout of one model's :class:`_Table`:
   block in that tier; ``W = ceil(member ids / 64)`` grows as members are interned. The
   CPU and STORAGE arrays are allocated on the first store to that tier (most deployments
   are GPU-only).
+* ``copies``: a dict, ``(slot, member id, tier)`` code -> extra copies, for the rare
+  entries held in two or more physical blocks (vLLM publishes a ``BlockStored`` and a
+  ``BlockRemoved`` per copy); an entry in one copy is its bit alone, so the common
+  case costs nothing more (about 100 bytes per entry with extra copies).
 * A slot whose masks become all-zero stays occupied as a *dead* slot (no tombstones: a
   later store of the same key revives it). When dead slots pass a quarter of the table,
   or the table must grow, it is rebuilt from its live slots in one vectorised pass.
@@ -35,7 +39,7 @@ the losers move on).
 from __future__ import annotations
 
 import array
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +55,16 @@ from kvindex.indexer.backend import (
 U64s = npt.NDArray[np.uint64]
 Slots = npt.NDArray[np.intp]
 Bools = npt.NDArray[np.bool_]
+Counts = npt.NDArray[np.int64]
+Ops = npt.NDArray[np.int8]
+
+#: Op codes of :meth:`BlockTable.update` (an ``int8`` array of them, or one for all).
+STORE, REMOVE, ANNOUNCE = 1, -1, 0
+#: Member ids must fit the copy code's member field (see :func:`_copy_codes`).
+MEMBER_BITS = 18
+MAX_MEMBERS = 1 << MEMBER_BITS
+#: About what one ``copies`` entry costs (dict slot, int key; small counts are cached).
+COPY_ENTRY_BYTES = 100
 
 #: Slots read per key in one probe round. Linear probing at load ≤ 0.7 finds almost every
 #: key within 8 slots of home; a wider window costs more gathers for every key.
@@ -125,6 +139,24 @@ def _sorted_unique(values: np.ndarray) -> Slots:
     keep[0] = True
     np.not_equal(s[1:], s[:-1], out=keep[1:])
     return s[keep]
+
+
+def _effect(op: int | Ops) -> tuple[int | Counts, int | Counts]:
+    """``(delta, floor)`` of ops: a count ``c`` becomes ``max(c + delta, floor)``."""
+    if isinstance(op, int):
+        return op, int(op == ANNOUNCE)
+    return op.astype(np.int64), (op == ANNOUNCE).astype(np.int64)
+
+
+def _copy_codes(slots: Slots, mid: int | Slots, tier: int) -> list[int]:
+    """Keys of ``BlockTable.copies``: slot, member id and tier in one int."""
+    codes = (slots.astype(np.int64) << (MEMBER_BITS + 2)) | (np.asarray(mid, np.int64) << 2)
+    return (codes | tier).tolist()
+
+
+def _code_fields(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slot, member id and tier of copy codes."""
+    return codes >> (MEMBER_BITS + 2), (codes >> 2) & (MAX_MEMBERS - 1), codes & 3
 
 
 def _bit_counts(rows: np.ndarray, width: int) -> npt.NDArray[np.int64]:
@@ -232,7 +264,14 @@ class BlockTable:
     ``m``; ``held[m]`` the number of slots where ``m`` has a bit in any tier; every such
     slot appears in ``logs[m]``; ``n_live`` counts slots with any bit set; ``n_used``
     counts occupied slots (live or dead); every key lies within ``max_disp`` slots after
-    its home slot, with no empty slot in between.
+    its home slot, with no empty slot in between; ``copies[code]`` (see
+    :func:`_copy_codes`) is ``n - 1`` for each (slot, member, tier) held in ``n >= 2``
+    copies, and there is no other entry (a held bit alone means one copy).
+
+    State, all plain attributes: ``keys``, ``masks``, ``stamps`` (numpy arrays), the
+    scalars ``cap``, ``width``, ``seed``, ``max_disp``, ``zero_used``, ``n_used``,
+    ``n_live``, the per-member ``counts`` and ``held`` arrays, ``logs`` (member id ->
+    reverse record, a ``uint32`` array) and ``copies`` (a dict of ints).
     """
 
     def __init__(self, width: int, *, seed: int, stamped: bool) -> None:
@@ -258,6 +297,7 @@ class BlockTable:
         self.max_disp = layout.max_disp
         self.n_used = self.n_live = layout.live
         self.logs = layout.logs
+        self.copies = layout.copies
         self.rebuilds += 1
 
     def _tier_flat(self, tier: Tier, create: bool) -> np.ndarray | None:
@@ -283,9 +323,13 @@ class BlockTable:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the arrays and reverse records, and an estimate for ``copies`` (a
+        dict entry with its int key: about 100 bytes)."""
         arrays = [self.keys, self.stamps, *self.masks]
-        return sum(a.nbytes for a in arrays if a is not None) + sum(
-            log.nbytes for log in self.logs.values()
+        return (
+            sum(a.nbytes for a in arrays if a is not None)
+            + sum(log.nbytes for log in self.logs.values())
+            + COPY_ENTRY_BYTES * len(self.copies)
         )
 
     # -- snapshots -------------------------------------------------------------------------
@@ -548,52 +592,67 @@ class BlockTable:
     # -- updates ---------------------------------------------------------------------------
 
     def update(
-        self, tier: Tier, keys: U64s, mid: int | Slots, store: bool | Bools, tick: int
+        self, tier: Tier, keys: U64s, mid: int | Slots, op: int | Ops, tick: int
     ) -> None:
-        """Store (``store`` true) or remove each key for member ``mid`` in ``tier``; the
-        last operation on a (key, member) pair wins. Raises NeedRoom or TableFull, after
+        """Apply one op per key for member ``mid`` in ``tier`` (``STORE`` adds a copy,
+        ``REMOVE`` takes one away but never below zero, ``ANNOUNCE`` makes the count at
+        least one), in order per (key, member). Raises NeedRoom or TableFull, after
         which the caller rebuilds and retries (nothing visible changed)."""
-        if store is False:
+        if isinstance(op, int):
+            needs_slot: bool | Bools = op != REMOVE
+        else:
+            needs_slot = op != REMOVE
+            if needs_slot.all():
+                needs_slot = True
+        if needs_slot is False:
             if self.masks[tier] is None:
                 return
             slots, created = self.find(keys), None
         else:
-            slots, created = self._locate(keys, store)
-        if store is not True:
+            slots, created = self._locate(keys, needs_slot)
+        if needs_slot is not True:
             found = slots >= 0
             if not found.all():
                 slots = slots[found]
                 if not isinstance(mid, int):
                     mid = mid[found]
-                if not isinstance(store, bool):
-                    store = store[found]
+                if not isinstance(op, int):
+                    op = op[found]
                 if created is not None:
                     created = created[found]
         if not slots.size:
             return
-        kept, first = self._last_per_pair(slots, mid)
+        delta, floor = _effect(op)
+        kept, first, folded = self._fold_pairs(slots, mid, delta, floor)
         if kept is not None:
             slots = slots[kept]
             if not isinstance(mid, int):
                 mid = mid[kept]
-            if not isinstance(store, bool):
-                store = store[kept]
             if created is not None:
                 created = created[kept]
+            delta, floor = folded
         if created is not None:  # count each new slot once
             self.n_used += int(np.count_nonzero(created if first is None else created & first))
-        self._write(tier, slots, mid, store, None if first is None else slots[first], tick)
+        self._write(tier, slots, mid, delta, floor, None if first is None else slots[first], tick)
 
-    def _last_per_pair(self, slots: Slots, mid: int | Slots) -> tuple[Slots | None, Bools | None]:
-        """Which elements to keep: the last of each (slot, member) pair, in (slot,
-        member) order; None to keep all as they are. Also flags the first kept element
-        of each slot, or None when every kept element has its own slot.
+    def _fold_pairs(
+        self, slots: Slots, mid: int | Slots, delta: int | Counts, floor: int | Counts
+    ) -> tuple[Slots | None, Bools | None, tuple[int | Counts, int | Counts]]:
+        """One element per (slot, member) pair, with the pair's ops folded into one.
+
+        Every op maps a count ``c`` to ``max(c + delta, floor)`` (STORE: +1, 0;
+        REMOVE: -1, 0; ANNOUNCE: 0, 1), and such maps compose into one of the same
+        form, so a run of ops on one pair folds into its total ``delta`` and a
+        ``floor`` of ``max_i(floor_i + the deltas after i)``. Returns the kept
+        elements (the last of each pair, in (slot, member) order; None to keep all as
+        they are), which of them start a slot (None when every kept element has its own
+        slot), and the folded ``(delta, floor)`` arrays of the kept elements.
 
         Small batches without repeated slots (one 32-block event) skip the sort.
         """
         n = slots.size
         if n <= _SMALL and len(set(slots.tolist())) == n:
-            return None, None
+            return None, None, (delta, floor)
         single = isinstance(mid, int)
         pair = slots if single else (slots << (64 * self.width - 1).bit_length()) | mid
         order = np.argsort(pair, kind="stable")
@@ -602,22 +661,36 @@ class BlockTable:
         last[-1] = True
         np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
         kept = order[last]  # sorted by slot, then member
+        if kept.size == n:  # no repeated pair: nothing to fold
+            d, f = (np.broadcast_to(x, n)[kept] for x in (delta, floor))
+        else:
+            starts = np.flatnonzero(np.concatenate(([True], last[:-1])))
+            d_all = np.broadcast_to(np.asarray(delta, np.int64), n)[order]
+            f_all = np.broadcast_to(np.asarray(floor, np.int64), n)[order]
+            running = np.cumsum(d_all)
+            end_total = running[last]  # running sum at each pair's last element
+            after = np.repeat(end_total, np.diff(np.append(starts, n))) - running
+            f = np.maximum.reduceat(f_all + after, starts)
+            d = np.add.reduceat(d_all, starts)
         slots = slots[kept]
         first = np.empty(slots.size, np.bool_)
         first[0] = True
         np.not_equal(slots[1:], slots[:-1], out=first[1:])
-        return kept, None if first.all() else first
+        return kept, None if first.all() else first, (d, f)
 
     def _write(
         self,
         tier: Tier,
         slots: Slots,
         mid: int | Slots,
-        store: bool | Bools,
+        delta: int | Counts,
+        floor: int | Counts,
         distinct: Slots | None,
         tick: int,
     ) -> None:
-        """Set or clear one member bit per element and keep every counter exact.
+        """Take each element's copy count to ``max(count + delta, floor)``: set or clear
+        one member bit per element, keep extra copies in ``copies`` and every counter
+        exact.
 
         ``slots`` are sorted (slot, member)-pairs without repeats when ``distinct`` is
         given, otherwise all different.
@@ -630,6 +703,7 @@ class BlockTable:
         cell = slots if width == 1 else slots * width + word
         old = flat[cell]
         had = (old & bit) != 0
+        store = self._settle_copies(tier, slots, mid, had, delta, floor)
         other = self._held_elsewhere(tier, cell, bit)
         rows = slots if distinct is None else distinct
         # one word, one tier (a GPU-only model under 64 members): the word is the row
@@ -658,8 +732,13 @@ class BlockTable:
         else:
             live_after = new != 0 if whole_row else self.live_rows(rows)
             self.n_live += int(np.count_nonzero(live_after)) - int(np.count_nonzero(live_before))
-        if self.stamps is not None and store is not False:
-            self.stamps[slots if store is True else slots[store]] = tick
+        if self.stamps is not None:
+            refreshed = (np.asarray(delta) > 0) | (np.asarray(floor) > 0)
+            if refreshed.ndim == 0:
+                if refreshed:
+                    self.stamps[slots] = tick
+            else:
+                self.stamps[slots[refreshed]] = tick
 
         newly = None if store is False else (~had if store is True else store & ~had)
         dropped = None if store is True else (had if store is False else had & ~store)
@@ -669,6 +748,55 @@ class BlockTable:
         self._count(self.held, mid, gained, lost)
         if gained is not None:
             self._record(slots, mid, gained)
+
+    def _settle_copies(
+        self,
+        tier: Tier,
+        slots: Slots,
+        mid: int | Slots,
+        had: Bools,
+        delta: int | Counts,
+        floor: int | Counts,
+    ) -> bool | Bools:
+        """Update ``copies`` (extra copies past the first) for the elements' new counts;
+        return whether each element's member holds the key afterwards (True/False when
+        uniform). A count is ``had`` (its bit) plus its extra copies; numpy work only,
+        unless an element has or gets a second copy (rare)."""
+        copies = self.copies
+        any_had = bool(had.any())
+        if not any_had:
+            new: int | Counts = np.maximum(delta, floor)
+            count = None
+        else:
+            count = had.astype(np.int64)
+            if copies:
+                rows = np.flatnonzero(had)
+                codes = _copy_codes(slots[rows], mid if isinstance(mid, int) else mid[rows], tier)
+                count[rows] += [copies.get(c, 0) for c in codes]
+            new = np.maximum(count + delta, floor)
+        if np.ndim(new) == 0:
+            held = int(new) >= 1
+            if int(new) >= 2:  # a scalar count: every element, all absent before
+                new = np.full(slots.size, int(new), np.int64)
+            else:
+                return held
+        busy = new >= 2
+        if count is not None and copies:
+            busy |= count >= 2
+        rows = np.flatnonzero(busy)
+        if rows.size:
+            codes = _copy_codes(slots[rows], mid if isinstance(mid, int) else mid[rows], tier)
+            for code, n in zip(codes, new[rows].tolist(), strict=True):
+                if n >= 2:
+                    copies[code] = n - 1
+                else:
+                    copies.pop(code, None)
+        held_each = new >= 1
+        if held_each.all():
+            return True
+        if not held_each.any():
+            return False
+        return held_each
 
     @staticmethod
     def _write_cells(
@@ -780,6 +908,8 @@ class BlockTable:
         self.n_live += int(np.count_nonzero(self.live_rows(slots))) - int(
             np.count_nonzero(live_before)
         )
+        if self.copies:
+            self._drop_copies(lambda slot, m, t: (m == mid) & np.isin(t, list(tiers)))
         remaining = slots[kept]
         self.held[mid] = remaining.size
         if remaining.size:
@@ -821,6 +951,15 @@ class BlockTable:
                 m[slots] = 0
         self.held -= _bit_counts(acc, width)
         self.n_live -= slots.size
+        if self.copies:
+            self._drop_copies(lambda slot, m, t: np.isin(slot, slots))
+
+    def _drop_copies(self, which: Callable[[Slots, Slots, Slots], Bools]) -> None:
+        """Forget the extra copies ``which(slot, member id, tier)`` selects (a pass over
+        the extra copies only, which are few)."""
+        codes = np.fromiter(self.copies, np.int64, len(self.copies))
+        for code in codes[which(*_code_fields(codes))].tolist():
+            del self.copies[code]
 
     def stamps_of(self, slots: Slots) -> npt.NDArray[np.uint32]:
         assert self.stamps is not None
@@ -939,6 +1078,14 @@ class BlockTable:
         for mid, log in self.logs.items():  # entries of dead slots go; stale ones may stay
             moved = remap[log.view()]
             out.logs[mid] = _SlotLog(moved[moved >= 0])
+        if self.copies:  # extra copies sit on live slots only: every one moves
+            codes = np.fromiter(self.copies, np.int64, len(self.copies))
+            slot, mid, tier = _code_fields(codes)
+            moved_codes = _copy_codes(remap[slot], mid, 0)
+            out.copies = {
+                code | t: n
+                for code, t, n in zip(moved_codes, tier.tolist(), self.copies.values(), strict=True)
+            }
         return out
 
 
@@ -954,6 +1101,7 @@ class _Layout:
     max_disp: int = 0
     zero_used: bool = False
     logs: dict[int, _SlotLog] = field(default_factory=dict)
+    copies: dict[int, int] = field(default_factory=dict)
 
 
 def _check(array: Any, dtype: type, shape: tuple[int, ...], name: str) -> None:

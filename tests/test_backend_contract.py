@@ -9,6 +9,7 @@ made. Every test here must pass unchanged for every backend.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -130,14 +131,108 @@ def test_member_leaves_when_its_last_entry_goes(backend: IndexBackend) -> None:
     assert backend.stats().members == 1
 
 
-def test_store_twice_is_idempotent(backend: IndexBackend) -> None:
+def test_store_twice_counts_two_copies_of_one_entry(backend: IndexBackend) -> None:
     backend.apply([store(A, [1, 2, 3])])
-    backend.apply([store(A, [1, 2, 3]), store(A, [3, 3, 2])])
-    assert backend.stats().blocks[GPU] == 3
+    backend.apply([store(A, [1, 2, 3]), store(A, [3, 3, 2])])  # copies: 2, 3, 4
+    assert backend.stats().blocks[GPU] == 3  # entries, not copies
     assert backend.member_stats(A) == MemberStats(A, {M: {GPU: 3}})
     backend.apply([remove(A, [1, 2, 3])])
+    assert backend.lookup(M, [1, 2, 3]) == [MemberMatch(A, 3, (3, 0, 0))]
+    backend.apply([remove(A, [1, 3, 3]), remove(A, [2])])
     assert backend.lookup(M, [1]) == []
+    assert matches(backend, [2, 3]) == {A: (2, (2, 0, 0))}  # one copy of each left
+    backend.apply([remove(A, [2, 3])])
     assert backend.member_stats(A) is None
+
+
+# -- copies: vLLM (0.33) keeps one hash in several physical blocks, one event per copy --
+
+
+def test_two_stores_and_one_remove_keep_the_key(backend: IndexBackend) -> None:
+    backend.apply([store(A, [1, 2])])
+    backend.apply([store(A, [2]), store(B, [1, 2])])  # a second copy of 2 on A
+    backend.apply([remove(A, [2])])  # one copy evicted, the other still cached
+    assert matches(backend, [1, 2]) == {A: (2, (2, 0, 0)), B: (2, (2, 0, 0))}
+    assert backend.member_keys(A, M) == [1, 2]
+
+
+def test_two_removes_drop_the_key(backend: IndexBackend) -> None:
+    backend.apply([store(A, [1, 2]), store(A, [2])])
+    backend.apply([remove(A, [2])])
+    backend.apply([remove(A, [2])])
+    assert matches(backend, [1, 2]) == {A: (1, (1, 0, 0))}
+    assert backend.stats().blocks[GPU] == 1
+
+
+def test_copies_are_counted_per_tier(backend: IndexBackend) -> None:
+    backend.apply([store(A, [1]), store(A, [1]), store(A, [1], CPU)])
+    backend.apply([remove(A, [1], CPU), remove(A, [1], CPU)])  # the second: nothing left
+    assert backend.member_keys(A, M, CPU) == []
+    backend.apply([remove(A, [1])])
+    assert backend.member_keys(A, M, GPU) == [1]
+    backend.apply([store(A, [1], CPU), remove(A, [1])])
+    assert backend.member_keys(A, M, GPU) == [] and backend.member_keys(A, M, CPU) == [1]
+
+
+def test_remove_of_an_unknown_key_never_goes_negative(backend: IndexBackend) -> None:
+    backend.apply([store(A, [5])])
+    backend.apply([remove(A, [1, 1, 1]), remove(B, [1])])  # never stored: no-ops
+    backend.apply([store(A, [1])])
+    assert matches(backend, [1]) == {A: (1, (1, 0, 0))}
+    backend.apply([remove(A, [1])])  # one store, one remove: gone (no debt was kept)
+    assert backend.lookup(M, [1]) == []
+    assert backend.stats().blocks[GPU] == 1
+
+
+def test_clear_member_drops_every_copy(backend: IndexBackend) -> None:
+    backend.apply([store(A, [1, 2]), store(A, [1, 2]), store(A, [1], CPU), store(A, [1], CPU)])
+    backend.apply([store(B, [1, 2])])
+    assert backend.clear_member(A) == 3  # entries: (1, GPU), (2, GPU), (1, CPU)
+    assert matches(backend, [1, 2]) == {B: (2, (2, 0, 0))}
+    backend.apply([store(A, [1, 2])])
+    backend.apply([remove(A, [1, 2])])  # one copy since the clear: gone
+    assert matches(backend, [1, 2]) == {B: (2, (2, 0, 0))}
+
+
+def test_clear_change_drops_every_copy_of_that_tier(backend: IndexBackend) -> None:
+    backend.apply([store(A, [1]), store(A, [1]), store(A, [1], CPU), store(A, [1], CPU)])
+    backend.apply([clear(A, GPU)])
+    backend.apply([store(A, [1]), remove(A, [1])])
+    assert backend.member_keys(A, M, GPU) == []
+    backend.apply([remove(A, [1], CPU)])
+    assert backend.member_keys(A, M, CPU) == [1]  # the CPU copies survived the clear
+
+
+def test_announce_holds_one_copy_without_adding_one(backend: IndexBackend) -> None:
+    """ANNOUNCE (a re-announced, already cached block) never adds a copy to a held
+    key, so no number of announcements outlives the removals of the real copies."""
+    backend.apply([Change(Op.ANNOUNCE, A, M, GPU, [1, 2])])  # not held: one copy
+    assert matches(backend, [1, 2]) == {A: (2, (2, 0, 0))}
+    backend.apply([store(A, [2])])
+    for _ in range(3):
+        backend.apply([Change(Op.ANNOUNCE, A, M, GPU, [1, 2])])
+    backend.apply([remove(A, [1, 2])])
+    assert matches(backend, [1, 2]) == {}  # 1: its one copy went
+    assert backend.member_keys(A, M) == [2]
+    backend.apply([remove(A, [2])])
+    assert backend.members() == []
+
+
+def test_order_of_copies_within_one_apply_call(backend: IndexBackend) -> None:
+    backend.apply(
+        [
+            remove(A, [1]),  # nothing to remove yet
+            store(A, [1]),
+            store(A, [1]),
+            remove(A, [1]),
+            Change(Op.ANNOUNCE, A, M, GPU, [1]),  # held: no copy added
+            store(B, [1]),
+            remove(B, [1]),
+            Change(Op.ANNOUNCE, B, M, GPU, [1]),  # not held: one copy
+        ]
+    )
+    backend.apply([remove(A, [1]), remove(B, [1])])
+    assert backend.lookup(M, [1]) == []
 
 
 def test_store_again_after_remove(backend: IndexBackend) -> None:
@@ -447,6 +542,7 @@ class Reference:
 
     def __init__(self) -> None:
         self.held: dict[tuple[str, str, Tier], set[int]] = {}
+        self.copies: Counter[tuple[str, str, Tier, int]] = Counter()
 
     def apply(self, changes: list[Change]) -> None:
         for c in changes:
@@ -454,16 +550,31 @@ class Reference:
                 for member, model, tier in list(self.held):
                     if member == c.member and c.tier in (None, tier):
                         del self.held[(member, model, tier)]
+                for entry in list(self.copies):
+                    if entry[0] == c.member and c.tier in (None, entry[2]):
+                        del self.copies[entry]
                 continue
             assert c.tier is not None
             entry = self.held.setdefault((c.member, c.model, c.tier), set())
-            if c.op is Op.STORE:
-                entry.update(c.keys)
-            else:
-                entry.difference_update(c.keys)
+            for key in c.keys:
+                at = (c.member, c.model, c.tier, key)
+                n = self.copies[at]
+                if c.op is Op.STORE:
+                    n += 1
+                elif c.op is Op.ANNOUNCE:
+                    n = max(n, 1)
+                else:
+                    n = max(n - 1, 0)
+                self.copies[at] = n
+                if n:
+                    entry.add(key)
+                else:
+                    entry.discard(key)
 
     def clear_member(self, member: str) -> int:
         mine = [k for k in self.held if k[0] == member]
+        for entry in [e for e in self.copies if e[0] == member]:
+            del self.copies[entry]
         return sum(len(self.held.pop(k)) for k in mine)
 
     def tiers_of(self, member: str, model: str, key: int) -> list[Tier]:
@@ -515,7 +626,7 @@ MODEL_POOL = ["m1", "m2"]
 key_lists = st.lists(st.sampled_from(KEY_POOL), min_size=1, max_size=6)
 stores_and_removes = st.builds(
     Change,
-    st.sampled_from([Op.STORE, Op.STORE, Op.STORE, Op.REMOVE, Op.REMOVE]),
+    st.sampled_from([Op.STORE, Op.STORE, Op.STORE, Op.ANNOUNCE, Op.REMOVE, Op.REMOVE]),
     st.sampled_from(MEMBER_POOL),
     st.sampled_from(MODEL_POOL),
     st.sampled_from([GPU, GPU, CPU, STORAGE]),
@@ -606,7 +717,7 @@ def test_larger_random_batches_match_reference(make_backend: Callable[[], IndexB
             start = rng.randrange(len(pool))
             keys = pool[start : start + rng.randint(1, 120)] + rng.sample(pool, 2)
             tier = rng.choice([GPU, GPU, GPU, CPU, STORAGE])
-            op = Op.STORE if roll < 0.7 else Op.REMOVE
+            op = Op.STORE if roll < 0.6 else Op.ANNOUNCE if roll < 0.7 else Op.REMOVE
             batch.append(Change(op, member, rng.choice(models), tier, keys))
         backend.apply(batch)
         ref.apply(batch)

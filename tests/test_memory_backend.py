@@ -30,6 +30,10 @@ def remove(member: str, keys, tier: Tier = GPU, model: str = M) -> Change:
     return Change(Op.REMOVE, member, model, tier, keys)
 
 
+def announce(member: str, keys, tier: Tier = GPU, model: str = M) -> Change:
+    return Change(Op.ANNOUNCE, member, model, tier, keys)
+
+
 def keys_with_mix(mixed: list[int]) -> list[int]:
     """Keys whose seeded multiplicative mix (see memory_table._home) is exactly ``mixed``: the
     home slot in a table of 2**b slots is then ``mixed >> (64 - b)``."""
@@ -248,10 +252,12 @@ def test_reverse_records_stay_bounded() -> None:
     member's live blocks, so clear_member cost follows what the member holds."""
     backend = MemoryBackend()
     backend.apply([store(B, [10**6])])  # keeps the table alive
+    survivors: list[int] = []
     for i in range(200):
-        keys = list(range(i * 10, i * 10 + 300))
+        keys = list(range(i * 300, i * 300 + 300))
         backend.apply([store(A, keys)])
-        backend.apply([remove(A, keys[:-5])])
+        backend.apply([remove(A, keys[:-5] + survivors)])
+        survivors = keys[-5:]
     log = backend._tables[M].logs[backend._ids[A]]  # white-box
     assert log.n < 1000  # not 200 * 300
     assert backend.clear_member(A) == 5  # each round removed the previous round's last 5
@@ -289,11 +295,14 @@ def test_readers_during_writes_see_whole_changes() -> None:
     errors: list[BaseException] = []
 
     def write() -> None:
+        # ANNOUNCE, not STORE: each write says what is held (one copy), whatever before
         try:
             for i, n in enumerate(lengths):
-                backend.apply([store(A, chain[:n]), remove(A, chain[n:])])
+                backend.apply([announce(A, chain[:n]), remove(A, chain[n:])])
                 tier = CPU if i % 2 else STORAGE
-                backend.apply([store(B, chain[: n // 2], tier), remove(B, chain[n // 2 :], tier)])
+                backend.apply(
+                    [announce(B, chain[: n // 2], tier), remove(B, chain[n // 2 :], tier)]
+                )
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
         finally:

@@ -45,7 +45,7 @@ CLEAR_CHUNK = 4096
 _APPLY, _CLEAR, _LOOKUP = SCRIPTS["apply"], SCRIPTS["clear"], SCRIPTS["lookup"]
 _MEMBER_STATS, _MEMBER_KEYS = SCRIPTS["member_stats"], SCRIPTS["member_keys"]
 _MODEL_STATS = SCRIPTS["model_stats"]
-_OPS = {Op.STORE: b"s", Op.REMOVE: b"r"}
+_OPS = {Op.STORE: b"s", Op.REMOVE: b"r", Op.ANNOUNCE: b"a"}
 _TIER_ARG = {Tier.GPU: b"0", Tier.CPU: b"1", Tier.STORAGE: b"2"}
 _LITTLE = sys.byteorder == "little"
 _decode_flat = msgspec.msgpack.Decoder(list[str | int]).decode

@@ -21,8 +21,12 @@ other keys from it: they share its hash tag, so in Redis Cluster they live in it
   the smallest free one is reused (``B free``, a sorted set) so bitmaps stay short.
 * ``B log:<id>``  string: the reverse record, 8-byte keys the member came to hold, in
   order; entries go stale when it drops a block and are compacted away.
+* ``B copies``  hash: field = block key + tier byte + member id (decimal), value = the
+  entry's copies past the first (vLLM holds one hash in several physical blocks and
+  publishes a store and a removal per copy); only entries with two or more copies.
 * ``B stats``  hash: ``k`` distinct keys held by anyone, ``t<tier>`` entries per tier,
-  ``e<tier>:<id>`` a member's entries per tier, ``h:<id>`` distinct keys it holds.
+  ``e<tier>:<id>`` a member's entries per tier, ``h:<id>`` distinct keys it holds,
+  ``c`` fields of ``B copies``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ local STATS = BASE .. 'stats'
 local IDS = BASE .. 'ids'
 local NAMES = BASE .. 'names'
 local FREE = BASE .. 'free'
+local COPIES = BASE .. 'copies'
 local SUFFIX = {[0] = '', [1] = '\1', [2] = '\2'}
 local band, bor, bnot = bit.band, bit.bor, bit.bnot
 local sbyte, schar, ssub = string.byte, string.char, string.sub
@@ -96,6 +101,18 @@ local function multi_tier()
   return get_stat('t1') + get_stat('t2') > 0
 end
 
+-- Extra copies (past the first) of one (key, tier, member) entry live in COPIES, field
+-- key .. tier byte .. member id; stats 'c' counts the fields, so a model without any
+-- (the usual case) never reads the hash.
+local function copy_field(k, tier, mid)
+  return k .. schar(tier) .. mid
+end
+local function drop_copies(k, tier, mid)
+  if get_stat('c') > 0 and call('HDEL', COPIES, copy_field(k, tier, mid)) == 1 then
+    add_stat('c', -1)
+  end
+end
+
 local ids = {}
 local function member_id(name)
   local mid = ids[name]
@@ -132,9 +149,10 @@ local function values(bkey, k, all)
 end
 """
 
-# ARGV: default bucket count, then per change: op ('s' store, 'r' remove), member,
-# tier ('0'..'2'), packed keys. Returns the members whose reverse record needs
-# compaction (the client runs CLEAR with no tier for them, in chunks).
+# ARGV: default bucket count, then per change: op ('s' store: one more copy, 'r' remove:
+# one copy fewer, 'a' announce: at least one copy), member, tier ('0'..'2'), packed
+# keys. Returns the members whose reverse record needs compaction (the client runs
+# CLEAR with no tier for them, in chunks).
 APPLY = (
     _PRELUDE
     + r"""
@@ -162,7 +180,8 @@ local function intern(name)
 end
 
 for c = 2, #ARGV, 4 do
-  local store = ARGV[c] == 's'
+  local op = ARGV[c]
+  local store = op ~= 'r'  -- 's' adds a copy, 'a' holds at least one, 'r' drops one
   local mid
   if store then mid = intern(ARGV[c + 1]) else mid = member_id(ARGV[c + 1]) end
   if mid then
@@ -193,7 +212,23 @@ for c = 2, #ARGV, 4 do
         local v = v0
         if tier == 1 then v = v1 elseif tier == 2 then v = v2 end
         local held = has_bit(v, at, mask)
-        if store ~= held then
+        local flip = store ~= held
+        if held and op == 's' then
+          if call('HINCRBY', COPIES, copy_field(k, tier, mid), 1) == 1 then add_stat('c', 1) end
+        elseif held and not store and get_stat('c') > 0 then
+          local f = copy_field(k, tier, mid)
+          local extra = tonumber(call('HGET', COPIES, f))
+          if extra then
+            flip = false  -- another copy is still held
+            if extra <= 1 then
+              call('HDEL', COPIES, f)
+              add_stat('c', -1)
+            else
+              call('HINCRBY', COPIES, f, -1)
+            end
+          end
+        end
+        if flip then
           local elsewhere = (tier ~= 0 and has_bit(v0, at, mask))
             or (tier ~= 1 and has_bit(v1, at, mask))
             or (tier ~= 2 and has_bit(v2, at, mask))
@@ -313,6 +348,7 @@ for i = 1, #chunk, 8 do
           end
           add_stat('t' .. t, -1)
           add_stat('e' .. t .. ':' .. mid, -1)
+          drop_copies(k, t, mid)
           dropped = dropped + 1
           v = nv ~= '' and nv or false
         else

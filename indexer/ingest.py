@@ -13,6 +13,22 @@ memory). Rules, each one a pitfall other indexers hit:
   still holds it. Only the member's primary group is indexed: the lowest-numbered
   full-attention group (``kv_cache_spec_kind``, vLLM 0.22+), or group 0 when the engine
   does not say. Other groups are counted and skipped.
+* Copies (vLLM 0.33): an engine may hold one hash in several physical blocks (a fully
+  cached, block-aligned prompt recomputes its last block into a new one; n>1
+  sampling, retries, many users sending one canned prompt) and publishes a
+  ``BlockStored`` per copy and a ``BlockRemoved`` per copy evicted, so the index counts
+  copies (``Op.STORE`` adds one, ``Op.REMOVE`` takes one away, never below zero) and
+  a member holds a hash while it has one. Requests sent with
+  ``kv_cache_report_mode="full"`` also re-announce the blocks their prompt hit as a
+  ``BlockStored`` with no removal to match, and such an event is built exactly like a
+  real one; what marks it is that it starts at the root of the chain
+  (``parent_block_hash`` None) and names blocks already cached. So a store from the
+  root is an ``Op.ANNOUNCE``: a block not held gets one copy, a held block gets
+  nothing. Announcements then never outlive the real copies' removals (no
+  over-counting, in any mode); the price is that a real second copy stored from the
+  root (a prompt of exactly one block sent twice, a request that skips the prefix
+  cache) is not counted, so its first eviction drops the hash early (under-reporting,
+  healed by the next store). The README ("Copies and report modes") has the cases.
 * CPU-offload placeholder stores (no tokens, block size 0) carry the engine's own block
   hashes, so in engine-key mode they are indexed as is; in token-key mode they are
   resolved through the engine-hash map, and skipped (counted) when unknown.
@@ -118,15 +134,17 @@ class Ingestor:
                 )
                 if tier is None:
                     continue
+                # From the root of the chain: maybe an announcement (see the docstring)
+                op = Op.ANNOUNCE if event.parent_block_hash is None else Op.STORE
                 if tokens_mode:
-                    keys = self._content_keys(member, model, tier, event)
+                    keys = self._content_keys(member, model, tier, event, op)
                 else:
                     keys = hashes_to_ints(event.block_hashes)
                     if self._verifier is not None:
                         self._verifier.observe(member, model, event)
                 if keys:
                     counts.blocks_stored += len(keys)
-                    changes.append(Change(Op.STORE, member, model, tier, keys))
+                    changes.append(Change(op, member, model, tier, keys))
             elif isinstance(event, BlockRemoved):
                 counts.events["BlockRemoved"] += 1
                 tier = self._tier_for(member, event.group_idx, None, event.medium)
@@ -167,15 +185,20 @@ class Ingestor:
                 self._primary_group[member] = primary = group_idx
         return group_idx == (0 if primary is None else primary)
 
-    def _content_keys(self, member: str, model: str, tier: Tier, event: BlockStored) -> list[int]:
+    def _content_keys(
+        self, member: str, model: str, tier: Tier, event: BlockStored, op: Op
+    ) -> list[int]:
         engine_keys = hashes_to_ints(event.block_hashes)
+        add_copy = op is Op.STORE
         try:
             tokens = tokens_of(event)
         except DecodeError:
             self.counts.skipped["invalid_token_ids"] += 1
             return []
         if not tokens:
-            own, unknown = self._engine_map.resolve_many(member, tier, engine_keys)
+            own, unknown = self._engine_map.resolve_many(
+                member, tier, engine_keys, add_copy=add_copy
+            )
             if unknown:
                 self.counts.skipped["unresolved_placeholder_block"] += unknown
             return own
@@ -199,7 +222,7 @@ class Ingestor:
             self.counts.skipped["token_out_of_range"] += 1
             return []
         own = own[: len(engine_keys)]
-        self._engine_map.learn(member, tier, engine_keys, own)
+        self._engine_map.learn(member, tier, engine_keys, own, add_copy=add_copy)
         return own
 
 

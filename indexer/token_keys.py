@@ -65,59 +65,70 @@ class ContentHasher:
 
 
 class EngineKeyMap:
-    """Per member: engine hash → (own key, tiers holding it as a bitmask).
+    """Per member: engine hash → [own key, copies in GPU, CPU, STORAGE].
 
-    An entry lives while any tier of that member holds the block, so a GPU eviction
-    does not lose the mapping a later CPU-tier removal needs.
+    An entry lives while any tier of that member holds a copy of the block, so a GPU
+    eviction does not lose the mapping a later CPU-tier removal needs, and the first of
+    two copies' removals does not lose the mapping the second one needs. The copy counts
+    follow the same rule as the index's (:class:`~kvindex.indexer.backend.Op`): a store
+    adds a copy, an announcement holds at least one, a removal takes one away.
     """
 
     def __init__(self) -> None:
-        self._maps: dict[str, dict[int, tuple[int, int]]] = {}
+        self._maps: dict[str, dict[int, list[int]]] = {}
 
     def learn(
-        self, member: str, tier: int, engine_keys: Sequence[int], own_keys: Sequence[int]
+        self,
+        member: str,
+        tier: int,
+        engine_keys: Sequence[int],
+        own_keys: Sequence[int],
+        *,
+        add_copy: bool = True,
     ) -> None:
         table = self._maps.setdefault(member, {})
-        bit = 1 << tier
+        at = 1 + tier
         for engine, own in zip(engine_keys, own_keys, strict=False):
             entry = table.get(engine)
-            table[engine] = (own, bit if entry is None else entry[1] | bit)
+            if entry is None:
+                entry = table[engine] = [own, 0, 0, 0]
+            entry[0] = own
+            entry[at] = entry[at] + 1 if add_copy else max(entry[at], 1)
 
     def resolve(self, member: str, engine_key: int) -> int | None:
         entry = self._maps.get(member, {}).get(engine_key)
         return None if entry is None else entry[0]
 
     def resolve_many(
-        self, member: str, tier: int, engine_keys: Sequence[int]
+        self, member: str, tier: int, engine_keys: Sequence[int], *, add_copy: bool = True
     ) -> tuple[list[int], int]:
-        """Own keys for ``engine_keys`` (also marking ``tier``); and how many were unknown."""
+        """Own keys for ``engine_keys`` (also counting a copy in ``tier``); and how many
+        were unknown."""
         table = self._maps.get(member, {})
-        bit = 1 << tier
+        at = 1 + tier
         out: list[int] = []
         for engine in engine_keys:
             entry = table.get(engine)
             if entry is not None:
                 out.append(entry[0])
-                table[engine] = (entry[0], entry[1] | bit)
+                entry[at] = entry[at] + 1 if add_copy else max(entry[at], 1)
         return out, len(engine_keys) - len(out)
 
     def forget(self, member: str, tier: int, engine_keys: Sequence[int]) -> list[int]:
-        """Own keys of ``engine_keys`` removed from ``tier``; unmaps them when no tier is left."""
+        """Own keys of ``engine_keys`` that lose a copy in ``tier``; unmaps a key when
+        no copy is left in any tier."""
         table = self._maps.get(member)
         if not table:
             return []
-        bit = 1 << tier
+        at = 1 + tier
         out: list[int] = []
         for engine in engine_keys:
             entry = table.get(engine)
-            if entry is None:
+            if entry is None or not entry[at]:
                 continue
-            own, tiers = entry
-            out.append(own)
-            tiers &= ~bit
-            if tiers:
-                table[engine] = (own, tiers)
-            else:
+            out.append(entry[0])
+            entry[at] -= 1
+            if not (entry[1] or entry[2] or entry[3]):
                 del table[engine]
         return out
 
@@ -128,7 +139,11 @@ class EngineKeyMap:
         if tier is None:
             del self._maps[member]
             return
-        self.forget(member, tier, list(table))
+        at = 1 + tier
+        for engine, entry in list(table.items()):
+            entry[at] = 0
+            if not (entry[1] or entry[2] or entry[3]):
+                del table[engine]
 
     def size(self, member: str) -> int:
         return len(self._maps.get(member, {}))

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvindex.indexer.backend import (
     TIERS,
+    BackendError,
     Change,
     IndexStats,
     MemberMatch,
@@ -31,6 +32,7 @@ from kvindex.indexer.memory_table import (
     CHUNK_KEYS,
     DEAD_FRACTION,
     EVICT_FRACTION,
+    MAX_MEMBERS,
     MIN_CAP,
     REMOVE,
     STAMP_MAX,
@@ -111,9 +113,11 @@ class MemoryBackend:
     or has too many dead slots, choosing keys to evict) runs outside that lock, reading
     a table no one else changes, and is swapped in with the lock held.
 
-    Member ids (bit positions) are reused once a member holds nothing, so the bitmask
-    width follows the number of members holding blocks at once, not every member ever
-    seen.
+    Member ids (bit positions) are reused once a member holds nothing (lowest first),
+    and when the members left fit in half the mask words, those with high ids move to
+    free low ones and every table's masks narrow: the bitmask width, and the memory it
+    costs, follow the number of members holding blocks at once, not every member ever
+    seen (thousands of one-block pods that come and go leave nothing behind).
     """
 
     def __init__(self, capacity_blocks: int | None = None, *, hash_seed: int | None = None):
@@ -243,9 +247,12 @@ class MemoryBackend:
             for model, table in list(self._tables.items()):
                 if not table.n_live:  # nobody holds anything there: its records are stale
                     del self._tables[model]
+            released = False
             for mid in touched:
                 if not any(t.held[mid] for t in self._tables.values()):
-                    self._release(mid)
+                    released |= self._release(mid)
+            if released:
+                self._compact_ids()
             dead = [
                 t
                 for t in self._tables.values()
@@ -314,6 +321,8 @@ class MemoryBackend:
             self._names[mid] = member
         else:
             mid = len(self._names)
+            if mid >= MAX_MEMBERS:
+                raise BackendError(f"more than {MAX_MEMBERS} members hold blocks at once")
             self._names.append(member)
             if mid >= 64 * self._width:
                 self._width += 1
@@ -322,15 +331,50 @@ class MemoryBackend:
         self._ids[member] = mid
         return mid
 
-    def _release(self, mid: int) -> None:
+    def _release(self, mid: int) -> bool:
         name = self._names[mid]
         if name is None:
-            return
+            return False
         for table in self._tables.values():
             table.forget_member(mid)
         del self._ids[name]
         self._names[mid] = None
         heapq.heappush(self._free_ids, mid)
+        return True
+
+    def _compact_ids(self) -> None:
+        """Narrow the bitmasks when the members left fit in half the words (with the
+        lock held). Members with ids past the new width move to free low ids (cost:
+        their blocks); halving, not shrinking by a word, keeps a member count that
+        swings around a word boundary from rebuilding masks back and forth."""
+        names = self._names
+        while names and names[-1] is None:
+            names.pop()
+        words = max(1, -(-len(self._ids) // 64))
+        if 2 * words > self._width:
+            self._free_ids = [i for i in self._free_ids if i < len(names)]
+            heapq.heapify(self._free_ids)
+            return
+        limit = 64 * words
+        free = (i for i in range(limit) if i >= len(names) or names[i] is None)
+        for old in [mid for mid in self._ids.values() if mid >= limit]:
+            new = next(free)
+            for table in self._tables.values():
+                table.move_member(old, new)
+            name = names[old]
+            assert name is not None
+            if new >= len(names):
+                names.extend([None] * (new + 1 - len(names)))
+            names[new], names[old] = name, None
+            self._ids[name] = new
+        del names[limit:]
+        while names and names[-1] is None:
+            names.pop()
+        self._free_ids = [i for i, n in enumerate(names) if n is None]
+        heapq.heapify(self._free_ids)
+        for table in self._tables.values():
+            table.narrow(words)
+        self._width = words
 
     # -- snapshots ---------------------------------------------------------------------------
 

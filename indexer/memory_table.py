@@ -321,6 +321,44 @@ class BlockTable:
         self.held = np.pad(self.held, (0, n - self.held.size))
         self.width = width
 
+    def narrow(self, width: int) -> None:
+        """Drop the mask words past ``width`` (every member id is below ``64 * width``)."""
+        for t, m in enumerate(self.masks):
+            if m is not None:
+                self.masks[t] = np.ascontiguousarray(m[:, :width])
+        self.counts = self.counts[:, : 64 * width].copy()
+        self.held = self.held[: 64 * width].copy()
+        self.width = width
+
+    def move_member(self, old: int, new: int) -> None:
+        """Give member ``old``'s bits, counters, record and copies to the unused id
+        ``new``. Costs time proportional to that member's blocks (its record)."""
+        log = self.logs.pop(old, None)
+        if log is not None:
+            slots = _sorted_unique(log.view())
+            width = self.width
+            old_bit, new_bit = _BIT[old & 63], _BIT[new & 63]
+            for m in self.masks:
+                if m is None:
+                    continue
+                flat = m.reshape(-1)
+                cells = slots * width + (old >> 6)
+                mine = slots[(flat[cells] & old_bit) != 0]
+                flat[mine * width + (old >> 6)] &= ~old_bit
+                flat[mine * width + (new >> 6)] |= new_bit
+            self.logs[new] = log
+        self.counts[:, new], self.counts[:, old] = self.counts[:, old], 0
+        self.held[new], self.held[old] = self.held[old], 0
+        if self.copies:
+            codes = np.fromiter(self.copies, np.int64, len(self.copies))
+            slot, mid, tier = _code_fields(codes)
+            for code, s, t in zip(
+                codes[mid == old].tolist(), slot[mid == old].tolist(), tier[mid == old].tolist(),
+                strict=True,
+            ):
+                (recoded,) = _copy_codes(np.array([s]), new, t)
+                self.copies[recoded] = self.copies.pop(code)
+
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays and reverse records, and an estimate for ``copies`` (a

@@ -34,6 +34,10 @@ def announce(member: str, keys, tier: Tier = GPU, model: str = M) -> Change:
     return Change(Op.ANNOUNCE, member, model, tier, keys)
 
 
+def matches(backend: MemoryBackend, keys: list[int]) -> dict[str, tuple]:
+    return {m.member: (m.matched_blocks, m.by_tier) for m in backend.lookup(M, keys)}
+
+
 def keys_with_mix(mixed: list[int]) -> list[int]:
     """Keys whose seeded multiplicative mix (see memory_table._home) is exactly ``mixed``: the
     home slot in a table of 2**b slots is then ``mixed >> (64 - b)``."""
@@ -245,6 +249,37 @@ def test_member_ids_are_reused_without_stale_bits() -> None:
     backend.apply([store("one-more:1", [2000])])
     assert backend.stats().extra["mask_words"] == 2
     assert backend.stats().members == 65
+
+
+def test_member_slots_are_reused_and_masks_narrow_when_members_go() -> None:
+    """Thousands of one-block members come and go (a flood of short-lived streams):
+    their ids are reused and the masks narrow back, so memory returns; survivors that
+    held high ids move, keeping their blocks, tiers and copies."""
+    backend = MemoryBackend()
+    backend.apply([store("keeper-a:1", [1, 2]), store("keeper-a:1", [2])])
+    for wave in range(3):
+        pods = [f"10.9.{wave}.{i}:8000" for i in range(2000)]
+        backend.apply([store(pod, [10_000 + i]) for i, pod in enumerate(pods)])
+        if wave == 0:  # a survivor with a high id, in two tiers, with a second copy
+            backend.apply([store("keeper-b:1", [1, 2, 3]), store("keeper-b:1", [3], CPU)])
+            backend.apply([store("keeper-b:1", [3])])
+        assert backend.stats().extra["mask_words"] >= 2000 // 64
+        for pod in pods[::2]:
+            backend.clear_member(pod)
+        backend.apply([remove(pod, [10_000 + i]) for i, pod in enumerate(pods) if i % 2])
+        stats = backend.stats()
+        assert stats.members == 2 and stats.extra["mask_words"] == 1
+        assert len(backend._names) <= 64  # white-box: no id past the one mask word
+    assert matches(backend, [1, 2, 3]) == {
+        "keeper-b:1": (3, (3, 0, 0)),
+        "keeper-a:1": (2, (2, 0, 0)),
+    }
+    backend.apply([remove("keeper-b:1", [3]), remove("keeper-a:1", [2])])  # copies moved too
+    assert backend.member_keys("keeper-b:1", M) == [1, 2, 3]
+    assert backend.member_keys("keeper-b:1", M, CPU) == [3]
+    assert backend.member_keys("keeper-a:1", M) == [1, 2]
+    assert backend.lookup(M, [10_001]) == []
+    assert backend.stats().extra["bytes"] < 200_000
 
 
 def test_reverse_records_stay_bounded() -> None:

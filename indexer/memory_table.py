@@ -803,6 +803,8 @@ class BlockTable:
         copies = self.copies
         any_had = bool(had.any())
         if not any_had:
+            if isinstance(delta, int) and isinstance(floor, int):  # the common case
+                return max(delta, floor) >= 1
             new: int | Counts = np.maximum(delta, floor)
             count = None
         else:

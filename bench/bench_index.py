@@ -299,13 +299,16 @@ def bench_memory(args: argparse.Namespace) -> None:
     # Each measurement in a fresh interpreter, so the RSS delta is not hidden by memory
     # an earlier section freed but the allocator kept.
     ctx = multiprocessing.get_context("spawn")
-    for stamped in (False, True):
-        worker = ctx.Process(target=_memory_worker, args=(args, stamped))
+    runs = [(False, 0.0), (True, 0.0)]
+    if args.memory_copies:
+        runs.append((False, args.memory_copies))
+    for stamped, copies in runs:
+        worker = ctx.Process(target=_memory_worker, args=(args, stamped, copies))
         worker.start()
         worker.join()
 
 
-def _memory_worker(args: argparse.Namespace, stamped: bool) -> None:
+def _memory_worker(args: argparse.Namespace, stamped: bool, copies: float) -> None:
     rng = np.random.default_rng(3)
     held = sharing_profile(rng, args.memory_blocks, args.memory_members)
     members = member_ids(args.memory_members)
@@ -320,6 +323,12 @@ def _memory_worker(args: argparse.Namespace, stamped: bool) -> None:
         for m, h in zip(members, held, strict=True)
     ]
     changes = interleave(per_member)
+    if copies:  # a second copy of a share of each member's entries, stored afterwards
+        changes += [
+            Change(Op.STORE, m, MODEL, Tier.GPU, h[i : i + EVENT_BLOCKS])
+            for m, h in zip(members, held, strict=True)
+            for i in range(0, int(h.size * copies), EVENT_BLOCKS)
+        ]
     calls = [changes[i : i + 128] for i in range(0, len(changes), 128)]
     del per_member, changes
     gc.collect()
@@ -334,6 +343,8 @@ def _memory_worker(args: argparse.Namespace, stamped: bool) -> None:
     rss = rss_bytes() - rss0
     stats = backend.stats()
     label = "with capacity bound (+stamps)" if stamped else "unbounded (no stamps)"
+    if copies:
+        label += f", {copies:.0%} of entries in two copies"
     print(
         f"  {label}: {entries:,} entries ({entries / stats.keys:.2f} per block), "
         f"table {stats.extra['table_slots']:,} slots for {stats.keys:,} keys\n"
@@ -357,6 +368,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch-events", type=int, default=128, help="events per apply call")
     parser.add_argument("--memory-blocks", type=int, default=1_000_000)
     parser.add_argument("--memory-members", type=int, default=16)
+    parser.add_argument(
+        "--memory-copies",
+        type=float,
+        default=0.05,
+        help="share of entries also measured with a second copy (a second BlockStored)",
+    )
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="lookup timer")
     args = parser.parse_args(argv)
     global CLOCK

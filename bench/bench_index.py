@@ -222,7 +222,11 @@ def bench_updates(args: argparse.Namespace) -> None:
     fresh.apply([Change(Op.STORE, "warm:1", MODEL, Tier.GPU, np.concatenate(per_member_keys))])
     fresh.clear_member("warm:1")  # same table size, all dead: no growth during the run
     run(f"store, {shape}, table already sized", batched, fresh)
-    run(f"store again (already held), {shape}", batched, backend)
+    announces = [
+        [Change(Op.ANNOUNCE, c.member, c.model, c.tier, c.keys) for c in call] for call in batched
+    ]
+    run(f"announce (already held), {shape}", announces, backend)
+    run(f"store a second copy of every block, {shape}", batched, fresh)
     run(
         f"remove, {shape}",
         [removes[i : i + per_call] for i in range(0, len(removes), per_call)],

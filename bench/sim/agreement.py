@@ -10,9 +10,10 @@ Three checks, from the raw sets to what a gateway sees:
    before it) one ``/score`` call with the chain's tokens must return, for *every* pod,
    exactly the length of the chain's leading run that pod holds.
 
-The pods' event view (set semantics over their own events) is the reference. It equals
-the pool's true contents unless vLLM evicted one of two copies of a hash (see
-``pool.BlockPool.ghosts``); those are reported separately as ``ghost_blocks``.
+The pods' event view (copy counts over their own events, kvindex's rule) is the
+reference. It equals the pool's true contents unless vLLM evicted the first of two
+copies both stored from the chain's root (see ``pool.BlockPool.ghosts``); those are
+reported separately as ``ghost_blocks``.
 """
 
 from __future__ import annotations

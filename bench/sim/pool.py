@@ -14,14 +14,16 @@ Facts followed (vLLM ``v1/core/block_pool.py`` and ``kv_cache_manager.py``, 0.9-
 * a block gets its hash when it is scheduled, and ``BlockStored`` carries exactly the new
   full blocks, their token ids and the hash of the block before the first of them;
 * the same hash may be held by two blocks (a fully cached prompt recomputes its last
-  block): vLLM keeps both copies and publishes ``BlockRemoved`` when *either* is evicted;
+  block): vLLM keeps both copies and publishes ``BlockRemoved`` when *either* is
+  evicted (kvindex counts copies, so the other one stays indexed);
 * ``reset_prefix_cache`` works only when no block is in use; it drops every hash and
   publishes ``AllBlocksCleared``.
 
 Block keys are the published uint64s (the digest's last 8 bytes), which is what the
 index stores. Besides the truth (which hashes the pool holds) the pool keeps the *event
-view*: the set an index builds from its events with set semantics. The two differ only
-after a duplicate copy was evicted (see :attr:`BlockPool.ghosts`).
+view*: what kvindex builds from its events (copy counts). The two differ only after the
+first of two copies stored from the chain's root was evicted (see
+:attr:`BlockPool.ghosts`).
 """
 
 from __future__ import annotations
@@ -59,7 +61,10 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._key: list[int | None] = [None] * num_blocks
         self._cached: dict[int, list[int]] = {}  # key -> block ids holding it
-        self._view: set[int] = set()  # what the published events say the pool holds
+        # What the published events say the pool holds, as kvindex counts it: copies per
+        # hash, a store from the chain's root only ensuring one (see README, "Copies and
+        # report modes").
+        self._view: dict[int, int] = {}
         self.events: list[Event] = []
         self.evictions = 0
         self.duplicate_stores = 0
@@ -93,8 +98,10 @@ class BlockPool:
 
     @property
     def ghosts(self) -> set[int]:
-        """Hashes held by a block although a BlockRemoved for them was published."""
-        return set(self._cached) - self._view
+        """Hashes still cached although the events' copy count says none is: a second
+        copy stored from the chain's root (a one-block prompt sent twice) is taken for
+        an announcement, so the first copy's eviction drops the hash."""
+        return set(self._cached) - set(self._view)
 
     def hit_cost(self, keys: Sequence[int]) -> int:
         """Free blocks that touching ``keys``'s blocks would take off the free queue."""
@@ -153,7 +160,8 @@ class BlockPool:
             else:
                 holders.append(block)
                 self.duplicate_stores += 1
-            self._view.add(key)
+            view = self._view
+            view[key] = view.get(key, 0) + 1 if start else max(view.get(key, 0), 1)
         self.events.append(
             BlockStored(
                 block_hashes=list(keys[start:end]),
@@ -195,6 +203,8 @@ class BlockPool:
         holders.remove(block)
         if not holders:
             del self._cached[key]
-        self._view.discard(key)
+        left = self._view.pop(key, 0) - 1
+        if left > 0:
+            self._view[key] = left
         self.evictions += 1
         self.events.append(BlockRemoved(block_hashes=[key], medium=MEDIUM))

@@ -159,6 +159,27 @@ def _code_fields(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return codes >> (MEMBER_BITS + 2), (codes >> 2) & (MAX_MEMBERS - 1), codes & 3
 
 
+def _copies_from_state(state: dict[str, Any], size: int, width: int) -> dict[int, int]:
+    """``BlockTable.copies`` from a snapshot's arrays (none in a snapshot without them);
+    raises ValueError when a code or count does not fit the table."""
+    codes = state.get("copy_codes")
+    extra = state.get("copy_extra")
+    if codes is None or extra is None:
+        return {}
+    _check(codes, np.int64, codes.shape[:1], "copy_codes")
+    _check(extra, np.int64, codes.shape, "copy_extra")
+    slot, mid, tier = _code_fields(codes)
+    if codes.size and (
+        int(slot.max()) >= size
+        or int(mid.max()) >= 64 * width
+        or int(tier.max()) >= len(TIERS)
+        or int(extra.min()) < 1
+        or int(codes.min()) < 0
+    ):
+        raise ValueError("extra copies do not fit the table")
+    return dict(zip(codes.tolist(), extra.tolist(), strict=True))
+
+
 def _bit_counts(rows: np.ndarray, width: int) -> npt.NDArray[np.int64]:
     """For ``uint64[n, W]`` bitmask rows, how many rows have each of the ``64 * W`` bits."""
     total = np.zeros(64 * width, np.int64)
@@ -396,6 +417,8 @@ class BlockTable:
             "log_members": np.array(mids, np.int64),
             "log_sizes": np.array([log.size for log in logs], np.int64),
             "log_slots": np.concatenate(logs) if logs else np.zeros(0, np.uint32),
+            "copy_codes": np.fromiter(self.copies, np.int64, len(self.copies)),
+            "copy_extra": np.fromiter(self.copies.values(), np.int64, len(self.copies)),
         }
 
     @classmethod
@@ -446,6 +469,7 @@ class BlockTable:
         layout.max_disp = int(state["max_disp"])
         layout.zero_used = bool(state["zero_used"])
         layout.logs = logs
+        layout.copies = _copies_from_state(state, size, width)
         table.install(layout)
         table.n_used = int(state["n_used"])
         return table

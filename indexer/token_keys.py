@@ -152,25 +152,34 @@ class EngineKeyMap:
         """Every member's map as flat arrays, for a snapshot."""
         members = sorted(m for m, table in self._maps.items() if table)
         entries = [self._maps[m] for m in members]
-        flat = [(e, own, tiers) for table in entries for e, (own, tiers) in table.items()]
+        flat = [(e, entry) for table in entries for e, entry in table.items()]
         return {
             "members": members,
             "sizes": np.array([len(table) for table in entries], np.int64),
-            "engine": np.array([e for e, _, _ in flat], np.uint64),
-            "own": np.array([o for _, o, _ in flat], np.uint64),
-            "tiers": np.array([t for _, _, t in flat], np.uint8),
+            "engine": np.array([e for e, _ in flat], np.uint64),
+            "own": np.array([entry[0] for _, entry in flat], np.uint64),
+            # per entry its GPU, CPU and STORAGE copies, flat (3 per entry)
+            "copies": np.array([c for _, entry in flat for c in entry[1:]], np.int64),
         }
 
     def from_state(self, state: dict[str, Any]) -> None:
-        """Replace every map with :meth:`to_state`'s output."""
-        engine, own, tiers = (state[k].tolist() for k in ("engine", "own", "tiers"))
-        if not len(engine) == len(own) == len(tiers) == int(state["sizes"].sum()):
+        """Replace every map with :meth:`to_state`'s output (a snapshot with a ``tiers``
+        bitmask instead of ``copies`` counts one copy per tier named)."""
+        engine, own = (state[k].tolist() for k in ("engine", "own"))
+        if "copies" in state:
+            flat = state["copies"].tolist()
+            copies = [flat[i : i + 3] for i in range(0, len(flat), 3)]
+        else:
+            copies = [[(t >> i) & 1 for i in range(3)] for t in state["tiers"].tolist()]
+        if not len(engine) == len(own) == len(copies) == int(state["sizes"].sum()):
             raise ValueError("engine-key map arrays do not fit together")
-        maps: dict[str, dict[int, tuple[int, int]]] = {}
+        if any(len(c) != 3 or min(c) < 0 for c in copies):
+            raise ValueError("engine-key map copy counts are not valid")
+        maps: dict[str, dict[int, list[int]]] = {}
         start = 0
         for member, n in zip(state["members"], state["sizes"].tolist(), strict=True):
             end = start + n
-            values = zip(own[start:end], tiers[start:end], strict=True)
+            values = [[o, *c] for o, c in zip(own[start:end], copies[start:end], strict=True)]
             maps[str(member)] = dict(zip(engine[start:end], values, strict=True))
             start = end
         self._maps = maps

@@ -173,6 +173,44 @@ def test_ingestor_state_keeps_the_token_key_map() -> None:
     assert len(restored_backend.member_keys(POD, "m")) == 2
 
 
+def test_copies_survive_a_round_trip_in_the_index_and_the_token_key_map() -> None:
+    """Extra copies (one hash in two physical blocks) are part of the state: after a
+    restore, one removal still leaves the second copy held."""
+    original = _filled_backend()
+    original.apply(
+        [
+            Change(Op.STORE, "10.0.0.1:8000", "m", Tier.GPU, [7, 8]),
+            Change(Op.STORE, "10.0.0.1:8000", "m", Tier.GPU, [8]),
+            Change(Op.STORE, "10.0.0.1:8000", "m", Tier.CPU, [8, 8]),
+        ]
+    )
+    restored = MemoryBackend()
+    restored.from_state(original.to_state())
+    removal = [Change(Op.REMOVE, "10.0.0.1:8000", "m", t, [7, 8]) for t in (Tier.GPU, Tier.CPU)]
+    restored.apply(removal)
+    original.apply(removal)
+    assert _contents(restored) == _contents(original)
+    assert 8 in restored.member_keys("10.0.0.1:8000", "m", Tier.GPU)
+    assert restored.member_keys("10.0.0.1:8000", "m", Tier.CPU) == [0, 1, 2, 8]
+
+    catalog = ModelCatalog(ModelKeying(key_mode=KeyMode.TOKENS))
+    backend = MemoryBackend()
+    ingestor = Ingestor(backend, catalog)
+    stream, tokens = StreamId(POD), list(range(32))
+    stores = [BlockStored([11, 12], None, tokens, 16), BlockStored([12], 11, tokens[16:], 16)]
+    ingestor.deliver([Delivery(stream, "m", 0, EventBatch(0.0, stores), 0.0)])
+    restored_backend = MemoryBackend()
+    restored_backend.from_state(backend.to_state())
+    again = Ingestor(restored_backend, catalog)
+    again.from_state(ingestor.to_state())
+    from kvindex.events.wire import BlockRemoved
+
+    again.deliver([Delivery(stream, "m", 1, EventBatch(0.0, [BlockRemoved([12])]), 0.0)])
+    assert len(restored_backend.member_keys(POD, "m")) == 2  # the second copy of 12
+    again.deliver([Delivery(stream, "m", 2, EventBatch(0.0, [BlockRemoved([12])]), 0.0)])
+    assert len(restored_backend.member_keys(POD, "m")) == 1
+
+
 # -- the gate -------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from kvindex.events.identity import StreamId
 from kvindex.events.sink import BatchSink, Delivery
+from kvindex.events.timestamps import TIMESTAMP_PROBLEMS, timestamp_problem
 from kvindex.indexer.backend import BackendError, Tier
 
 if TYPE_CHECKING:
@@ -93,7 +94,12 @@ class ScoreMetrics:
 
 
 class InstrumentedSink:
-    """Wraps a BatchSink to record event lag (now - the engine's batch timestamp)."""
+    """Wraps a BatchSink to record event lag (now - the engine's batch timestamp).
+
+    Timestamps that are no clock reading (NaN, ±inf, <= 0, a day or more away from now:
+    :mod:`kvindex.events.timestamps`) are counted by reason instead, so one broken
+    engine clock cannot wreck the lag histogram for every pod.
+    """
 
     def __init__(
         self, inner: BatchSink, registry: CollectorRegistry, clock: Callable[[], float] = time.time
@@ -106,13 +112,26 @@ class InstrumentedSink:
             buckets=_LAG_BUCKETS,
             registry=registry,
         )
+        bad = Counter(
+            "kvindex_event_bad_timestamps",
+            "Batches whose engine timestamp is no clock reading, left out of the event lag, "
+            "by reason (not_a_number, infinite, not_positive, too_old, in_the_future).",
+            ["reason"],
+            registry=registry,
+        )
+        self._bad_ts = {reason: bad.labels(reason) for reason in TIMESTAMP_PROBLEMS}
 
     def deliver(self, deliveries: Sequence[Delivery]) -> None:
         self._inner.deliver(deliveries)
         now = self._clock()
         observe = self._lag.observe
         for delivery in deliveries:
-            observe(max(0.0, now - delivery.batch.ts))
+            ts = delivery.batch.ts
+            problem = timestamp_problem(ts, now)
+            if problem is None:
+                observe(max(0.0, now - ts))
+            else:
+                self._bad_ts[problem].inc()
 
     def reset(self, stream: StreamId, reason: str) -> None:
         self._inner.reset(stream, reason)

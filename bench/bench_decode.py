@@ -20,7 +20,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvindex.events import BatchDecoder, BlockStored, Layout, wire_format
-from kvindex.events.wire import BatchEnvelope
+from kvindex.events.wire import EnvelopeDecoder
 
 BLOCKS_PER_EVENT = 32
 BLOCK_SIZE = 16
@@ -64,7 +64,7 @@ def main() -> None:
         f"msgspec {msgspec.__version__}; {EVENTS_PER_BATCH} BlockStored x {BLOCKS_PER_EVENT} blocks"
     )
     print(f"{'case':<34}{'payload B':>10}{'batches/s':>12}{'hashes/s':>14}")
-    envelope = msgspec.msgpack.Decoder(BatchEnvelope)
+    envelope = EnvelopeDecoder()
     for label, version, layout in (("array layout (vLLM 0.22)", "0.22", Layout.ARRAY),
                                    ("map layout (vLLM 0.33)", "0.33", Layout.MAP)):  # fmt: skip
         payload = make_payload(version, rng)

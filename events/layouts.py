@@ -44,8 +44,7 @@ class EngineBlockStored(BlockStored, tag="BlockStored"):
     exact payloads of vLLM >= 0.26.
     """
 
-    locality: str | None = None  # 0.26
-    ownership: str | None = None  # 0.29
+    ownership: str | None = None  # 0.29 (locality, 0.26, is on BlockStored itself)
     session_id: str | None = None  # 0.30
     lookahead_token_ids: list[list[int]] | None = None  # 0.33
 
@@ -53,8 +52,7 @@ class EngineBlockStored(BlockStored, tag="BlockStored"):
 class EngineBlockRemoved(BlockRemoved, tag="BlockRemoved"):
     """BlockRemoved with the fields only newer releases send."""
 
-    locality: str | None = None  # 0.26
-    ownership: str | None = None  # 0.29
+    ownership: str | None = None  # 0.29 (locality, 0.26, is on BlockRemoved itself)
 
 
 _STORED_BASE = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")

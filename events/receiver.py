@@ -39,7 +39,7 @@ from kvindex.events.endpoints import (
 from kvindex.events.identity import IdentityError, StreamId, normalize_pod, parse_topic, pod_host
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.status import ReasonCounts
-from kvindex.events.wire import BatchEnvelope
+from kvindex.events.wire import EnvelopeDecoder
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Receiver:
         self._errors = errors
         self._ratelog = ratelog
         self._clock = clock
-        self._envelope = msgspec.msgpack.Decoder(BatchEnvelope)
+        self._envelope = EnvelopeDecoder()
         self._sources: dict[zmq.Socket, _Source] = {}
         self._poller = zmq.Poller()
         wake = f"inproc://kvindex-receiver-wake-{next(_wake_ids)}"

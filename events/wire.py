@@ -11,6 +11,10 @@ decoder is the validator. Two layouts exist:
   default omitted, and new fields added since (locality 0.26, ownership 0.29,
   session_id 0.30, lookahead_token_ids 0.33).
 
+A batch is ``[ts, events, data_parallel_rank]``, a positional array in every release so
+far; a batch sent as a map with those keys decodes too (unknown keys ignored), so a
+future vLLM that drops ``array_like`` from its ``EventBatch`` keeps working.
+
 msgspec cannot put array-like and map-like structs in one union, so each layout has its
 own struct family; the map structs subclass the array ones, so ``isinstance(event,
 BlockStored)`` holds for both and consumers never see the layout. Fields this project
@@ -69,6 +73,9 @@ class BlockStored(KVCacheEvent, tag="BlockStored"):
     group_idx: int | None = None  # 0.20
     kv_cache_spec_kind: str | None = None  # 0.22
     kv_cache_spec_sliding_window: int | None = None  # 0.22
+    #: "LOCAL" or "REMOTE" relative to the publisher (0.26, map layout only; set by KV
+    #: offloading tiers). None: unspecified, i.e. the engine's own cache.
+    locality: str | None = None
 
 
 class BlockRemoved(KVCacheEvent, tag="BlockRemoved"):
@@ -77,6 +84,7 @@ class BlockRemoved(KVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[BlockHash]
     medium: str | None = None  # 0.10.2
     group_idx: int | None = None  # 0.20
+    locality: str | None = None  # 0.26, as on BlockStored
 
 
 class AllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
@@ -152,6 +160,35 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
+# The same three as msgpack maps (``{"ts": .., "events": [..], "data_parallel_rank": ..}``),
+# should vLLM ever drop ``array_like`` from its EventBatch the way 0.24 did for events.
+class _ArrayBatchAsMap(_ArrayBatch, array_like=False):
+    pass
+
+
+class _MapBatchAsMap(_MapBatch, array_like=False):
+    pass
+
+
+class _RawBatchAsMap(_RawBatch, array_like=False):
+    pass
+
+
+#: First bytes of a msgpack map (fixmap, map 16, map 32).
+_MAP_MARKERS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
+
+
+def envelope_is_map(payload: bytes) -> bool:
+    """True when a payload's batch envelope is a msgpack map rather than an array.
+
+    vLLM 0.9-0.33 always sends ``EventBatch`` as a positional array (``array_like=True``);
+    its event structs switched from arrays to maps in 0.24, so the envelope may follow.
+    One byte says which, so both decode at full speed without trying one and then the
+    other.
+    """
+    return payload[:1] != b"" and payload[0] in _MAP_MARKERS
+
+
 #: Highest data-parallel rank accepted by :class:`BatchEnvelope`; a larger one is corrupt
 #: input and would otherwise open a bogus stream.
 MAX_DP_RANK = 4095
@@ -168,6 +205,27 @@ class BatchEnvelope(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: msgspec.Raw
     data_parallel_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_DP_RANK)] | None = None
+
+
+class _BatchEnvelopeAsMap(BatchEnvelope, array_like=False):
+    """:class:`BatchEnvelope` sent as a map; unknown keys are ignored."""
+
+
+class EnvelopeDecoder:
+    """Decodes a payload's :class:`BatchEnvelope`, whether the batch is an array or a map.
+
+    Raises ``msgspec.DecodeError`` (``ValidationError`` for well-formed msgpack of the
+    wrong shape) like a plain msgspec decoder.
+    """
+
+    def __init__(self) -> None:
+        self._array = msgspec.msgpack.Decoder(BatchEnvelope)
+        self._map = msgspec.msgpack.Decoder(_BatchEnvelopeAsMap)
+
+    def decode(self, payload: bytes) -> BatchEnvelope:
+        if envelope_is_map(payload):
+            return self._map.decode(payload)
+        return self._array.decode(payload)
 
 
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
@@ -200,36 +258,42 @@ class BatchDecoder:
     """
 
     def __init__(self) -> None:
+        # (event layout, envelope is a map) -> decoder
         self._decoders = {
-            Layout.ARRAY: msgspec.msgpack.Decoder(_ArrayBatch),
-            Layout.MAP: msgspec.msgpack.Decoder(_MapBatch),
+            (Layout.ARRAY, False): msgspec.msgpack.Decoder(_ArrayBatch),
+            (Layout.MAP, False): msgspec.msgpack.Decoder(_MapBatch),
+            (Layout.ARRAY, True): msgspec.msgpack.Decoder(_ArrayBatchAsMap),
+            (Layout.MAP, True): msgspec.msgpack.Decoder(_MapBatchAsMap),
         }
-        self._raw = msgspec.msgpack.Decoder(_RawBatch)
+        self._raw = {
+            False: msgspec.msgpack.Decoder(_RawBatch),
+            True: msgspec.msgpack.Decoder(_RawBatchAsMap),
+        }
         self._array_event = msgspec.msgpack.Decoder(_ArrayEvent)
         self._map_event = msgspec.msgpack.Decoder(_MapEvent)
         self._tag_probe = msgspec.msgpack.Decoder(Any)
 
     def decode(self, payload: bytes, prefer: Layout = Layout.ARRAY) -> DecodedBatch:
         """Decode one payload; raise DecodeError when nothing in it is usable."""
-        first = self._decoders[prefer]
+        as_map = envelope_is_map(payload)
         try:
-            batch = first.decode(payload)
+            batch = self._decoders[prefer, as_map].decode(payload)
             layout = prefer
         except msgspec.DecodeError:
             layout = Layout.MAP if prefer is Layout.ARRAY else Layout.ARRAY
             try:
-                batch = self._decoders[layout].decode(payload)
+                batch = self._decoders[layout, as_map].decode(payload)
             except msgspec.DecodeError:
-                return self._decode_event_by_event(payload)
+                return self._decode_event_by_event(payload, as_map)
         oversized = _count_oversized(batch.events)
         if oversized:
             batch.events = [e for e in batch.events if _size_ok(e)]
             return DecodedBatch(_as_batch(batch), layout, {"too_many_hashes": oversized})
         return DecodedBatch(_as_batch(batch), layout)
 
-    def _decode_event_by_event(self, payload: bytes) -> DecodedBatch:
+    def _decode_event_by_event(self, payload: bytes, as_map: bool) -> DecodedBatch:
         try:
-            raw = self._raw.decode(payload)
+            raw = self._raw[as_map].decode(payload)
         except msgspec.ValidationError as exc:
             raise DecodeError("invalid_batch", str(exc)) from None
         except msgspec.DecodeError as exc:

@@ -29,6 +29,16 @@ memory). Rules, each one a pitfall other indexers hit:
   root (a prompt of exactly one block sent twice, a request that skips the prefix
   cache) is not counted, so its first eviction drops the hash early (under-reporting,
   healed by the next store). The README ("Copies and report modes") has the cases.
+* Stores and removals marked ``locality="REMOTE"`` (vLLM >= 0.26) are not indexed
+  (counted ``remote_locality``). In vLLM 0.33.0 only the offloading connector's
+  secondary tiers set it (``v1/kv_offload/tiering/fs/manager.py`` and ``obj/manager.py``,
+  ``get_finished_jobs``): network storage shared by every instance with the same
+  ``root_dir``, whose lookup is a file-existence check across instances, which
+  publishes stores but never a ``BlockRemoved``. A hit there is a promotion into the
+  pod's CPU tier (``TieringOffloadingManager.lookup`` -> ``_initiate_promotion``), which
+  is announced as its own CPU ``BlockStored`` once it happens. So a REMOTE entry says
+  nothing that sets this pod apart from the others sharing the store, and could never be
+  removed: indexing it would only over-report, permanently.
 * CPU-offload placeholder stores (no tokens, block size 0) carry the engine's own block
   hashes, so in engine-key mode they are indexed as is; in token-key mode they are
   resolved through the engine-hash map, and skipped (counted) when unknown.
@@ -61,6 +71,8 @@ from kvindex.indexer.verify import HashVerifier
 log = logging.getLogger(__name__)
 
 _FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+#: vLLM's ``Locality.REMOTE`` (``v1/kv_offload/base.py``, 0.26-0.33).
+_REMOTE = "REMOTE"
 _TIERS = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "STORAGE": Tier.STORAGE}
 
 
@@ -129,6 +141,9 @@ class Ingestor:
         for event in delivery.batch.events:
             if isinstance(event, BlockStored):
                 counts.events["BlockStored"] += 1
+                if event.locality == _REMOTE:
+                    counts.skipped["remote_locality"] += 1
+                    continue
                 tier = self._tier_for(
                     member, event.group_idx, event.kv_cache_spec_kind, event.medium
                 )
@@ -147,6 +162,9 @@ class Ingestor:
                     changes.append(Change(op, member, model, tier, keys))
             elif isinstance(event, BlockRemoved):
                 counts.events["BlockRemoved"] += 1
+                if event.locality == _REMOTE:
+                    counts.skipped["remote_locality"] += 1
+                    continue
                 tier = self._tier_for(member, event.group_idx, None, event.medium)
                 if tier is None:
                     continue

@@ -42,6 +42,7 @@ def _get(url: str) -> dict:
 
 
 def _fill(zmq_endpoint: str, url: str, prompt: list[int]) -> None:
+    from kvindex.events.endpoints import from_source
     from kvindex.events.publisher import EnginePublisher
     from kvindex.events.wire import BlockStored
     from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -49,8 +50,11 @@ def _fill(zmq_endpoint: str, url: str, prompt: list[int]) -> None:
     keys = BlockHasher(HashConfig(block_size=BLOCK)).keys(prompt)
     publishers = []
     for i in range(PODS):
-        pod = f"127.0.{1 + i // 250}.{1 + i % 250}:8000"
-        pub = EnginePublisher(zmq_endpoint, topic=f"kv@{pod}@{MODEL}", bind=False)
+        host = f"127.0.{1 + i // 250}.{1 + i % 250}"
+        pod = f"{host}:8000"
+        # Each pod sends from its own loopback address: bind mode checks the sender.
+        source = from_source(zmq_endpoint, host)
+        pub = EnginePublisher(source, topic=f"kv@{pod}@{MODEL}", bind=False)
         if not pub.wait_for_subscribers(1, 10.0):
             raise SystemExit("publisher could not reach kvindex")
         n = min(len(keys), 8 * (i + 1))

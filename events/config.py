@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvindex.events.admission import Allowlist
+
 
 class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How the subscriber listens, buffers, recovers and reports.
@@ -57,6 +59,13 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     forget_quiet_s: float = 2.0
     #: Each kind of bad-input log line is written at most once per interval.
     log_interval_s: float = 10.0
+    #: Bind mode: pods whose topic may come from any sender address (pod ids, or CIDR
+    #: networks of pod hosts); every other pod must send from its own host
+    #: (:mod:`kvindex.events.admission`).
+    bind_allow: tuple[str, ...] = ()
+    #: Bind mode: most streams (pod, rank) one sender address may open; one node rarely
+    #: runs more than a few dozen engines, a flood of fake pods stops here.
+    max_streams_per_sender: int = 64
 
     def __post_init__(self) -> None:
         positive = {
@@ -71,6 +80,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             "stream_idle_s": self.stream_idle_s,
             "retry_initial_s": self.retry_initial_s,
             "retry_max_s": self.retry_max_s,
+            "max_streams_per_sender": self.max_streams_per_sender,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -81,3 +91,4 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise ValueError("SubscriberConfig.stream_evict_idle_s must be >= 0")
         if self.forget_quiet_s < 0:
             raise ValueError("SubscriberConfig.forget_quiet_s must be >= 0")
+        Allowlist.parse(self.bind_allow, self.default_serving_port)  # raises on a bad entry

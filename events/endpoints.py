@@ -102,3 +102,16 @@ def endpoint_host(endpoint: str) -> str | None:
     if not sep or not host or host == "*":
         return None
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def from_source(endpoint: str, source_host: str) -> str:
+    """``tcp://HOST:PORT`` connected from ``source_host`` (ZMQ's ``tcp://SRC:0;HOST:PORT``).
+
+    A connecting socket sends from the address this names, so the peer sees it as the
+    sender's ``Peer-Address``: how a test or benchmark on loopback plays pods on several
+    hosts (127.0.0.2, 127.0.0.3, ...) against bind mode's sender check.
+    """
+    scheme, sep, rest = endpoint.partition("://")
+    if scheme != "tcp" or not sep:
+        raise ValueError(f"a source address needs a tcp:// endpoint, not {endpoint!r}")
+    return f"tcp://{source_host}:0;{rest}"

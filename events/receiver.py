@@ -7,7 +7,9 @@ inproc PAIR socket, so they take effect at once instead of at the next poll time
 
 Per message the receiver does only what it must to route it: framing (3 frames, an
 8-byte seq, a UTF-8 topic, a payload under the limit), the sender's identity (topic or
-connect endpoint) and the batch envelope. The envelope is decoded here, with the event
+connect endpoint), in bind mode whether the sender may speak for that pod (its
+``Peer-Address``, discovery, the per-sender stream cap: :mod:`kvindex.events.admission`)
+and the batch envelope. The envelope is decoded here, with the event
 list left as raw msgpack (skipped over, not parsed), because in bind mode the
 data-parallel rank inside the payload is the only way to tell a pod's ranks apart, and
 each rank is its own stream with its own seq counter. Full event decoding happens later
@@ -27,6 +29,13 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvindex.events.admission import (
+    SENDER_STREAM_CAP,
+    UNDISCOVERED_POD,
+    Allowlist,
+    sender_problem,
+    stream_cap_problem,
+)
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.endpoints import (
     HARD_MESSAGE_CAP,
@@ -37,6 +46,7 @@ from kvindex.events.endpoints import (
     tcp_endpoint,
 )
 from kvindex.events.identity import IdentityError, StreamId, normalize_pod, parse_topic, pod_host
+from kvindex.events.known_pods import KnownPods
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.status import ReasonCounts
 from kvindex.events.wire import EnvelopeDecoder
@@ -87,7 +97,8 @@ class Receiver:
     """Owns the SUB sockets; hands attributed messages to ``deliver`` in batches.
 
     ``deliver`` is called on the receiver thread with every message of one poll round,
-    in arrival order per socket.
+    in arrival order per socket. ``discovered`` is Kubernetes discovery's pods, when
+    bind mode must accept only those.
     """
 
     def __init__(
@@ -98,9 +109,16 @@ class Receiver:
         errors: ReasonCounts,
         ratelog: RateLimitedLog,
         clock: Callable[[], float],
+        discovered: KnownPods | None = None,
     ) -> None:
         self._ctx = context
         self._config = config
+        self._known = discovered
+        self._allowlist = Allowlist.parse(config.bind_allow, config.default_serving_port)
+        # Bind mode, receiver thread only: the streams each sender address opened, and
+        # the address verdicts already worked out, per (pod, sender).
+        self._sender_streams: dict[str, set[StreamId]] = {}
+        self._address_verdicts: dict[tuple[str, str | None], str | None] = {}
         self._deliver = deliver
         self._errors = errors
         self._ratelog = ratelog
@@ -297,6 +315,8 @@ class Receiver:
         return False
 
     def _disconnect_pod(self, pod: str) -> list[str]:
+        for streams in self._sender_streams.values():
+            streams.difference_update([sid for sid in streams if sid.pod == pod])
         removed = []
         for sock, source in list(self._sources.items()):
             target = source.target
@@ -310,16 +330,24 @@ class Receiver:
     # -- per message --------------------------------------------------------------
 
     def _drain(self, sock: zmq.Socket, source: _Source, out: list[Arrival]) -> None:
+        bind_mode = source.target is None
+        peer: str | None = None
         for _ in range(_DRAIN_PER_SOCKET):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                if bind_mode:
+                    # Frames, not bytes: only a Frame carries the sender's Peer-Address.
+                    received = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    peer = _peer_address(received[0])
+                    frames = [frame.bytes for frame in received]
+                else:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            arrival = self._admit(source, frames)
+            arrival = self._admit(source, frames, peer)
             if arrival is not None:
                 out.append(arrival)
 
-    def _admit(self, source: _Source, frames: list[bytes]) -> Arrival | None:
+    def _admit(self, source: _Source, frames: list[bytes], peer: str | None) -> Arrival | None:
         if len(frames) != 3:
             return self._skip("bad_frame_count", source, "message with %d frames", len(frames))
         topic, seq_frame, payload = frames
@@ -343,6 +371,10 @@ class Receiver:
             return self._skip(identity, source, "topic %r", topic[:200])
         pod, model = identity
         target = source.target
+        if target is None:
+            problem = self._sender_problem(pod, peer)
+            if problem is not None:
+                return self._skip(problem, source, "topic %r from %s", topic[:200], peer)
         seq = int.from_bytes(seq_frame, "big")
         try:
             rank = self._envelope.decode(payload).data_parallel_rank
@@ -364,6 +396,15 @@ class Receiver:
             )  # fmt: skip
         if rank is None:
             rank = target.rank if target is not None else 0
+        if target is None and not self._admit_stream(StreamId(pod, rank), peer or ""):
+            return self._skip(
+                SENDER_STREAM_CAP,
+                source,
+                "new stream %s from %s (max_streams_per_sender is %d)",
+                StreamId(pod, rank),
+                peer,
+                self._config.max_streams_per_sender,
+            )
         if target is not None:
             replay = target.replay_endpoint
         elif self._config.replay_port:
@@ -374,6 +415,34 @@ class Receiver:
             StreamId(pod, rank), model, seq, payload, self._clock(), replay,
             topic=topic, connected=target is not None,
         )  # fmt: skip
+
+    def _sender_problem(self, pod: str, peer: str | None) -> str | None:
+        """:func:`~kvindex.events.admission.sender_problem`, with the address part (fixed
+        for a pod and sender) remembered; discovery's answer can change, so it is not."""
+        if self._known is not None and pod not in self._known:
+            return UNDISCOVERED_POD
+        key = (pod, peer)
+        try:
+            return self._address_verdicts[key]
+        except KeyError:
+            pass
+        problem = sender_problem(pod, peer, self._allowlist, None)
+        if len(self._address_verdicts) >= _TOPIC_CACHE_SIZE:
+            self._address_verdicts.clear()
+        self._address_verdicts[key] = problem
+        return problem
+
+    def _admit_stream(self, sid: StreamId, peer: str) -> bool:
+        """Whether ``peer`` may send on ``sid``: a stream it opened, or room for one more."""
+        streams = self._sender_streams.get(peer)
+        if streams is None:
+            streams = self._sender_streams[peer] = set()
+        elif sid in streams:
+            return True
+        if stream_cap_problem(True, len(streams), self._config.max_streams_per_sender):
+            return False
+        streams.add(sid)
+        return True
 
     def _identify(self, source: _Source, topic_bytes: bytes) -> tuple[str, str] | str:
         """(pod, model) for a topic on this socket, or the reason it names no pod."""
@@ -435,4 +504,12 @@ class Receiver:
             reason,
             *args,
         )
+        return None
+
+
+def _peer_address(frame: zmq.Frame) -> str | None:
+    """The sender's IP address as ZMQ saw it (TCP); None for ipc/inproc."""
+    try:
+        return frame.get("Peer-Address") or None
+    except zmq.ZMQError:
         return None

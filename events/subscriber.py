@@ -34,8 +34,9 @@ Loss and recovery:
   gap the drop leaves is seen on the next message and recovered by the normal replay
   path, exactly like a message PUB dropped.
 * **Gap**: replay from the engine's replay endpoint (connect mode:
-  ``PodEndpoint.replay_endpoint``; bind mode: ``tcp://<pod host>:<replay_port + rank>``,
-  or whatever the ``replay_resolver`` says). The replay starts *at* the last applied seq
+  ``PodEndpoint.replay_endpoint``; bind mode: what the ``replay_resolver`` says,
+  :mod:`kvindex.events.replay_endpoints`, by default ``tcp://<pod host>:<replay_port +
+  rank>``). The replay starts *at* the last applied seq
   and its digest must match (an engine that restarted and overtook its old seq unseen
   is caught here and reset). Every reply is validated; bad ones are counted by reason
   (``bad_replay_*``) and discarded. If there is no replay endpoint, or it fails or times
@@ -90,6 +91,7 @@ from kvindex.events.endpoints import PodEndpoint
 from kvindex.events.gate import StreamGate
 from kvindex.events.identity import IdentityError, StreamId, normalize_pod
 from kvindex.events.inbox import Inbox
+from kvindex.events.known_pods import KnownPods
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.receiver import Arrival, Receiver
 from kvindex.events.replaying import ReplayWorkers
@@ -111,10 +113,11 @@ class Subscriber:
     :meth:`stop` ends every thread and closes every socket. ``clock`` stamps
     ``received_at`` and drives retry timers. ``gate`` (optional) says which streams this
     replica may apply when several share one index. ``replay_resolver`` (optional) is
-    the one place a stream's replay endpoint is chosen (None: the endpoint the receiver
-    derived, from the PodEndpoint or bind mode's ``replay_port`` rule). ``pod_known``
+    the one place a bind-mode stream's replay endpoint is chosen (None: bind mode's
+    ``replay_port`` rule; connect-mode streams use their PodEndpoint's). ``pod_known``
     (optional) says whether a pod is discovered, which pins its streams like a
-    connect-mode pod's (never evicted for idling).
+    connect-mode pod's (never evicted for idling). ``discovered_pods`` (optional): bind
+    mode accepts only these pods' streams (:mod:`kvindex.events.admission`).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class Subscriber:
         gate: StreamGate | None = None,
         replay_resolver: Callable[[StreamId], str | None] | None = None,
         pod_known: Callable[[str], bool] | None = None,
+        discovered_pods: KnownPods | None = None,
     ) -> None:
         self._config = config if config is not None else SubscriberConfig()
         self._clock = clock
@@ -157,15 +161,16 @@ class Subscriber:
             self._discovered,
         )
         self._receiver = Receiver(
-            self._ctx, self._config, self._inbox.put_arrivals, self._errors, self._ratelog, clock
-        )
+            self._ctx, self._config, self._inbox.put_arrivals, self._errors, self._ratelog, clock,
+            discovered_pods,
+        )  # fmt: skip
         self._started = False
         self._stopped = False
 
     # -- the one place a stream's replay endpoint and pinning are decided ------------------
 
     def _replay_endpoint(self, sid: StreamId, arrival: Arrival) -> str | None:
-        if self._resolver is not None:
+        if self._resolver is not None and not arrival.connected:
             return self._resolver(sid)
         return arrival.replay_endpoint
 

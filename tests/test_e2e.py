@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvindex.api.testing import ServeProcess, free_port
+from kvindex.events.endpoints import from_source
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockRemoved, BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -55,7 +56,7 @@ def cluster() -> Iterator[dict]:
             host = pod.split(":")[0]
             pubs.append(
                 EnginePublisher(
-                    f"tcp://127.0.0.1:{bind}",
+                    from_source(f"tcp://127.0.0.1:{bind}", host),  # bind mode checks the sender
                     topic=f"kv@{pod}@{MODEL}",
                     replay_endpoint=f"tcp://{host}:{replay}",
                     vllm_version="0.22",

@@ -1,0 +1,124 @@
+"""Who may speak for a pod in bind mode: the decisions at the door, as pure functions.
+
+In bind mode every engine connects to kvindex's SUB socket and names itself in its
+topic, ``kv@<pod>@<model>``; without checks, anyone who reaches the port could wipe any
+pod with one ``AllBlocksCleared`` under its topic, inject blocks, or open thousands of
+fake streams. The receiver asks these functions about every bind-mode message before
+anything is queued; a rejection drops the message and is counted by its reason
+(``kvindex_event_errors{reason=...}``):
+
+* ``undiscovered_pod`` - Kubernetes discovery is on and does not know the pod;
+* ``sender_mismatch`` - the TCP peer (ZMQ's ``Peer-Address`` message property) is not
+  the host in the topic's pod id;
+* ``sender_unverifiable`` - the pod id's host is a name, not an address, so the peer
+  cannot be compared with it;
+* ``sender_stream_cap`` - the sender already has ``max_streams_per_sender`` streams.
+
+Pods listed in the allowlist (``--bind-allow``: a pod id, or a CIDR that pod hosts fall
+in) skip the address comparison - for engines whose traffic reaches kvindex through NAT
+or a proxy - but not discovery or the cap. Messages over ``ipc://``/``inproc://``
+carry no peer address; only local processes can send those, so the address check does
+not apply to them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvindex.events.identity import IdentityError, normalize_pod
+from kvindex.events.known_pods import KnownPods
+
+UNDISCOVERED_POD = "undiscovered_pod"
+SENDER_MISMATCH = "sender_mismatch"
+SENDER_UNVERIFIABLE = "sender_unverifiable"
+SENDER_STREAM_CAP = "sender_stream_cap"
+
+_Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class AllowlistError(ValueError):
+    """An allowlist entry that is neither a pod id nor a CIDR network."""
+
+
+@dataclass(frozen=True, slots=True)
+class Allowlist:
+    """Pods whose topic may arrive from any address: by pod id, or by network of hosts."""
+
+    pods: frozenset[str] = frozenset()
+    networks: tuple[_Network, ...] = ()
+
+    @classmethod
+    def parse(cls, entries: Iterable[str], default_port: int | None) -> Allowlist:
+        """Entries are pod ids (``10.0.0.5:8000``; a bare host takes ``default_port``) or
+        CIDR networks (``10.0.0.0/24``, ``fd00::/64``)."""
+        pods: set[str] = set()
+        networks: list[_Network] = []
+        for raw in entries:
+            entry = raw.strip()
+            if "/" in entry:
+                try:
+                    networks.append(ipaddress.ip_network(entry, strict=False))
+                except ValueError as exc:
+                    raise AllowlistError(f"bind allowlist entry {raw!r}: {exc}") from None
+                continue
+            try:
+                pods.add(normalize_pod(entry, default_port))
+            except IdentityError as exc:
+                raise AllowlistError(f"bind allowlist entry {raw!r}: {exc}") from None
+        return cls(frozenset(pods), tuple(networks))
+
+    def allows(self, pod: str) -> bool:
+        if pod in self.pods:
+            return True
+        if not self.networks:
+            return False
+        host = pod_address(pod)
+        return host is not None and any(host in net for net in self.networks)
+
+
+def pod_address(pod: str) -> _Address | None:
+    """The IP address in a normalised pod id (``host:port``), None for a hostname."""
+    host = pod.rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def peer_address(peer: str) -> _Address | None:
+    """ZMQ's ``Peer-Address`` as an address; IPv4-mapped IPv6 is read as the IPv4."""
+    try:
+        address = ipaddress.ip_address(peer.strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def sender_problem(
+    pod: str, peer: str | None, allowlist: Allowlist, known: KnownPods | None
+) -> str | None:
+    """Why a message from ``peer`` may not speak for ``pod``; None when it may.
+
+    ``peer`` is the message's ``Peer-Address`` (None or empty: a local transport);
+    ``known`` is discovery's pods, None when discovery is off.
+    """
+    if known is not None and pod not in known:
+        return UNDISCOVERED_POD
+    if not peer or allowlist.allows(pod):
+        return None
+    host = pod_address(pod)
+    if host is None:
+        return SENDER_UNVERIFIABLE
+    return None if peer_address(peer) == host else SENDER_MISMATCH
+
+
+def stream_cap_problem(new_stream: bool, sender_streams: int, max_per_sender: int) -> str | None:
+    """Why a sender may not open another stream; None when it may (or the stream is old)."""
+    if new_stream and sender_streams >= max_per_sender:
+        return SENDER_STREAM_CAP
+    return None

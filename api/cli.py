@@ -35,11 +35,11 @@ _SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         "--zmq-connect",
         {
             "action": "append",
-            "metavar": "[POD[@MODEL]=]ENDPOINT",
+            "metavar": "[POD[@MODEL]=]ENDPOINT[;replay=REPLAY]",
             "help": "connect to a pod's publisher, e.g. tcp://10.0.0.5:5557; the pod "
             "and model come from a kv@<pod>@<model> topic, else from POD@MODEL=, "
             "else from the endpoint host with --serving-port and --model; "
-            "repeatable",
+            "';replay=tcp://HOST:RPORT' names its replay endpoint; repeatable",
         },
     ),
     ("--topic-filter", {"help": "bind-mode topic prefix to subscribe to (default kv@)"}),
@@ -66,6 +66,33 @@ _SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             "help": "batches waiting per engine stream before the newest is dropped "
             "(and fetched again by replay); raise it if queue_overflow is counted "
             "(default 4096)",
+        },
+    ),
+    (
+        "--replay-endpoint",
+        {
+            "action": "append",
+            "metavar": "POD=tcp://HOST:RPORT",
+            "help": "one pod's own replay endpoint (its rank r uses RPORT + r); beats "
+            "--replay-port, needed when engines share a host; repeatable",
+        },
+    ),
+    (
+        "--bind-allow",
+        {
+            "action": "append",
+            "metavar": "POD|CIDR",
+            "help": "bind mode: a pod (or a CIDR of pod hosts) whose topic may come from "
+            "any sender address, e.g. behind NAT; others must send from their own host; "
+            "repeatable",
+        },
+    ),
+    (
+        "--max-streams-per-sender",
+        {
+            "type": int,
+            "help": "bind mode: most streams (pod, DP rank) one sender address may open "
+            "(default 64)",
         },
     ),
     ("--backend", {"help": "memory (default) or redis://HOST:PORT/DB"}),

@@ -69,6 +69,9 @@ class Settings(msgspec.Struct, kw_only=True):
     model: str | None = None
     replay_port: int = 0
     stream_queue: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    replay_endpoint: list[str] = []
+    bind_allow: list[str] = []
+    max_streams_per_sender: int = 64
     backend: str = "memory"
     capacity_blocks: int | None = None
     snapshot: str | None = None

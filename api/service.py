@@ -34,6 +34,13 @@ from kvindex.events.config import SubscriberConfig
 from kvindex.events.discovery import KubernetesDiscovery
 from kvindex.events.endpoints import PodEndpoint, endpoint_host, tcp_endpoint
 from kvindex.events.identity import IdentityError, normalize_pod
+from kvindex.events.known_pods import KnownPods
+from kvindex.events.replay_endpoints import (
+    ReplayEndpointError,
+    ReplayEndpoints,
+    parse_pod_replay_endpoint,
+    split_connect_spec,
+)
 from kvindex.events.subscriber import Subscriber
 from kvindex.indexer.backend import BackendError, IndexBackend
 from kvindex.indexer.ingest import Ingestor
@@ -100,12 +107,33 @@ def snapshot_backend(settings: Settings, backend: IndexBackend) -> MemoryBackend
     return backend
 
 
-def parse_connect(spec: str, settings: Settings) -> PodEndpoint:
-    """``[POD[@MODEL]=]ENDPOINT`` to a PodEndpoint.
+def replay_endpoints(settings: Settings, known: KnownPods | None) -> ReplayEndpoints:
+    """Each stream's replay endpoint: ``--replay-endpoint``, discovery's annotations, then
+    the ``--replay-port`` rule (:mod:`kvindex.events.replay_endpoints`)."""
+    configured: dict[str, str] = {}
+    for spec in settings.replay_endpoint:
+        try:
+            pod, endpoint = parse_pod_replay_endpoint(spec, settings.serving_port)
+        except ReplayEndpointError as exc:
+            raise ConfigError(f"--replay-endpoint {exc}") from None
+        configured[pod] = endpoint
+    return ReplayEndpoints(configured, settings.replay_port or None, known)
+
+
+def parse_connect(
+    spec: str, settings: Settings, replays: ReplayEndpoints | None = None
+) -> PodEndpoint:
+    """``[POD[@MODEL]=]ENDPOINT[;replay=REPLAY]`` to a PodEndpoint.
 
     Without a POD the pod is named by the topic when it is ``kv@<pod>@<model>``, else by
     the endpoint's host and ``--serving-port``; without a MODEL, by the topic or ``--model``.
+    The replay endpoint is ``;replay=``, else the pod's ``--replay-endpoint``, else the
+    endpoint's host at ``--replay-port``.
     """
+    try:
+        spec, own_replay = split_connect_spec(spec)
+    except ReplayEndpointError as exc:
+        raise ConfigError(f"--zmq-connect {spec!r}: {exc}") from None
     name, sep, endpoint = spec.rpartition("=")
     if not sep:
         name, endpoint = "", spec
@@ -123,8 +151,10 @@ def parse_connect(spec: str, settings: Settings) -> PodEndpoint:
     host = endpoint_host(endpoint)
     if pod is None and host is not None:
         pod = normalize_pod(host, settings.serving_port)
-    replay = None
-    if settings.replay_port and host is not None:
+    replay = own_replay
+    if replay is None and replays is not None and pod is not None:
+        replay = replays.pod_endpoint(pod)
+    if replay is None and settings.replay_port and host is not None:
         replay = tcp_endpoint(f"[{host}]" if ":" in host else host, settings.replay_port)
     return PodEndpoint(endpoint, pod=pod, model=model or settings.model, replay_endpoint=replay)
 
@@ -144,7 +174,9 @@ class Service:
         self.settings = settings
         models_file = load_model_config(settings.model_config)
         self.catalog = build_catalog(settings, models_file)
-        self._connect = [parse_connect(spec, settings) for spec in settings.zmq_connect]
+        known = KnownPods() if settings.k8s_namespace else None
+        replays = replay_endpoints(settings, known)
+        self._connect = [parse_connect(spec, settings, replays) for spec in settings.zmq_connect]
         self.backend = backend or make_backend(settings)
         self.leases = make_leases(settings, self.backend)
         # `*_created` series double every counter's series; no dashboard here uses them.
@@ -155,18 +187,26 @@ class Service:
         snapshotted = snapshot_backend(settings, self.backend)
         self.snapshot_gate = SnapshotGate() if snapshotted is not None else None
         sink = InstrumentedSink(self.ingestor, self.registry)
-        self.subscriber = Subscriber(
-            sink if self.snapshot_gate is None else self.snapshot_gate.wrap(sink),
-            SubscriberConfig(
+        try:
+            subscriber_config = SubscriberConfig(
                 topic_filter=settings.topic_filter,
                 replay_port=settings.replay_port or None,
                 queue_capacity=settings.stream_queue,
                 default_serving_port=settings.serving_port,
                 default_model=settings.model,
-            ),
+                bind_allow=tuple(settings.bind_allow),
+                max_streams_per_sender=settings.max_streams_per_sender,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.subscriber = Subscriber(
+            sink if self.snapshot_gate is None else self.snapshot_gate.wrap(sink),
+            subscriber_config,
             gate=self.leases or self.snapshot_gate,
             # Discovered pods keep their streams however long they idle.
             pod_known=lambda pod: self.discovery is not None and pod in self.discovery.discovered(),
+            replay_resolver=replays,
+            discovered_pods=known,
         )
         self.snapshotter: Snapshotter | None = None
         if snapshotted is not None and self.snapshot_gate is not None and settings.snapshot:
@@ -180,7 +220,9 @@ class Service:
             )
         self.discovery: KubernetesDiscovery | None = None
         if settings.k8s_namespace:
-            self.discovery = KubernetesDiscovery(self.subscriber, discovery_config(settings))
+            self.discovery = KubernetesDiscovery(
+                self.subscriber, discovery_config(settings), known=known
+            )
             discovered = discovered or self.discovery.discovered
         self.scorer = Scorer(self.backend, self.catalog, tier_weights(models_file))
         self.tokenizers = TokenizerRegistry(tokenizer_dirs(models_file))

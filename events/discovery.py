@@ -54,6 +54,7 @@ from kvindex.events.k8s_pods import (
     PodPlan,
     plan_pod,
 )
+from kvindex.events.known_pods import KnownPods
 from kvindex.events.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class PodRoster:
 
     Not thread-safe for writers: one thread (discovery's applier) calls ``seen``,
     ``gone``, ``listed`` and ``expire``. ``snapshot`` may be called from any thread.
+    ``known`` (optional) is kept equal to the active pods, with their replay-endpoint
+    annotations: bind mode accepts only those pods' streams.
     """
 
     def __init__(
@@ -104,8 +107,10 @@ class PodRoster:
         target: DiscoveryTarget,
         config: DiscoveryConfig,
         clock: Callable[[], float] = time.monotonic,
+        known: KnownPods | None = None,
     ) -> None:
         self._target = target
+        self._known = known
         self._config = config
         self._clock = clock
         self._lock = threading.Lock()
@@ -214,7 +219,8 @@ class PodRoster:
                     "model": plan.model,
                     "data_parallel_size": plan.data_parallel_size,
                     "endpoints": [e.endpoint for e in plan.endpoints],
-                    "replay_endpoints": [e.replay_endpoint for e in plan.endpoints],
+                    "replay_endpoints": [e.replay_endpoint for e in plan.endpoints]
+                    or ([plan.replay_endpoint] if plan.replay_endpoint else []),
                 }
                 if tracked.unready_since is not None:
                     entry["unready_for_s"] = round(now - tracked.unready_since, 3)
@@ -261,6 +267,8 @@ class PodRoster:
             log.error("discovery: subscribing to pod %s failed: %r", plan.pod_id, exc)
             return
         tracked.active = plan
+        if self._known is not None:
+            self._known.learn(plan.pod_id, plan.replay_endpoint)
         log.info(
             "discovery: %s pod %s/%s as %s (%d rank(s))",
             "subscribed to" if plan.endpoints else "tracking",
@@ -276,6 +284,8 @@ class PodRoster:
         active, tracked.active = tracked.active, None
         if active is None:
             return
+        if self._known is not None:
+            self._known.forget(active.pod_id)  # first: its stragglers are refused from now
         try:
             self._target.forget_pod(active.pod_id)
         except Exception as exc:
@@ -493,7 +503,8 @@ class KubernetesDiscovery:
     """Follows labelled vLLM pods and keeps ``target`` subscribed to the ready ones.
 
     ``api_client`` is a ``kubernetes.client.ApiClient``; without one, the in-cluster
-    configuration (or the local kubeconfig) is loaded at :meth:`start`.
+    configuration (or the local kubeconfig) is loaded at :meth:`start`. ``known`` is
+    kept equal to the subscribed pods (see :class:`PodRoster`).
     """
 
     def __init__(
@@ -503,10 +514,11 @@ class KubernetesDiscovery:
         *,
         api_client: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        known: KnownPods | None = None,
     ) -> None:
         self._config = config if config is not None else DiscoveryConfig()
         self._api_client = api_client
-        self._roster = PodRoster(target, self._config, clock)
+        self._roster = PodRoster(target, self._config, clock, known)
         self._clock = clock
         self._queue: queue.Queue[_Observation | None] = queue.Queue()
         self._stopping = threading.Event()

@@ -19,8 +19,9 @@ from typing import Any
 
 import msgspec
 
-from kvindex.events.endpoints import PodEndpoint, tcp_endpoint
+from kvindex.events.endpoints import PodEndpoint, offset_endpoint_port, tcp_endpoint
 from kvindex.events.identity import IdentityError, normalize_pod, pod_host
+from kvindex.events.replay_endpoints import ReplayEndpointError, check_replay_endpoint
 
 #: Pods are skipped when their data-parallel-size annotation is above this: a typo such
 #: as ``80`` instead of ``8`` must not open eighty sockets.
@@ -65,6 +66,10 @@ class DiscoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     serving_port_annotation: str = "kvindex.io/serving-port"
     events_port_annotation: str = "kvindex.io/events-port"
     replay_port_annotation: str = "kvindex.io/replay-port"
+    #: The pod's own replay endpoint for rank 0 (``tcp://HOST:PORT``; host ``*`` means
+    #: the pod's IP, so vLLM's own ``replay_endpoint`` value can be copied); beats the
+    #: port rule, and is the only way bind mode learns a per-pod endpoint from Kubernetes.
+    replay_endpoint_annotation: str = "kvindex.io/replay-endpoint"
     model_annotation: str = "kvindex.io/model"
     data_parallel_annotation: str = "kvindex.io/data-parallel-size"
     serving_port_name: str = "http"
@@ -162,7 +167,8 @@ class PodPlan:
     """How kvindex listens to one pod: its id, model and event endpoints.
 
     ``endpoints`` has one entry per data-parallel rank in connect mode and is empty in
-    bind mode (the pod connects to kvindex).
+    bind mode (the pod connects to kvindex). ``replay_endpoint`` is rank 0's endpoint
+    from the replay-endpoint annotation (None without one), for bind-mode streams.
     """
 
     pod_id: str
@@ -170,13 +176,15 @@ class PodPlan:
     model: str | None
     data_parallel_size: int
     endpoints: tuple[PodEndpoint, ...]
+    replay_endpoint: str | None = None
 
 
 def plan_pod(facts: PodFacts, config: DiscoveryConfig) -> PodPlan:
     """What ``facts`` means for kvindex; raise PodConfigError for unusable annotations.
 
     vLLM gives data-parallel rank r the ports ``events_port + r`` and ``replay_port + r``
-    (0.9 - 0.33), and each rank is its own stream with its own ``rank``.
+    (0.9 - 0.33), and each rank is its own stream with its own ``rank``; a
+    replay-endpoint annotation is rank 0's, offset the same way.
     """
     if not facts.ip:
         raise PodConfigError(f"pod {facts.namespace}/{facts.name} has no IP yet")
@@ -199,21 +207,47 @@ def plan_pod(facts: PodFacts, config: DiscoveryConfig) -> PodPlan:
         pod_id = normalize_pod(facts.ip, serving)
     except IdentityError as exc:
         raise PodConfigError(f"pod {facts.namespace}/{facts.name}: {exc}") from None
+    own_replay = _replay_endpoint(facts, config.replay_endpoint_annotation, pod_id)
     endpoints: tuple[PodEndpoint, ...] = ()
     if config.mode is DiscoveryMode.CONNECT:
-        _check_rank_ports(facts, events, replay, ranks)
+        _check_rank_ports(facts, events, 0 if own_replay else replay, ranks)
         host = pod_host(pod_id)
         endpoints = tuple(
             PodEndpoint(
                 tcp_endpoint(host, events + rank),
                 pod=pod_id,
                 model=model,
-                replay_endpoint=tcp_endpoint(host, replay + rank) if replay else None,
+                replay_endpoint=_rank_replay(own_replay, host, replay, rank),
                 rank=rank,
             )
             for rank in range(ranks)
         )
-    return PodPlan(pod_id, facts.uid, model, ranks, endpoints)
+    return PodPlan(pod_id, facts.uid, model, ranks, endpoints, own_replay)
+
+
+def _rank_replay(own: str | None, host: str, port: int, rank: int) -> str | None:
+    """Rank ``rank``'s replay endpoint: the annotation's, else the port rule's, else none."""
+    if own:
+        return offset_endpoint_port(own, rank)
+    return tcp_endpoint(host, port + rank) if port else None
+
+
+def _replay_endpoint(facts: PodFacts, annotation: str, pod_id: str) -> str | None:
+    """The pod's replay-endpoint annotation, ``*`` or ``0.0.0.0`` read as its own IP."""
+    raw = facts.annotations.get(annotation)
+    if raw is None:
+        return None
+    text = raw.strip()
+    scheme, sep, rest = text.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if sep and colon and host in ("*", "0.0.0.0", "[::]"):
+        text = f"{scheme}://{pod_host(pod_id)}:{port}"
+    try:
+        return check_replay_endpoint(text)
+    except ReplayEndpointError as exc:
+        raise PodConfigError(
+            f"pod {facts.namespace}/{facts.name}: annotation {annotation}={raw!r}: {exc}"
+        ) from None
 
 
 def _check_rank_ports(facts: PodFacts, events: int, replay: int, ranks: int) -> None:

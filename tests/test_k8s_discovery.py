@@ -26,6 +26,7 @@ from kvindex.events.k8s_pods import (
     PodFacts,
     plan_pod,
 )
+from kvindex.events.known_pods import KnownPods
 from kvindex.events.testing import RecordingSink
 from tests.k8s_fake_api import FakeKubeAPI, make_pod
 
@@ -114,13 +115,16 @@ def start(api: FakeKubeAPI, target: RecordingTarget) -> Iterator[Callable[..., A
     """Start a discovery against ``api``; it is stopped (and checked to stop) after."""
     started: list[KubernetesDiscovery] = []
 
-    def make(driven: Any = None, **config: Any) -> KubernetesDiscovery:
+    def make(
+        driven: Any = None, known: KnownPods | None = None, **config: Any
+    ) -> KubernetesDiscovery:
         configuration = kubernetes.client.Configuration()
         configuration.host = api.url
         discovery = KubernetesDiscovery(
             driven or target,
             DiscoveryConfig(**{"namespaces": (NS,), "grace_s": 60.0, **FAST, **config}),
             api_client=kubernetes.client.ApiClient(configuration),
+            known=known,
         )
         discovery.start()
         started.append(discovery)
@@ -345,6 +349,46 @@ def test_bind_mode_names_and_forgets_without_connecting(api, target, start) -> N
     api.delete_pod(NS, "vllm-0")
     target.wait(lambda: target.count("forget", "127.0.0.2:8000") == 1, "forget")
     assert target.count("connect") == 0
+
+
+def test_discovered_pods_and_their_replay_annotation_reach_bind_mode(api, target, start) -> None:
+    """What bind mode's door and replay endpoints read: pods in, their annotation, pods out."""
+    known = KnownPods()
+    annotated = {"kvindex.io/model": "acme/chat", "kvindex.io/replay-endpoint": "tcp://*:6000"}
+    api.put_pod(vllm_pod("vllm-0", "127.0.0.2", annotations=annotated))
+    api.put_pod(vllm_pod("vllm-1", "127.0.0.3"))
+    api.put_pod(vllm_pod("vllm-2", "127.0.0.4", ready=False))
+    discovery = start(mode=DiscoveryMode.BIND, known=known)
+    eventually(lambda: len(known) == 2, "two ready pods known")
+    assert "127.0.0.4:8000" not in known  # not ready: not yet a pod to accept
+    assert known.replay_endpoint("127.0.0.2:8000") == "tcp://127.0.0.2:6000"
+    assert known.replay_endpoint("127.0.0.3:8000") is None
+    assert discovery.discovered()["127.0.0.2:8000"]["replay_endpoints"] == ["tcp://127.0.0.2:6000"]
+    api.delete_pod(NS, "vllm-0")
+    eventually(lambda: "127.0.0.2:8000" not in known, "the deleted pod forgotten")
+    assert "127.0.0.3:8000" in known
+
+
+def test_replay_endpoint_annotation_beats_the_port_rule() -> None:
+    annotation = "kvindex.io/replay-endpoint"
+    plan = plan_pod(
+        facts(
+            annotations={annotation: "tcp://10.1.2.3:7000", "kvindex.io/data-parallel-size": "2"}
+        ),
+        DiscoveryConfig(),
+    )
+    assert [e.replay_endpoint for e in plan.endpoints] == [
+        "tcp://10.1.2.3:7000", "tcp://10.1.2.3:7001",
+    ]  # fmt: skip
+    assert plan.replay_endpoint == "tcp://10.1.2.3:7000"
+    bind = plan_pod(
+        facts(annotations={annotation: "tcp://*:7000"}), DiscoveryConfig(mode=DiscoveryMode.BIND)
+    )
+    assert bind.endpoints == () and bind.replay_endpoint == "tcp://10.1.2.3:7000"
+    assert plan_pod(facts(), DiscoveryConfig()).replay_endpoint is None
+    for bad in ("7000", "tcp://10.1.2.3", "ipc:///tmp/r", "tcp://h:99999"):
+        with pytest.raises(PodConfigError, match=annotation):
+            plan_pod(facts(annotations={annotation: bad}), DiscoveryConfig())
 
 
 def test_several_namespaces(api, target, start) -> None:

@@ -110,7 +110,10 @@ class Door:
         self.ctx = ctx
         self.sink = RecordingSink()
         self.sub = Subscriber(
-            self.sink, SubscriberConfig(replay_timeout_s=5.0, **config), context=ctx, known=known
+            self.sink,
+            SubscriberConfig(replay_timeout_s=5.0, **config),
+            context=ctx,
+            discovered_pods=known,
         )
         self.endpoint = self.sub.bind("tcp://127.0.0.1:0")
         self.sub.start()

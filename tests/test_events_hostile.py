@@ -365,7 +365,12 @@ def test_history_past_the_replay_buffer_is_incomplete(ctx, sink, make_sub) -> No
 
 
 def test_a_flood_of_fake_pods_does_not_lock_out_a_real_one(ctx, sink, make_sub) -> None:
-    sub = make_sub(max_streams=4, stream_evict_idle_s=0.5, default_serving_port=8000)
+    # The table, not bind mode's door, is under test: pods in 10/8 may send from loopback,
+    # with no per-sender stream cap (the flood and the real pod share 127.0.0.1).
+    sub = make_sub(
+        max_streams=4, stream_evict_idle_s=0.5, default_serving_port=8000,
+        bind_allow=("10.0.0.0/8",), max_streams_per_sender=1_000_000,
+    )  # fmt: skip
     endpoint = sub.bind(LOOPBACK)
     sub.start()
     real_pod = "10.0.0.7:8000"
@@ -410,7 +415,7 @@ def test_a_flood_of_fake_pods_does_not_lock_out_a_real_one(ctx, sink, make_sub) 
 
 
 def test_idle_unpinned_streams_are_evicted_pinned_ones_stay(ctx, sink, make_sub) -> None:
-    sub = make_sub(stream_idle_s=0.3, default_serving_port=8000)
+    sub = make_sub(stream_idle_s=0.3, default_serving_port=8000, bind_allow=("10.0.0.0/8",))
     endpoint = sub.bind(LOOPBACK)
     sub.start()
     with (
@@ -457,7 +462,10 @@ def test_a_resubscribed_pod_is_verified_before_it_reads_live(ctx, sink, make_sub
 
 def test_a_pod_discovered_after_its_stream_opened_keeps_it(ctx, sink) -> None:
     discovered: set[str] = set()
-    config = SubscriberConfig(**{**FAST, "stream_idle_s": 0.3, "default_serving_port": 8000})
+    config = SubscriberConfig(
+        **{**FAST, "stream_idle_s": 0.3, "default_serving_port": 8000},
+        bind_allow=("10.0.0.0/8",),  # pods in 10/8 may send from loopback
+    )
     sub = Subscriber(sink, config, pod_known=lambda pod: pod in discovered)
     endpoint = sub.bind(LOOPBACK)
     sub.start()

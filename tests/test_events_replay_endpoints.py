@@ -98,7 +98,7 @@ def test_two_engines_on_one_host_never_replay_each_others_batches() -> None:
         sink,
         SubscriberConfig(replay_timeout_s=5.0),
         context=ctx,
-        replay_endpoints=ReplayEndpoints(known=learned),
+        replay_resolver=ReplayEndpoints(known=learned),
     )
     try:
         endpoint = sub.bind("tcp://127.0.0.1:0")

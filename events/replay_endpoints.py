@@ -16,7 +16,9 @@ A per-pod endpoint is rank 0's: data-parallel rank ``r`` of that pod is asked at
 same host and ``RPORT + r``, because vLLM (0.9-0.33, ``ZmqEventPublisher.__init__`` ->
 ``offset_endpoint_port``) offsets both the events and the replay port by the rank.
 
-In connect mode the endpoint belongs to the connect target instead
+:class:`ReplayEndpoints` is that rule as one object, handed to the
+:class:`~kvindex.events.subscriber.Subscriber` as its ``replay_resolver`` (applied to
+bind-mode streams). In connect mode the endpoint belongs to the connect target instead
 (``--zmq-connect 'tcp://HOST:PORT;replay=tcp://HOST:RPORT'``, or the pod's rule above);
 this module only gives the syntax its one parser.
 """

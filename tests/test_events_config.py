@@ -31,6 +31,8 @@ def test_config_defaults_and_decoding() -> None:
         {"batches_per_turn": -1},
         {"replay_port": 70000},
         {"forget_quiet_s": -1},
+        {"stream_idle_s": 0},
+        {"stream_evict_idle_s": -1},
     ],
 )
 def test_config_rejects_nonsense(bad: dict) -> None:
@@ -52,4 +54,3 @@ def test_rate_limited_log(caplog: pytest.LogCaptureFixture) -> None:
         "another kind",
         "bad topic y (4 similar messages suppressed)",
     ]
-

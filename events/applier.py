@@ -241,8 +241,16 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
         if newest.topic is not None:
             stream.topic = newest.topic
         stream.replay_endpoint = self._replay_endpoint(stream.sid, newest)
+        silence_s = self._config.verify_after_silence_s
         for i, (arrival, observed) in enumerate(work):
             seq = arrival.seq
+            if not observed:
+                # A long silence may hide a restart (and a disconnect): the engine could
+                # be a new incarnation that happens to continue the old seqs. Prove it.
+                last = stream.last_live_at
+                if last is not None and arrival.received_at - last >= silence_s:
+                    stream.recovery.unverified = True
+                stream.last_live_at = arrival.received_at
             verdict = tracker.position(seq) if observed else tracker.live(seq)
             if verdict.action is Action.RESTART:
                 # Batches of the old engine first, then the reset, then the new engine.

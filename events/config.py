@@ -51,6 +51,10 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     #: How long a stream must have been silent before a new one may push it out of a
     #: full table.
     stream_evict_idle_s: float = 10.0
+    #: A stream silent this long has its position verified (a replay of the last
+    #: applied seq, whose digest must match) before its next batch applies: a restart
+    #: during the silence may have left seqs that happen to continue the old ones.
+    verify_after_silence_s: float = 10.0
     #: First and longest wait before retrying a stream whose sink delivery failed.
     retry_initial_s: float = 0.5
     retry_max_s: float = 10.0
@@ -78,6 +82,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             "receive_hwm": self.receive_hwm,
             "max_streams": self.max_streams,
             "stream_idle_s": self.stream_idle_s,
+            "verify_after_silence_s": self.verify_after_silence_s,
             "retry_initial_s": self.retry_initial_s,
             "retry_max_s": self.retry_max_s,
             "max_streams_per_sender": self.max_streams_per_sender,

@@ -19,7 +19,8 @@ class StreamStatus:
     * ``"live"``: in sequence, and its position proven to belong to the engine now
       publishing: the index holds exactly what the engine reported;
     * ``"verifying"``: the position is being checked against the engine (a replay of the
-      last applied seq, whose digest must match) after a gap, a reconnect or a takeover;
+      last applied seq, whose digest must match) after a gap, a reconnect, a silence
+      or a takeover;
     * ``"replaying"``: fetching missed batches, or catching up on first contact;
     * ``"resync"``: waiting to retry after the sink failed (or the gate cannot tell who
       owns the stream);

@@ -130,6 +130,8 @@ class Stream:
     first_seq: int | None = None
     last_seq: int = -1
     last_batch_ts: float | None = None
+    #: When the last live message the applier took was received (silence detection).
+    last_live_at: float | None = None
     created_at: float = 0.0
     delivered: int = 0
     duplicates: int = 0

@@ -484,3 +484,70 @@ def test_a_pod_discovered_after_its_stream_opened_keeps_it(ctx, sink) -> None:
         assert [s.pod for s in sub.streams()] == ["10.0.0.1:8000"]
     finally:
         sub.stop()
+
+
+class SteppedClock:
+    """time.time, plus an offset the test moves forward (a silence without sleeping)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+
+def test_a_silent_stream_is_verified_before_it_reads_live(ctx, sink) -> None:
+    clock = SteppedClock()
+    sub = Subscriber(sink, SubscriberConfig(**FAST), clock=clock)
+    sub.start()
+    try:
+        with EnginePublisher(LOOPBACK, bind=True, replay_endpoint=LOOPBACK, context=ctx) as pub:
+            sub.connect(
+                PodEndpoint(pub.endpoint, pod=POD, model="m", replay_endpoint=pub.replay_endpoint)
+            )
+            assert pub.wait_for_subscribers(1)
+            for n in range(3):
+                pub.publish(stored(n))
+            assert sink.wait_for_count(3)
+            # A minute of silence, during which the engine restarted and its first three
+            # batches never reached kvindex: seq 3 continues the old numbering exactly.
+            pub.restart()
+            for n in range(3):
+                pub.publish(stored(100 + n), send=False)
+            clock.offset += 60.0
+            pub.publish(stored(103))
+            assert sink.wait_for_count(7), sink.seqs()
+            pub.publish(stored(104))  # no silence: applied as it comes
+            assert sink.wait_for_count(8)
+        kinds = [(kind, getattr(item, "seq", None)) for kind, item in sink.log]
+        assert kinds == [
+            ("deliver", 0), ("deliver", 1), ("deliver", 2), ("reset", None),
+            *[("deliver", n) for n in range(5)],
+        ]  # fmt: skip
+        assert hashes(sink)[3:] == [100, 101, 102, 103, 104]
+        assert stream_of(sub).state == "live" and stream_of(sub).replays_ok == 2
+    finally:
+        sub.stop()
+
+
+def test_a_silence_that_hid_nothing_costs_one_verification(ctx, sink) -> None:
+    clock = SteppedClock()
+    sub = Subscriber(sink, SubscriberConfig(**FAST), clock=clock)
+    sub.start()
+    try:
+        with EnginePublisher(LOOPBACK, bind=True, replay_endpoint=LOOPBACK, context=ctx) as pub:
+            sub.connect(
+                PodEndpoint(pub.endpoint, pod=POD, model="m", replay_endpoint=pub.replay_endpoint)
+            )
+            assert pub.wait_for_subscribers(1)
+            pub.publish(stored(0))
+            assert sink.wait_for_count(1)
+            clock.offset += 60.0
+            pub.publish(stored(1))
+            pub.publish(stored(2))
+            assert sink.wait_for_count(3)
+        assert sink.seqs() == [0, 1, 2] and sink.resets == []
+        status = stream_of(sub)
+        assert (status.state, status.replays_ok, status.restarts) == ("live", 1, 0)
+    finally:
+        sub.stop()

@@ -156,7 +156,10 @@ class ReplayRecovery:
             check.anchor is AnchorCheck.ABSENT
             and result.complete
             and not tainted
-            and job.kind is not JobKind.RESUME
+            # A resumed position the buffer has moved past is only unverifiable; a
+            # clean reply with nothing at or after it means the engine's newest seq is
+            # below it: the incarnation that published it is gone.
+            and (job.kind is not JobKind.RESUME or not check.batches)
         ):
             self._unseen_restart(stream, job, check)
             return
@@ -219,7 +222,7 @@ class ReplayRecovery:
         )
         stream.held.extend(held)
         if not held and self._ensure_reset(stream) and self._can_replay(stream):
-            self._start_replay(stream, 0, job.need_until, JobKind.CATCH_UP)
+            self._start_replay(stream, 0, job.need_until, JobKind.RESTARTED)
         self._refresh_ready(stream)
 
     def _apply_replayed(
@@ -231,7 +234,7 @@ class ReplayRecovery:
         received_at: float,
     ) -> None:
         tracker = stream.tracker
-        incomplete = job.kind in (JobKind.CATCH_UP, JobKind.RESUME)
+        incomplete = job.kind in (JobKind.CATCH_UP, JobKind.RESUME, JobKind.RESTARTED)
         pending: list[Delivery] = []
         for seq, payload in check.batches:
             verdict = tracker.position(seq)
@@ -254,7 +257,11 @@ class ReplayRecovery:
         if not self._flush(stream, pending):
             return
         expected = tracker.expected
-        if job.kind is not JobKind.VERIFY and (expected is None or expected <= job.need_until):
+        if job.kind is JobKind.RESTARTED:
+            clean = result.complete and not (check.rejected or result.bad_replies or check.foreign)
+            if not clean and expected is None:  # nothing known of the new engine's history
+                self._incomplete(stream, job.need_until, f"replay {result.reason}")
+        elif job.kind is not JobKind.VERIFY and (expected is None or expected <= job.need_until):
             why = f"replay {'foreign' if check.foreign else result.reason}"
             first = expected if expected is not None else 0
             if incomplete and not (job.kind is JobKind.RESUME and expected is not None):

@@ -40,6 +40,10 @@ class JobKind(enum.Enum):
     #: A new owner resumes after the position the gate stored (a takeover, a restored
     #: snapshot): unverifiable or unfillable means ``incomplete``, not a restart.
     RESUME = "resume"
+    #: A replay found the engine restarted and no live batch of the new one waits:
+    #: fetch whatever it buffers; nothing in particular is owed, but history before its
+    #: buffer (or a fetch that failed) is ``incomplete``.
+    RESTARTED = "restarted"
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -213,3 +213,14 @@ def test_takeover_the_engine_can_no_longer_verify_is_incomplete(ctx) -> None:
         assert wait_until(lambda: state(sub)["state"] == "incomplete")
     sub.stop()
     assert sink.resets == []  # the entries are kept: not known wrong, only incomplete
+
+
+def test_takeover_past_everything_the_engine_has_resets(setup) -> None:
+    sub, sink, gate, pub = setup(NOT_OWNED)
+    publish_payloads(pub, 3)
+    assert wait_until(lambda: state(sub).get("not_owner") == 3)
+    # The stored position is beyond the engine's newest seq: it restarted since.
+    gate.set(resume(1, 10, payload_digest(b"batch 10 of the previous engine")))
+    assert sink.wait_for(lambda s: s.seqs() == [0, 1, 2]), sink.seqs()
+    assert sink.log[0][0] == "reset" and sink.resets[0].reason == "engine_restart"
+    assert wait_until(lambda: state(sub)["state"] == "live")

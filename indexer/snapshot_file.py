@@ -65,7 +65,7 @@ def write_snapshot(path: str | Path, tree: dict[str, Any]) -> int:
             for chunk in (MAGIC, _HEAD.pack(VERSION.to_bytes(4, "big"), len(meta)), meta):
                 size += _write(out, hasher, chunk)
             for array in arrays:
-                size += _write(out, hasher, memoryview(array).cast("B"))
+                size += _write(out, hasher, _bytes_of(array))
             size += _write(out, None, hasher.digest())
             out.flush()
             os.fsync(out.fileno())
@@ -125,7 +125,7 @@ def _read(handle: BinaryIO, path: Path, size: int) -> dict[str, Any]:
         if nbytes > left:
             raise SnapshotError("truncated", f"{path} is shorter than its arrays")
         array = np.empty(shape, dtype)
-        view = memoryview(array).cast("B")
+        view = _bytes_of(array)
         if handle.readinto(view) != nbytes:
             raise SnapshotError("truncated", f"{path} ends inside an array")
         hasher.update(view)
@@ -139,6 +139,12 @@ def _read(handle: BinaryIO, path: Path, size: int) -> dict[str, Any]:
         return _unflatten(tree, arrays)
     except (IndexError, KeyError, TypeError) as exc:
         raise SnapshotError("corrupt", f"{path}: inconsistent snapshot tree ({exc})") from None
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's buffer as bytes (flattened first: memoryview cannot cast a
+    multi-dimensional view with a zero in its shape)."""
+    return memoryview(array.reshape(-1)).cast("B")
 
 
 def _read_exact(handle: BinaryIO, hasher: Any, n: int, path: Path) -> bytes:
@@ -171,7 +177,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def _flatten(node: Any, arrays: list[np.ndarray]) -> Any:
     if isinstance(node, np.ndarray):
-        arrays.append(np.ascontiguousarray(node))
+        arrays.append(node if node.flags.c_contiguous else np.ascontiguousarray(node))
         return {_ARRAY: len(arrays) - 1}
     if isinstance(node, dict):
         return {str(k): _flatten(v, arrays) for k, v in node.items()}

@@ -36,6 +36,7 @@ def test_file_round_trip_keeps_arrays_and_scalars(tmp_path: Path) -> None:
     tree = {
         "keys": np.arange(1000, dtype=np.uint64) * np.uint64(2**54),
         "nested": [None, {"masks": np.ones((7, 3), np.uint64), "empty": np.zeros(0, np.uint32)}],
+        "shapes": [np.zeros((0, 3), np.int64), np.array(5, np.int64), np.ones((2, 0), np.uint8)],
         "scalars": {"big": 2**64 - 1, "text": "pod/dp1", "raw": b"\x00\xff", "flag": True},
     }
     path = tmp_path / "index.snap"
@@ -46,6 +47,10 @@ def test_file_round_trip_keeps_arrays_and_scalars(tmp_path: Path) -> None:
     assert np.array_equal(back["nested"][1]["masks"], tree["nested"][1]["masks"])
     assert back["nested"][1]["empty"].size == 0 and back["nested"][0] is None
     assert back["scalars"] == tree["scalars"]
+    assert [(a.shape, a.dtype) for a in back["shapes"]] == [
+        (a.shape, a.dtype) for a in tree["shapes"]
+    ]
+    assert int(back["shapes"][1]) == 5
     assert back["keys"].flags.writeable  # the index goes on changing restored arrays
     assert [p.name for p in tmp_path.iterdir()] == ["index.snap"]  # no temporary left
     assert oct(path.stat().st_mode & 0o777) == "0o600"

@@ -99,6 +99,8 @@ def _filled_backend(capacity: int | None = None) -> MemoryBackend:
         [
             Change(Op.STORE, "10.0.0.1:8000", "m", Tier.CPU, [0, 1, 2]),  # key 0: its own slot
             Change(Op.STORE, "10.0.0.2:8000/dp1", "other", Tier.STORAGE, [5, 6]),
+            Change(Op.STORE, "10.0.0.6:8000", "m", Tier.GPU, [7, 8, 9]),  # held twice over
+            Change(Op.STORE, "10.0.0.6:8000", "m", Tier.GPU, [7, 8]),
             Change(Op.CLEAR, "10.0.0.3:8000", "m", None),  # a freed member id
             Change(Op.REMOVE, "10.0.0.4:8000", "m", Tier.GPU, backend.member_keys(
                 "10.0.0.4:8000", "m")[:100]),
@@ -131,6 +133,7 @@ def test_backend_state_round_trip_gives_the_same_index_that_keeps_working() -> N
     more = [
         Change(Op.STORE, "new:8000", "m", Tier.GPU, list(range(1, 5000))),
         Change(Op.REMOVE, "10.0.0.5:8000", "m", Tier.GPU, gone),
+        Change(Op.REMOVE, "10.0.0.6:8000", "m", Tier.GPU, [7, 8, 9]),  # one removal each
     ]
     original.apply(more)
     restored.apply(more)
@@ -158,24 +161,34 @@ def test_a_state_that_does_not_fit_is_refused_and_leaves_the_index_alone() -> No
     assert backend.member_keys("keep:8000", "m") == [1, 2, 3]
 
 
-def test_ingestor_state_keeps_the_token_key_map() -> None:
+def test_ingestor_state_keeps_what_shapes_future_events() -> None:
+    """Token-key mode: removals carry only engine hashes, so the engine-hash -> own-key
+    map (and whatever it counts) must survive; the same future events must then give
+    the same index as in the process that never restarted."""
     catalog = ModelCatalog(ModelKeying(key_mode=KeyMode.TOKENS))
     backend = MemoryBackend()
     ingestor = Ingestor(backend, catalog)
     stream = StreamId(POD)
     tokens = list(range(64))
-    batch = EventBatch(0.0, [BlockStored([11, 12, 13, 14], None, tokens, 16)])
-    ingestor.deliver([Delivery(stream, "m", 0, batch, 0.0)])
+    past = [
+        BlockStored([11, 12, 13, 14], None, tokens, 16),
+        BlockStored([11, 12, 13, 14], None, tokens, 16),  # the same blocks again
+        BlockStored([21, 22], None, list(range(100, 132)), 16, medium="CPU"),
+    ]
+    for seq, event in enumerate(past):
+        ingestor.deliver([Delivery(stream, "m", seq, EventBatch(0.0, [event]), 0.0)])
     restored_backend = MemoryBackend()
     restored_backend.from_state(backend.to_state())
     restored = Ingestor(restored_backend, catalog)
     restored.from_state(ingestor.to_state())
-    # A removal by engine hash needs the engine-hash -> own-key map the stores built.
     from kvindex.events.wire import BlockRemoved
 
-    removal = EventBatch(0.0, [BlockRemoved([13, 14])])
-    restored.deliver([Delivery(stream, "m", 1, removal, 0.0)])
-    assert len(restored_backend.member_keys(POD, "m")) == 2
+    future = [BlockRemoved([13, 14]), BlockRemoved([21], medium="CPU"), BlockRemoved([12])]
+    for seq, event in enumerate(future, len(past)):
+        for sink in (ingestor, restored):
+            sink.deliver([Delivery(stream, "m", seq, EventBatch(0.0, [event]), 0.0)])
+    assert _contents(restored_backend) == _contents(backend)
+    assert _contents(backend)  # something is left to compare
 
 
 def test_copies_survive_a_round_trip_in_the_index_and_the_token_key_map() -> None:

@@ -44,7 +44,7 @@ def offset_endpoint_port(endpoint: str, rank: int) -> str:
         return f"{endpoint}_dp{rank}"
     if scheme == "tcp":
         host, sep, port = rest.rpartition(":")
-        if not sep or not port.isdigit():
+        if not sep or not (port.isascii() and port.isdigit()):
             raise ValueError(f"endpoint {endpoint!r} has no numeric port to offset")
         if int(port) == 0:
             return endpoint

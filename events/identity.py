@@ -12,12 +12,14 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from kvindex.events.errors import ClientError
+
 #: Topic convention for bind mode, where the topic is the only sender identity:
 #: ``kv@<pod>@<model>``. The model may itself contain ``@``; the pod may not.
 TOPIC_PREFIX = "kv@"
 
 
-class IdentityError(ValueError):
+class IdentityError(ClientError):
     """A pod address or topic that cannot name a pod."""
 
 
@@ -74,8 +76,10 @@ def _split_host_port(text: str) -> tuple[str, int | None]:
 
 
 def _parse_port(port: str, text: str) -> int:
-    if not port.isdigit():
-        raise IdentityError(f"port {port!r} in {text!r} is not a number")
+    # isdigit() alone admits '²' (int() then raises) and Arabic-Indic digits (int()
+    # accepts them): a port is ASCII digits only.
+    if not (port.isascii() and port.isdigit()):
+        raise IdentityError(f"port {port!r} in {text!r} is not a number (ASCII digits 0-9)")
     return int(port)
 
 

@@ -279,7 +279,7 @@ def _port(
         return facts.ports.get(port_name, default)
     text = raw.strip()
     low = 0 if allow_zero else 1
-    if not text.isdigit() or not low <= int(text) < 65536:
+    if not (text.isascii() and text.isdigit()) or not low <= int(text) < 65536:
         raise PodConfigError(
             f"pod {facts.namespace}/{facts.name}: annotation {annotation}={raw!r} is not a "
             f"port ({low}..65535)"
@@ -292,7 +292,7 @@ def _data_parallel_size(facts: PodFacts, annotation: str) -> int:
     if raw is None:
         return 1
     text = raw.strip()
-    if not text.isdigit() or not 1 <= int(text) <= _MAX_DP_SIZE:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= _MAX_DP_SIZE:
         raise PodConfigError(
             f"pod {facts.namespace}/{facts.name}: annotation {annotation}={raw!r} must be a "
             f"data-parallel size 1..{_MAX_DP_SIZE}"

@@ -13,6 +13,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvindex.events.errors import Unavailable
+
 
 class Tier(enum.IntEnum):
     """Where a member holds a block. Lower is better: a block held in several tiers by
@@ -114,8 +116,10 @@ class BackendError(RuntimeError):
     """Base class for backend failures."""
 
 
-class BackendUnavailable(BackendError):
+class BackendUnavailable(BackendError, Unavailable):
     """The backend cannot be reached (Redis down); callers answer 503 and retry later."""
+
+    code = "backend_unavailable"
 
 
 class IndexBackend(Protocol):

@@ -37,6 +37,8 @@ from typing import Any
 import cbor2
 import xxhash
 
+from kvindex.events.errors import ClientError
+
 _U64_MASK = 2**64 - 1
 
 #: The seed vLLM >= 0.29 derives NONE_HASH from for sha256 variants when PYTHONHASHSEED
@@ -85,7 +87,7 @@ _DIGESTS: dict[HashAlgo, tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]
 }
 
 
-class KeyConfigError(ValueError):
+class KeyConfigError(ClientError):
     """A hash configuration that cannot reproduce any engine's keys."""
 
 

@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvindex.events.errors import ClientError
 from kvindex.indexer.keys import NO_EXTRAS, BlockExtras
 
 _ROOT = b"kvindex-content-root"
 
 
-class TokenRangeError(ValueError):
+class TokenRangeError(ClientError):
     """A token id outside 0..2^32-1 (no vocabulary is that large)."""
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvindex.events.errors import Unavailable
 from kvindex.scoring.chat_template import (
     ChatTemplateError,
     ContentFormat,
@@ -31,8 +32,10 @@ from kvindex.scoring.chat_template import (
 from kvindex.scoring.conversation import conversation, detect_content_format, vllm_tools
 
 
-class TokenizerUnavailable(LookupError):
+class TokenizerUnavailable(Unavailable, LookupError):
     """No tokenizer can be loaded for a model; the message says what to set."""
+
+    code = "tokenizer_unavailable"
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,8 @@
 
 Bodies are decoded and encoded with msgspec rather than FastAPI's pydantic models: an
 8,192-token ``token_ids`` list validates in microseconds instead of a millisecond, and
-the OpenAPI schema is generated from the same msgspec types. Only this module turns
-errors into HTTP status codes.
+the OpenAPI schema is generated from the same msgspec types. Routes raise kvindex's own
+errors; ``api/errors.py`` turns them into status codes, in one handler.
 """
 
 from __future__ import annotations
@@ -15,10 +15,18 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvindex.api.docs import mount_offline_docs
+from kvindex.api.errors import (
+    JSON,
+    drop_validation_errors,
+    error_responses,
+    install_error_handlers,
+)
+from kvindex.api.limits import RequestLimits
 from kvindex.api.schemas import (
     ErrorBody,
     PurgeResponse,
@@ -26,32 +34,33 @@ from kvindex.api.schemas import (
     ScoreResponse,
     openapi_schema,
 )
-from kvindex.events.identity import IdentityError, normalize_pod
-from kvindex.indexer.backend import BackendUnavailable, Tier
-from kvindex.indexer.keys import KeyConfigError
-from kvindex.indexer.token_keys import TokenRangeError
-from kvindex.scoring.tokenize import ChatOptions, TokenizerUnavailable
+from kvindex.api.version import VERSION
+from kvindex.events.errors import (
+    ClientError,
+    Forbidden,
+    KvindexError,
+    NotFound,
+    TooLarge,
+    Unauthorized,
+    UnsupportedMediaType,
+)
+from kvindex.events.identity import normalize_pod
+from kvindex.indexer.backend import Tier
+from kvindex.scoring.tokenize import ChatOptions
 
 if TYPE_CHECKING:
     from kvindex.api.service import Service
 
-_JSON = "application/json"
 _encoder = msgspec.json.Encoder()
 _score_decoder = msgspec.json.Decoder(ScoreRequest)
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, code: str, detail: str) -> None:
-        super().__init__(detail)
-        self.status, self.code, self.detail = status, code, detail
+# Chat messages are a few levels deep (content parts, tool calls); a deeper body is an
+# attack on the decoder or the template, not a prompt.
+MAX_MESSAGE_DEPTH = 32
+MAX_BLOCKS_LIMIT = 1_000_000
 
 
 def _json(body: Any, status: int = 200) -> Response:
-    return Response(_encoder.encode(body), status_code=status, media_type=_JSON)
-
-
-def _error(status: int, code: str, detail: str) -> Response:
-    return _json(ErrorBody(code, detail), status)
+    return Response(_encoder.encode(body), status_code=status, media_type=JSON)
 
 
 def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
@@ -74,71 +83,60 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
     app = FastAPI(
         title="kvindex",
         summary="Which vLLM pod already holds the KV cache of this prompt?",
-        version="0.1.0",
+        version=VERSION,
         lifespan=lifespan,
+        docs_url=None,  # served from the installed swagger-ui-bundle, never a CDN
+        redoc_url=None,
     )
+    mount_offline_docs(app)
     (request_schema, response_schema, error_schema, purge_schema), components = openapi_schema(
         ScoreRequest, ScoreResponse, ErrorBody, PurgeResponse
     )
-    error_responses = {
-        str(code): {"description": text, "content": {_JSON: {"schema": error_schema}}}
-        for code, text in (
-            (400, "Invalid request (validation, size limits, unknown LoRA)"),
-            (404, "Unknown model"),
-            (503, "Index backend or tokenizer unavailable; fall back to default balancing"),
-        )
-    }
     limits = service.settings
+    admin_token = service.admin_token
+    everywhere = (429,)  # --max-in-flight applies to every route but the probes
 
-    @app.exception_handler(HttpError)
-    async def _http_error(_: Request, exc: HttpError) -> Response:
-        return _error(exc.status, exc.code, exc.detail)
+    def errors(*statuses: int) -> dict[str, Any]:
+        return error_responses(error_schema, *statuses, *everywhere)
 
-    @app.exception_handler(BackendUnavailable)
-    async def _backend_down(_: Request, exc: BackendUnavailable) -> Response:
-        return _error(503, "backend_unavailable", f"index backend unavailable: {exc}")
+    def refused(request: Request, code: str) -> None:
+        service.metrics.refused(request.url.path == "/score", code)
+
+    install_error_handlers(app, refused)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=limits.max_body_bytes,
+        body_timeout_s=limits.body_timeout,
+        max_in_flight=limits.max_in_flight,
+        on_refusal=lambda code: service.metrics.refused(False, code),
+    )
 
     @app.post(
         "/score",
         summary="Score a prompt: each pod's longest cached prefix, best first",
+        description="A 404 `unknown_model` right after a deploy means no pod has published "
+        "events for the model yet: fall back to default balancing, as for a 503.",
         openapi_extra={
-            "requestBody": {"required": True, "content": {_JSON: {"schema": request_schema}}},
+            "requestBody": {"required": True, "content": {JSON: {"schema": request_schema}}},
             "responses": {
-                "200": {"description": "Scores", "content": {_JSON: {"schema": response_schema}}},
-                **error_responses,
+                "200": {"description": "Scores", "content": {JSON: {"schema": response_schema}}},
+                **errors(400, 404, 408, 413, 415, 503),
             },
         },
     )
     async def score(request: Request) -> Response:
         started = time.perf_counter()
-        body = await request.body()
-        try:
-            req = _score_decoder.decode(body)
-        except msgspec.ValidationError as exc:
-            service.metrics.score_rejected("invalid_request")
-            raise HttpError(400, "invalid_request", str(exc)) from None
-        except msgspec.DecodeError as exc:
-            service.metrics.score_rejected("invalid_json")
-            raise HttpError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
-        try:
-            tokens = _tokens_of(service, req, limits.max_prompt_tokens, limits.max_prompt_chars)
-            candidates = _candidates(req.pods, limits.serving_port)
-            result = service.scorer.score(
-                req.model,
-                tokens,
-                lora_name=req.lora_name,
-                cache_salt=req.cache_salt,
-                candidates=candidates,
-            )
-        except HttpError as exc:
-            service.metrics.score_rejected(exc.code)
-            raise
-        except (KeyConfigError, TokenRangeError) as exc:
-            service.metrics.score_rejected("invalid_request")
-            raise HttpError(400, "invalid_request", str(exc)) from None
-        except BackendUnavailable:
-            service.metrics.score_rejected("backend_unavailable")
-            raise
+        _require_json(request)
+        req = _decode_score(await request.body())
+        tokens = _tokens_of(service, req, limits.max_prompt_tokens, limits.max_prompt_chars)
+        candidates = _candidates(req.pods, limits.serving_port, limits.max_pods)
+        result = service.scorer.score(
+            req.model,
+            tokens,
+            lora_name=req.lora_name,
+            cache_salt=req.cache_salt,
+            candidates=candidates,
+        )
         warnings = service.directory.warnings(req.model, candidates)
         response = ScoreResponse(
             result.model,
@@ -151,33 +149,49 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
         service.metrics.score_done(result, time.perf_counter() - started, bool(warnings))
         return _json(response)
 
-    @app.get("/index/pods", summary="Every pod: blocks by tier, stream state, hash check")
+    @app.get(
+        "/index/pods",
+        summary="Every pod: blocks by tier, stream state, hash check",
+        responses=errors(503),
+    )
     def list_pods() -> Response:
         return _json({"pods": service.directory.reports()})
 
-    @app.get("/index/pods/{pod}", summary="One pod's index and stream state")
+    @app.get(
+        "/index/pods/{pod}",
+        summary="One pod's index and stream state",
+        responses=errors(400, 404, 503),
+    )
     def get_pod(pod: str) -> Response:
         pod_id = _pod_id(pod, limits.serving_port)
         report = service.directory.report(pod_id)
         if report is None:
-            raise HttpError(404, "unknown_pod", f"no pod {pod_id!r} in the index or its streams")
+            raise _unknown_pod(pod_id)
         return _json(report)
 
     @app.get(
         "/index/pods/{pod}/blocks",
         summary="The block keys a pod holds for one model (for debugging and consistency checks)",
+        responses=errors(400, 404, 503),
     )
-    def pod_blocks(pod: str, model: str, tier: str | None = None, limit: int = 100_000) -> Response:
+    def pod_blocks(
+        pod: str,
+        model: str = Query(description="the model whose blocks to list"),
+        tier: str | None = Query(None, description="gpu, cpu or storage; all when absent"),
+        limit: int = Query(
+            100_000, description=f"most keys per member (1..{MAX_BLOCKS_LIMIT}); sorted"
+        ),
+    ) -> Response:
         pod_id = _pod_id(pod, limits.serving_port)
         try:
             tier_filter = None if tier is None else Tier[tier.upper()]
         except KeyError:
-            raise HttpError(400, "invalid_request", "tier must be gpu, cpu or storage") from None
-        if limit <= 0:
-            raise HttpError(400, "invalid_request", "limit must be positive")
+            raise ClientError("tier must be gpu, cpu or storage") from None
+        if not 0 < limit <= MAX_BLOCKS_LIMIT:
+            raise ClientError(f"limit must be 1..{MAX_BLOCKS_LIMIT}")
         members = service.directory.members_of(pod_id)
         if not members:
-            raise HttpError(404, "unknown_pod", f"no pod {pod_id!r} in the index or its streams")
+            raise _unknown_pod(pod_id)
         blocks = {m: service.backend.member_keys(m, model, tier_filter) for m in members}
         truncated = any(len(keys) > limit for keys in blocks.values())
         return _json(
@@ -193,26 +207,36 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
     @app.delete(
         "/index/pods/{pod}",
         summary="Operator purge: drop everything the index holds for a pod",
-        openapi_extra={"responses": {"200": {"content": {_JSON: {"schema": purge_schema}}}}},
+        description="Needs `Authorization: Bearer <token>`; refused (403) unless an admin "
+        "token is configured with KVINDEX_ADMIN_TOKEN or --admin-token-file.",
+        responses={
+            "200": {"description": "Purged", "content": {JSON: {"schema": purge_schema}}},
+            **errors(400, 401, 403, 404, 503),
+        },
     )
     def purge_pod(pod: str, request: Request) -> Response:
-        _check_admin(request, service.settings.admin_token)
+        _check_admin(request, admin_token)
         pod_id = _pod_id(pod, limits.serving_port)
         members, removed = service.purge_pod(pod_id)
         if not members:
-            raise HttpError(404, "unknown_pod", f"no pod {pod_id!r} in the index or its streams")
+            raise _unknown_pod(pod_id)
         return _json(PurgeResponse(pod_id, members, removed))
 
     @app.get("/healthz", summary="Liveness: the process answers")
     def healthz() -> Response:
         return _json({"status": "ok"})
 
-    @app.get("/readyz", summary="Readiness: backend answers and the subscriber runs")
+    @app.get(
+        "/readyz",
+        summary="Readiness: backend answers, the subscriber runs, an event source exists",
+        responses={"503": {"description": "Not ready; `problems` says why"}},
+    )
     def readyz() -> Response:
         problems = service.readiness_problems()
         if problems:
             return _json({"status": "unready", "problems": problems}, 503)
-        return _json({"status": "ready"})
+        notes = service.readiness_notes()
+        return _json({"status": "ready", "notes": notes} if notes else {"status": "ready"})
 
     @app.get("/metrics", summary="Prometheus metrics")
     def metrics() -> Response:
@@ -223,7 +247,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = _original_openapi()
+            schema = drop_validation_errors(_original_openapi())
             schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
             app.openapi_schema = schema
         return app.openapi_schema
@@ -232,38 +256,56 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
     return app
 
 
+def _unknown_pod(pod_id: str) -> NotFound:
+    return NotFound(f"no pod {pod_id!r} in the index or its streams", code="unknown_pod")
+
+
+def _require_json(request: Request) -> None:
+    """415 for a body declared as something else; no Content-Type at all is read as JSON."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.partition(";")[0].strip().lower()
+    if media != JSON and not (media.startswith("application/") and media.endswith("+json")):
+        raise UnsupportedMediaType(f"Content-Type {media!r}: send application/json")
+
+
+def _decode_score(body: bytes) -> ScoreRequest:
+    try:
+        return _score_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise ClientError(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ClientError(f"body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ClientError("body is nested too deeply", code="invalid_json") from None
+
+
 def _tokens_of(service: Service, req: ScoreRequest, max_tokens: int, max_chars: int) -> list[int]:
     given = [name for name in ("token_ids", "prompt", "messages") if getattr(req, name) is not None]
     if len(given) != 1:
-        raise HttpError(
-            400,
-            "invalid_request",
+        raise ClientError(
             "give exactly one of token_ids, prompt, messages"
-            + (f" (got {', '.join(given)})" if given else ""),
+            + (f" (got {', '.join(given)})" if given else "")
         )
     if not service.knows_model(req.model):
-        raise HttpError(
-            404,
-            "unknown_model",
+        raise NotFound(
             f"model {req.model!r} is neither configured (--model-config) nor seen in any "
             f"pod's events; known: {', '.join(service.known_models()) or 'none yet'}",
+            code="unknown_model",
         )
     if req.messages is None and _chat_fields_given(req):
-        raise HttpError(
-            400,
-            "invalid_request",
+        raise ClientError(
             "add_generation_prompt, continue_final_message, tools, documents and "
-            "chat_template_kwargs apply to messages only",
+            "chat_template_kwargs apply to messages only"
         )
     tokens = req.token_ids if req.token_ids is not None else _tokenize(service, req, max_chars)
     if not tokens:
-        raise HttpError(400, "invalid_request", "the prompt is empty")
+        raise ClientError("the prompt is empty")
     if len(tokens) > max_tokens:
-        raise HttpError(
-            400,
-            "invalid_request",
+        raise ClientError(
             f"prompt has {len(tokens)} tokens, more than the limit of {max_tokens} "
-            "(--max-prompt-tokens)",
+            "(--max-prompt-tokens)"
         )
     return tokens
 
@@ -272,22 +314,26 @@ def _tokenize(service: Service, req: ScoreRequest, max_chars: int) -> list[int]:
     if req.prompt is not None:
         size = len(req.prompt)
     else:
-        size = sum(
-            len(msgspec.json.encode(part))
+        if any(not isinstance(m.get("role"), str) for m in req.messages or []):
+            raise ClientError("every message needs a string 'role'")
+        parts = [
+            part
             for part in (req.messages, req.tools, req.documents, req.chat_template_kwargs)
             if part is not None
-        )
-        if any(not isinstance(m.get("role"), str) for m in req.messages or []):
-            raise HttpError(400, "invalid_request", "every message needs a string 'role'")
+        ]
+        if _depth(parts) > MAX_MESSAGE_DEPTH + 1:
+            raise ClientError(
+                f"messages (or tools, documents) are nested more than {MAX_MESSAGE_DEPTH} "
+                "levels deep"
+            )
+        size = sum(len(msgspec.json.encode(part)) for part in parts)
     if size > max_chars:
-        raise HttpError(
-            400,
-            "invalid_request",
+        raise ClientError(
             f"prompt text has {size} characters, more than the limit of {max_chars} "
-            "(--max-prompt-chars)",
+            "(--max-prompt-chars)"
         )
+    tokenizer = service.tokenizers.get(req.model)  # TokenizerUnavailable: 503
     try:
-        tokenizer = service.tokenizers.get(req.model)
         if req.prompt is not None:
             return tokenizer.encode_prompt(req.prompt)
         return tokenizer.encode_chat(
@@ -300,12 +346,12 @@ def _tokenize(service: Service, req: ScoreRequest, max_chars: int) -> list[int]:
                 chat_template_kwargs=req.chat_template_kwargs,
             ),
         )
-    except TokenizerUnavailable as exc:
-        raise HttpError(503, "tokenizer_unavailable", str(exc)) from None
+    except KvindexError:  # TokenizerUnavailable (503), our own client errors (400)
+        raise
     except ValueError as exc:  # the chat template refused the messages
-        raise HttpError(400, "invalid_request", str(exc)) from None
+        raise ClientError(str(exc)) from None
     except Exception as exc:  # jinja2 errors from a model's template
-        raise HttpError(400, "invalid_request", f"chat template failed: {exc}") from None
+        raise ClientError(f"chat template failed: {exc}") from None
 
 
 def _chat_fields_given(req: ScoreRequest) -> bool:
@@ -318,27 +364,49 @@ def _chat_fields_given(req: ScoreRequest) -> bool:
     )
 
 
-def _candidates(pods: list[str] | None, serving_port: int) -> list[str] | None:
+def _depth(value: Any) -> int:
+    """Nesting depth of decoded JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if deepest > MAX_MESSAGE_DEPTH:
+            return deepest
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        )
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _candidates(pods: list[str] | None, serving_port: int, max_pods: int) -> list[str] | None:
     if pods is None:
         return None
     if not pods:
-        raise HttpError(400, "invalid_request", "pods, when given, must name at least one pod")
+        raise ClientError("pods, when given, must name at least one pod")
+    if len(pods) > max_pods:
+        raise TooLarge(
+            f"pods names {len(pods)} candidates, more than the limit of {max_pods} (--max-pods)"
+        )
     return [_pod_id(p, serving_port) for p in pods]
 
 
 def _pod_id(pod: str, serving_port: int) -> str:
-    try:
-        return normalize_pod(pod, serving_port)
-    except IdentityError as exc:
-        raise HttpError(400, "invalid_request", str(exc)) from None
+    return normalize_pod(pod, serving_port)  # IdentityError is a ClientError: 400
 
 
 def _check_admin(request: Request, token: str | None) -> None:
     if not token:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token):
-        raise HttpError(
-            401, "unauthorized", "this endpoint needs 'Authorization: Bearer <admin token>'"
+        raise Forbidden(
+            "operator endpoints are switched off: no admin token is configured; set "
+            "KVINDEX_ADMIN_TOKEN or --admin-token-file FILE and send "
+            "'Authorization: Bearer <token>'",
+            code="admin_token_unset",
         )
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    # Header values arrive latin-1 decoded: back to their bytes, and compare bytes with
+    # the token's UTF-8, so a non-ASCII token is a mismatch (401), never a crash.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode("latin-1"), token.encode("utf-8")
+    ):
+        raise Unauthorized("this endpoint needs 'Authorization: Bearer <admin token>'")

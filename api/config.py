@@ -61,7 +61,7 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True):
 class Settings(msgspec.Struct, kw_only=True):
     """Everything ``kvindex serve`` needs, after flags, environment and defaults."""
 
-    listen: str = "0.0.0.0:8080"
+    listen: str = "127.0.0.1:8080"
     zmq_bind: list[str] = []
     zmq_connect: list[str] = []
     topic_filter: str = "kv@"
@@ -97,10 +97,19 @@ class Settings(msgspec.Struct, kw_only=True):
     k8s_resync_seconds: int = 300
     k8s_events_port: int = 5557
     k8s_replay_port: int = 5558
+    # HTTP hardening (issue 14): the admin token from a file (a flag's value would be
+    # visible in /proc/<pid>/cmdline), and the limits a hostile client meets.
+    admin_token_file: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_pods: int = 4096
+    max_in_flight: int = 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
 
 
 def load_model_config(path: str | None) -> ModelConfigFile:
-    """Read the model config file; YAML needs PyYAML (installed with the k8s extra)."""
+    """Read the model config file (YAML, JSON or TOML)."""
     if not path:
         return ModelConfigFile()
     file = Path(path)
@@ -123,6 +132,38 @@ def load_model_config(path: str | None) -> ModelConfigFile:
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{path} is not valid {suffix.lstrip('.').upper()}: {exc}") from None
     raise ConfigError(f"{path}: model config must end in .yaml, .yml, .json or .toml")
+
+
+def admin_token(settings: Settings) -> str | None:
+    """The operator token: ``KVINDEX_ADMIN_TOKEN`` or the first line of
+    ``--admin-token-file`` (a Kubernetes Secret mounted as a file, say). None means the
+    mutating routes are switched off."""
+    if settings.admin_token_file:
+        try:
+            text = Path(settings.admin_token_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"cannot read --admin-token-file {settings.admin_token_file}: {exc}"
+            ) from None
+        token = text.strip()
+        if not token:
+            raise ConfigError(f"--admin-token-file {settings.admin_token_file} is empty")
+        return token
+    return settings.admin_token or None
+
+
+def check_limits(settings: Settings) -> None:
+    """Refuse limits that cannot work, naming the flag."""
+    for flag, value in (
+        ("--max-body-bytes", settings.max_body_bytes),
+        ("--max-pods", settings.max_pods),
+        ("--max-in-flight", settings.max_in_flight),
+        ("--header-timeout", settings.header_timeout),
+        ("--body-timeout", settings.body_timeout),
+        ("--keep-alive-timeout", settings.keep_alive_timeout),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{flag} {value}: must be positive")
 
 
 def build_catalog(settings: Settings, models: ModelConfigFile) -> ModelCatalog:
@@ -172,10 +213,29 @@ def tokenizer_dirs(models: ModelConfigFile) -> dict[str, str]:
     return {name: entry.tokenizer for name, entry in models.models.items() if entry.tokenizer}
 
 
+def check_bind_endpoint(endpoint: str) -> None:
+    """A ``--zmq-bind`` value names its transport: ``127.0.0.1:5557`` is a mistake ZMQ
+    would only report as 'Invalid argument'."""
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        hint = f" (did you mean tcp://{endpoint}?)" if "://" not in endpoint else ""
+        raise ConfigError(f"--zmq-bind {endpoint!r}: the endpoint must be tcp://HOST:PORT{hint}")
+
+
+def check_tokenizer_dirs(dirs: dict[str, str]) -> None:
+    """A model's ``tokenizer:`` directory must hold tokenizer.json now, not at the first
+    text prompt an hour later."""
+    for model, directory in dirs.items():
+        if not (Path(directory) / "tokenizer.json").is_file():
+            raise ConfigError(
+                f"--model-config: model {model!r} has tokenizer: {directory}, which holds no "
+                "tokenizer.json"
+            )
+
+
 def split_listen(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"--listen {listen!r} must be HOST:PORT")
+    if not sep or not (port.isascii() and port.isdigit()):
+        raise ConfigError(f"--listen {listen!r} must be HOST:PORT (ASCII digits)")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -79,6 +79,12 @@ class ScoreMetrics:
             "not matching.",
             registry=registry,
         )
+        self.http_refused = Counter(
+            "kvindex_http_refused",
+            "Requests refused outside /score (bad input, limits, auth), by error code.",
+            ["code"],
+            registry=registry,
+        )
         self._ok = self.requests.labels("ok")
 
     def score_done(self, result: ScoreResult, seconds: float, warned: bool = False) -> None:
@@ -91,6 +97,26 @@ class ScoreMetrics:
 
     def score_rejected(self, code: str) -> None:
         self.requests.labels(code).inc()
+
+    def refused(self, is_score: bool, code: str) -> None:
+        """One refused request: /score's count as its outcome, the others by code."""
+        if is_score:
+            self.score_rejected(code)
+        else:
+            self.http_refused.labels(code).inc()
+
+
+def register_process_metrics(registry: CollectorRegistry, version: str, backend: str) -> None:
+    """``kvindex_build_info`` (what runs) and the process collector's RSS, CPU seconds and
+    open file descriptors (what it costs), on the service's own registry."""
+    info = Gauge(
+        "kvindex_build_info",
+        "1, labelled with the running kvindex version and index backend kind.",
+        ["version", "backend"],
+        registry=registry,
+    )
+    info.labels(version, backend.partition(":")[0].removesuffix("s")).set(1)
+    ProcessCollector(registry=registry)
 
 
 class InstrumentedSink:

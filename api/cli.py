@@ -8,20 +8,32 @@ beats its environment variable.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
 from kvindex.api.config import ConfigError, Settings, split_listen
+from kvindex.api.version import VERSION
 from kvindex.indexer.keys import ExtraKeyStyle, HashAlgo
 from kvindex.indexer.models import KeyMode
 
+log = logging.getLogger("kvindex")
+
 _SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
-    ("--listen", {"help": "HTTP address HOST:PORT (default 0.0.0.0:8080)"}),
+    (
+        "--listen",
+        {
+            "help": "HTTP address HOST:PORT (default 127.0.0.1:8080; the container image "
+            "and the manifests set 0.0.0.0:8080)"
+        },
+    ),
     (
         "--zmq-bind",
         {
@@ -141,7 +153,14 @@ _SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("--model-config", {"metavar": "FILE", "help": "per-model settings (YAML, JSON or TOML)"}),
-    ("--admin-token", {"help": "bearer token required by DELETE /index/pods/{pod}"}),
+    (
+        "--admin-token-file",
+        {
+            "metavar": "FILE",
+            "help": "file holding the bearer token DELETE /index/pods/{pod} needs (or set "
+            "KVINDEX_ADMIN_TOKEN); without one the operator endpoints answer 403",
+        },
+    ),
     ("--max-prompt-tokens", {"type": int, "help": "largest prompt /score accepts (262144)"}),
     ("--max-prompt-chars", {"type": int, "help": "largest text prompt /score accepts (4000000)"}),
     ("--log-format", {"choices": ["text", "json"], "help": "log line format (default text)"}),
@@ -190,6 +209,21 @@ _SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         "--k8s-replay-port",
         {"type": int, "help": "pods' replay port likewise; 0 = none (default 5558)"},
     ),
+    ("--max-body-bytes", {"type": int, "help": "largest HTTP request body (16777216)"}),
+    ("--max-pods", {"type": int, "help": "most candidate pods in one /score request (4096)"}),
+    (
+        "--max-in-flight",
+        {"type": int, "help": "requests handled at once; more get 429 (default 1024)"},
+    ),
+    (
+        "--header-timeout",
+        {"type": float, "help": "seconds a client may take to send its headers (10)"},
+    ),
+    ("--body-timeout", {"type": float, "help": "seconds a client may take to send a body (30)"}),
+    (
+        "--keep-alive-timeout",
+        {"type": float, "help": "seconds an idle keep-alive connection stays open (5)"},
+    ),
 ]
 
 
@@ -212,6 +246,9 @@ def _settings_from(args: argparse.Namespace, environ: dict[str, str]) -> Setting
             else:
                 value = raw
         values[name] = value
+    # The token itself only from the environment (a Secret): a flag's value is
+    # visible to every local user in /proc/<pid>/cmdline.
+    values["admin_token"] = environ.get("KVINDEX_ADMIN_TOKEN") or None
     try:
         return msgspec.convert(values, Settings)
     except msgspec.ValidationError as exc:
@@ -219,33 +256,94 @@ def _settings_from(args: argparse.Namespace, environ: dict[str, str]) -> Setting
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvindex.api.app import create_app
+    from kvindex.api.config import check_limits
     from kvindex.api.logs import setup_logging
+    from kvindex.api.server import ListenError, bind, serve
     from kvindex.api.service import Service
 
-    settings = _settings_from(args, dict(os.environ))
+    if args.admin_token is not None:
+        raise ConfigError(
+            "--admin-token was removed: a flag's value is visible to every local user in "
+            "/proc/<pid>/cmdline; set KVINDEX_ADMIN_TOKEN or --admin-token-file FILE"
+        )
+    environ = dict(os.environ)
+    settings = _settings_from(args, environ)
     setup_logging(settings.log_format, settings.log_level)
+    for name in unknown_variables(environ):
+        log.warning("%s is not a kvindex setting; ignored (kvindex serve --help lists them)", name)
+    check_limits(settings)
     host, port = split_listen(settings.listen)
     service = Service(settings)
-    app = create_app(service)
-    uvicorn.run(app, host=host, port=port, log_config=None, access_log=False)
+    try:
+        sock = bind(host, port)
+    except ListenError as exc:
+        raise ConfigError(f"--listen {settings.listen}: {exc}") from None
+    try:
+        service.start()  # before serving: a ZMQ port in use is one line, not a traceback
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        serve(
+            create_app(service, manage_lifecycle=False),
+            sock,
+            header_timeout_s=settings.header_timeout,
+            keep_alive_timeout_s=settings.keep_alive_timeout,
+        )
+    finally:
+        service.stop()
     return 0
+
+
+def environment_variables() -> list[str]:
+    """Every ``KVINDEX_*`` variable ``kvindex serve`` reads."""
+    names = [f"KVINDEX_{flag[2:].replace('-', '_').upper()}" for flag, _ in _SERVE_OPTIONS]
+    return sorted({*names, "KVINDEX_ADMIN_TOKEN"})
+
+
+# Read by other commands and by the test suite, not by serve.
+_OTHER_VARIABLES = frozenset({"KVINDEX_URL", "KVINDEX_TEST_REDIS_URL"})
+
+
+def unknown_variables(environ: dict[str, str]) -> list[str]:
+    """``KVINDEX_*`` variables nobody reads: a misspelt one is a setting silently lost."""
+    known = set(environment_variables()) | _OTHER_VARIABLES
+    return sorted(n for n in environ if n.startswith("KVINDEX_") and n not in known)
+
+
+def _token_ids(values: Sequence[Any], where: str) -> list[int]:
+    ids = []
+    for value in values:
+        text = str(value).strip()
+        if isinstance(value, bool) or not (text.isascii() and text.isdigit()):
+            raise UsageError(f"{where}: {value!r} is not a token id (a number >= 0)")
+        ids.append(int(text))
+    return ids
 
 
 def _read_tokens(args: argparse.Namespace) -> dict[str, Any]:
     if args.tokens is not None:
-        return {"token_ids": [int(t) for t in args.tokens.replace(",", " ").split()]}
-    if args.token_file is not None:
-        with open(args.token_file, encoding="utf-8") as handle:
-            text = handle.read()
-        data = json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
-        return {"token_ids": [int(t) for t in data]}
-    if args.prompt is not None:
-        return {"prompt": args.prompt}
-    with open(args.messages_file, encoding="utf-8") as handle:
-        return {"messages": json.load(handle)}
+        return {"token_ids": _token_ids(args.tokens.replace(",", " ").split(), "--tokens")}
+    try:
+        if args.token_file is not None:
+            with open(args.token_file, encoding="utf-8") as handle:
+                text = handle.read()
+            if text.lstrip().startswith("["):
+                data = json.loads(text)
+            else:
+                data = text.replace(",", " ").split()
+            return {"token_ids": _token_ids(data, args.token_file)}
+        if args.prompt is not None:
+            return {"prompt": args.prompt}
+        with open(args.messages_file, encoding="utf-8") as handle:
+            return {"messages": json.load(handle)}
+    except OSError as exc:
+        raise UsageError(f"cannot read {exc.filename}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(
+            f"{args.token_file or args.messages_file} is not valid JSON: {exc}"
+        ) from None
 
 
 def _score(args: argparse.Namespace) -> int:
@@ -334,13 +432,51 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvindex", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+class UsageError(Exception):
+    """A command-line mistake: one line on stderr, exit status 2."""
 
-    serve = commands.add_parser("serve", help="run the index service")
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that suggests the flag meant when one is mistyped (Python 3.11's does not)."""
+
+    def error(self, message: str) -> NoReturn:
+        unknown = re.findall(r"(--[\w-]+)", message) if "unrecognized" in message else []
+        flags = _all_flags(self)
+        for flag in unknown:
+            close = difflib.get_close_matches(flag.split("=")[0], flags, n=1, cutoff=0.6)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        super().error(message)
+
+
+def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of a parser and its subcommands (unknown flags of a subcommand
+    are reported by the top-level parser)."""
+    flags = []
+    for action in parser._actions:
+        flags += [s for s in action.option_strings if s.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags += _all_flags(sub)
+    return flags
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvindex", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"kvindex {VERSION}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the index service",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="every option is also an environment variable (a flag beats it):\n  "
+        + "\n  ".join(environment_variables())
+        + "\nKVINDEX_ADMIN_TOKEN has no flag: a flag's value shows in /proc/<pid>/cmdline.",
+    )
     for flag, spec in _SERVE_OPTIONS:
         serve.add_argument(flag, **spec)
+    serve.add_argument("--admin-token", help=argparse.SUPPRESS)  # removed; says so
     serve.set_defaults(run=_serve)
 
     score = commands.add_parser("score", help="ask a running kvindex which pods hold a prompt")
@@ -392,6 +528,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvindex: configuration error: {exc}", file=sys.stderr)
         return 2
+    except UsageError as exc:
+        print(f"kvindex {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

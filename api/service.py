@@ -12,24 +12,31 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import zmq
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from kvindex.api.config import (
     ConfigError,
     Settings,
+    admin_token,
     build_catalog,
+    check_bind_endpoint,
+    check_tokenizer_dirs,
     discovery_config,
     load_model_config,
     tier_weights,
     tokenizer_dirs,
 )
+from kvindex.api.health import BackendHealthLog
 from kvindex.api.metrics import (
     InstrumentedSink,
     RedisCollector,
     ScoreMetrics,
     ServiceCollector,
     SnapshotCollector,
+    register_process_metrics,
 )
+from kvindex.api.version import VERSION
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.discovery import KubernetesDiscovery
 from kvindex.events.endpoints import PodEndpoint, endpoint_host, tcp_endpoint
@@ -172,11 +179,15 @@ class Service:
         owners: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         self.settings = settings
+        self.admin_token = admin_token(settings)
         models_file = load_model_config(settings.model_config)
         self.catalog = build_catalog(settings, models_file)
         known = KnownPods() if settings.k8s_namespace else None
         replays = replay_endpoints(settings, known)
         self._connect = [parse_connect(spec, settings, replays) for spec in settings.zmq_connect]
+        for endpoint in settings.zmq_bind:
+            check_bind_endpoint(endpoint)
+        check_tokenizer_dirs(tokenizer_dirs(models_file))
         self.backend = backend or make_backend(settings)
         self.leases = make_leases(settings, self.backend)
         # `*_created` series double every counter's series; no dashboard here uses them.
@@ -227,6 +238,7 @@ class Service:
         self.scorer = Scorer(self.backend, self.catalog, tier_weights(models_file))
         self.tokenizers = TokenizerRegistry(tokenizer_dirs(models_file))
         self.metrics = ScoreMetrics(self.registry)
+        register_process_metrics(self.registry, VERSION, settings.backend)
         self.registry.register(
             ServiceCollector(self.subscriber, self.ingestor, self.backend, self.verifier)
         )
@@ -244,16 +256,22 @@ class Service:
             marks=self.snapshot_gate.marks if self.snapshot_gate is not None else None,
         )
         self.bound: list[str] = []
+        self.backend_health = BackendHealthLog(self.backend)
         self._models_cache: tuple[float, frozenset[str]] = (float("-inf"), frozenset())
 
     def start(self) -> None:
+        self.backend_health.start()
         if self.leases is not None:
             self.leases.start()
         if self.snapshotter is not None:
             self.snapshotter.restore()  # before any batch is applied
         self.subscriber.start()
         for endpoint in self.settings.zmq_bind:
-            self.bound.append(self.subscriber.bind(endpoint))
+            try:
+                self.bound.append(self.subscriber.bind(endpoint))
+            except zmq.ZMQError as exc:
+                self.stop()
+                raise ConfigError(f"--zmq-bind {endpoint}: cannot bind: {exc}") from None
             log.info("listening for KV events on %s", self.bound[-1])
         for target in self._connect:
             self.subscriber.connect(target)
@@ -271,6 +289,30 @@ class Service:
                 "kvindex) or --zmq-connect tcp://POD_IP:5557 (kvindex connects to pods)"
             )
 
+        log.info("%s", self.startup_summary())
+
+    def startup_summary(self) -> str:
+        """One line that tells an operator what this process is: version, index, hashing,
+        models, where it listens and where its events come from."""
+        keying = self.catalog.keying(self.settings.model or "")
+        backend = self.settings.backend
+        if "@" in backend:  # redis://user:password@host: keep the password out of logs
+            scheme, _, rest = backend.partition("://")
+            backend = f"{scheme}://***@{rest.rpartition('@')[2]}"
+        events = [f"bind {e}" for e in self.bound]
+        events += [f"connect {t.endpoint}" for t in self._connect]
+        if self.settings.k8s_namespace:
+            events.append(
+                f"k8s {self.settings.k8s_mode} {','.join(self.settings.k8s_namespace)} "
+                f"({self.settings.k8s_selector})"
+            )
+        return (
+            f"kvindex {VERSION} started: backend={backend} hash_algo={keying.hash.algo.value} "
+            f"block_size={keying.hash.block_size} key_mode={keying.key_mode.value} "
+            f"models={','.join(self.known_models()) or '(from events)'} "
+            f"listen={self.settings.listen} events={'; '.join(events) or 'none'}"
+        )
+
     def stop(self) -> None:
         if self.discovery is not None:
             self.discovery.stop()
@@ -279,6 +321,7 @@ class Service:
             self.snapshotter.close()  # the final snapshot: nothing is applied any more
         if self.leases is not None:
             self.leases.close()  # final positions; another replica takes over within a second
+        self.backend_health.stop()
         self.backend.close()
 
     def purge_pod(self, pod: str) -> tuple[list[str], int]:
@@ -301,9 +344,24 @@ class Service:
             problems.append(f"index backend unavailable: {exc}")
         if not self.subscriber.is_running():
             problems.append("event subscriber is not running")
+        if not self.has_event_source() and self.settings.backend == "memory":
+            problems.append(
+                "no event source configured, so the in-memory index stays empty: add "
+                "--zmq-bind tcp://*:5557 (pods connect to kvindex), --zmq-connect "
+                "tcp://POD_IP:5557 or --k8s-namespace NS"
+            )
         if self.discovery is not None:
             problems.extend(self.discovery.problems())
         return problems
+
+    def has_event_source(self) -> bool:
+        return bool(self.settings.zmq_bind or self._connect or self.discovery is not None)
+
+    def readiness_notes(self) -> list[str]:
+        """Why a replica that looks idle is ready anyway."""
+        if not self.has_event_source():
+            return ["no event source configured: answering from the shared index only"]
+        return []
 
     def known_models(self) -> list[str]:
         return sorted(self._models())

@@ -62,14 +62,19 @@ class ScoreMetrics:
             buckets=_SCORE_BUCKETS,
             registry=registry,
         )
+        # Labelled by model only once the model is known (configured or seen in events),
+        # so a client cannot grow the series by inventing model names.
         self.prompt_blocks = Counter(
             "kvindex_score_prompt_blocks",
-            "Full blocks in scored prompts (denominator of the hit ratio).",
+            "Full blocks in scored prompts (denominator of the hit ratio), by model.",
+            ["model"],
             registry=registry,
         )
         self.matched_blocks = Counter(
             "kvindex_score_matched_blocks",
-            "Cached blocks of the best pod for each scored prompt (numerator of the hit ratio).",
+            "Cached blocks of the best pod for each scored prompt (numerator of the hit "
+            "ratio), by model.",
+            ["model"],
             registry=registry,
         )
         self.warned = Counter(
@@ -92,8 +97,8 @@ class ScoreMetrics:
         if warned:
             self.warned.inc()
         self.seconds.observe(seconds)
-        self.prompt_blocks.inc(result.prompt_blocks)
-        self.matched_blocks.inc(result.best_matched_blocks)
+        self.prompt_blocks.labels(result.model).inc(result.prompt_blocks)
+        self.matched_blocks.labels(result.model).inc(result.best_matched_blocks)
 
     def score_rejected(self, code: str) -> None:
         self.requests.labels(code).inc()

@@ -10,6 +10,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,15 @@ from kvindex.api.testing import ServeProcess
 from kvindex.events.identity import IdentityError, normalize_pod
 
 
-def client_for(**settings: object) -> TestClient:
-    return TestClient(create_app(Service(Settings(**settings)), manage_lifecycle=False))
+@contextmanager
+def client_for(**settings: object) -> Iterator[TestClient]:
+    """An app over a service that is never started, and stopped (its ZMQ context closed)."""
+    service = Service(Settings(**settings))
+    try:
+        with TestClient(create_app(service, manage_lifecycle=False)) as client:
+            yield client
+    finally:
+        service.stop()
 
 
 @pytest.fixture

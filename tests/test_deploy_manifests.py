@@ -268,14 +268,29 @@ def test_every_kvindex_env_var_is_a_serve_flag() -> None:
         "KVINDEX_" + option[2:].upper().replace("-", "_")
         for action in commands.choices["serve"]._actions
         for option in action.option_strings
-        if option.startswith("--")
+        if option.startswith("--") and action.help != argparse.SUPPRESS
     }
+    flags.add("KVINDEX_ADMIN_TOKEN")  # environment only: a flag would show in cmdline
     used = set(env_of(container())) | set(patched_env("bind")) | set(patched_env("redis"))
     unknown = used - flags
     # The discovery flags are added to the CLI alongside events/discovery.py.
     if unknown and all(name.startswith("KVINDEX_K8S_") for name in unknown):
         pytest.skip(f"the CLI does not have the discovery flags yet: {sorted(unknown)}")
     assert not unknown, f"env vars kvindex serve does not read: {sorted(unknown)}"
+
+
+def test_admin_token_comes_from_a_secret_and_listen_is_explicit() -> None:
+    for path, doc in resources():
+        if doc["kind"] not in {"Deployment", "StatefulSet"}:
+            continue
+        for c in doc["spec"]["template"]["spec"]["containers"]:
+            for e in c.get("env", []):
+                if "TOKEN" in e["name"] or "PASSWORD" in e["name"]:
+                    assert "value" not in e, f"{path}: {e['name']} is a literal, not a Secret"
+    token = env_of(container())["KVINDEX_ADMIN_TOKEN"]["secretKeyRef"]
+    assert token["name"] and token["key"] and token["optional"] is True
+    # kvindex defaults to 127.0.0.1; the pod must say 0.0.0.0 itself.
+    assert env_of(container())["KVINDEX_LISTEN"].startswith("0.0.0.0:")
 
 
 def test_model_config_map_is_a_valid_model_config(tmp_path: Path) -> None:
@@ -399,8 +414,17 @@ def test_prometheus_rule_structure_and_coverage() -> None:
         "hit ratio low": "KvindexHitRatioLow",
         "score latency high": "KvindexScoreLatencyHigh",
         "no pods": "KvindexNoPods",
+        "prediction diverges from vLLM": "KvindexPredictionDiverges",
     }
     assert set(wanted.values()) <= names
+    records = {r["record"]: r["expr"] for r in alert_rules() if "record" in r}
+    gap = records["kvindex:hit_ratio_gap:rate15m"]
+    assert "kvindex:predicted_hit_ratio:rate15m" in gap
+    assert "vllm:prefix_cache_hit_ratio:rate15m" in gap and "on (model)" in gap
+    vllm = records["vllm:prefix_cache_hit_ratio:rate15m"]
+    assert "vllm:prefix_cache_hits_total" in vllm and "vllm:prefix_cache_queries_total" in vllm
+    (diverges,) = [r for r in alert_rules() if r.get("alert") == "KvindexPredictionDiverges"]
+    assert "kvindex:hit_ratio_gap:rate15m" in diverges["expr"] and "abs(" in diverges["expr"]
 
 
 def test_service_monitor_scrapes_the_http_service() -> None:
@@ -428,8 +452,11 @@ def test_service_monitor_scrapes_the_http_service() -> None:
 def test_dashboard_structure_and_coverage() -> None:
     board = dashboard()
     assert board["uid"] and board["title"] and isinstance(board["schemaVersion"], int)
-    (var,) = board["templating"]["list"]
+    var, *others = board["templating"]["list"]
     assert var["type"] == "datasource" and var["query"] == "prometheus"
+    assert {v["name"] for v in others} == {"namespace", "model"}
+    for other in others:
+        assert other["type"] == "query" and other["datasource"]["uid"] == "${datasource}"
     panels = dashboard_panels()
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
@@ -452,8 +479,27 @@ def test_dashboard_structure_and_coverage() -> None:
         "kvindex_replays_total",
         "kvindex_score_seconds_bucket",
         "kvindex_event_lag_seconds_bucket",
+        "kvindex_redis_errors_total",
+        "process_resident_memory_bytes",
     ):
         assert metric in text, f"the dashboard does not show {metric}"
+    # Every kvindex series is scoped to the chosen namespace(s), per-model ones to models.
+    for expr in queries():
+        for name, matchers in re.findall(r"\b(kvindex_[a-z0-9_]+)(\{[^}]*\})?", expr):
+            if any(expr in [t["expr"] for t in p.get("targets", [])] for p in panels):
+                assert 'namespace=~"$namespace"' in matchers, (name, expr)
+                if name.startswith("kvindex_score_") and "blocks" in name:
+                    assert 'model=~"$model"' in matchers, (name, expr)
+    # The panel operators open first: kvindex's prediction next to vLLM's own counters.
+    (compare,) = [
+        p
+        for p in panels
+        if any("vllm:prefix_cache_hits_total" in t["expr"] for t in p.get("targets", []))
+    ]
+    exprs = " ".join(t["expr"] for t in compare["targets"])
+    assert "vllm:prefix_cache_queries_total" in exprs
+    assert "kvindex_score_matched_blocks_total" in exprs and "by (pod" in exprs
+    assert compare["gridPos"]["y"] <= 1, "the comparison is the first thing on the board"
 
 
 def test_queries_are_balanced() -> None:
@@ -468,8 +514,10 @@ def test_queries_are_balanced() -> None:
         assert not stack, expr
 
 
-_NAME = re.compile(r"\b(kvindex_[a-zA-Z0-9_]+)\b")
-_SELECTOR = re.compile(r"\b(kvindex_[a-zA-Z0-9_]+)\{([^}]*)\}")
+_NAME = re.compile(r"\b((?:kvindex|process)_[a-zA-Z0-9_]+)\b")
+_SELECTOR = re.compile(r"\b((?:kvindex|process)_[a-zA-Z0-9_]+)\{([^}]*)\}")
+# Added by Prometheus from the scrape target, not exported by kvindex.
+_TARGET_LABELS = frozenset({"namespace", "job", "instance"})
 _BY = re.compile(r"\bby \(([^)]*)\)")
 
 
@@ -484,7 +532,8 @@ def referenced_metrics() -> tuple[dict[str, set[str]], list[tuple[str, set[str]]
         for name in names:
             selected.setdefault(name, set())
         for name, matchers in _SELECTOR.findall(bare):
-            selected[name] |= {m.split("=")[0].strip(" !~") for m in matchers.split(",") if m}
+            labels = {m.split("=")[0].strip(" !~") for m in matchers.split(",") if m}
+            selected[name] |= labels - _TARGET_LABELS
         for by in _BY.findall(bare):
             groupings += [(label.strip(), names) for label in by.split(",") if label.strip()]
     return selected, groupings
@@ -523,6 +572,30 @@ def running_kvindex() -> Iterator[str]:
             yield url
 
 
+def redis_only_series() -> dict[str, set[str]]:
+    """Series only a Redis-backed kvindex exports, with their labels (its collectors read
+    local counters, so nothing needs to run)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvindex.api.config import Settings
+    from kvindex.api.service import Service
+    from tests.redis_fixtures import REDIS_URL
+
+    service = Service(Settings(backend=REDIS_URL, redis_prefix="kvtest-manifests"))
+    try:
+        text = generate_latest(service.registry).decode()
+    finally:
+        service.stop()
+    out: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith(("kvindex_redis", "kvindex_stream_owned")):
+            for sample in family.samples:
+                out.setdefault(sample.name, set()).update(sample.labels)
+    assert "kvindex_redis_errors_total" in out
+    return out
+
+
 @pytest.mark.slow
 def test_every_queried_metric_is_exported(running_kvindex: str) -> None:
     from prometheus_client.parser import text_string_to_metric_families
@@ -533,11 +606,14 @@ def test_every_queried_metric_is_exported(running_kvindex: str) -> None:
         for sample in family.samples:
             labels.setdefault(sample.name, set()).update(sample.labels)
 
+    labels.update(redis_only_series())
     selected, groupings = referenced_metrics()
     missing = sorted(set(selected) - set(labels))
     assert not missing, f"queried but not exported by kvindex: {missing}"
     for name, used in selected.items():
         assert used <= labels[name], f"{name} has no label(s) {used - labels[name]}"
     for label, series in groupings:
+        if all(n.startswith("process_") for n in series) and label == "pod":
+            continue  # the scrape target's pod: the replica the process metrics are of
         if label != "le" and series:  # le: histogram buckets
             assert any(label in labels[n] for n in series), f"no series of {series} has {label}"

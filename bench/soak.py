@@ -1,0 +1,373 @@
+"""Soak: ``kvindex serve`` under engine churn and /score load, then an exactness check.
+
+Simulated pods (real EnginePublishers, each on its own loopback address with a replay
+endpoint) publish to kvindex's bound socket: prefix stores, removals and evictions past
+a per-pod capacity, AllBlocksCleared, engine restarts (seq back to 0) and partitions
+(a run of batches buffered for replay but never sent, so kvindex sees a gap and replays
+it). Client threads call /score meanwhile. Every ``--report-every`` seconds one line:
+the server's RSS, /score p50/p99 over the interval, operations, and kvindex's own
+gap/replay/missed/restart counters. At the end every pod's index entries are compared
+with what the pod holds (the ground truth kept here): the index must be exact.
+
+Bounded (``--seconds``) and loopback only. Figures: bench/README.md, "Soak".
+
+    python bench/soak.py --seconds 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import sys
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvindex.api.testing import ServeProcess, free_port
+from kvindex.events.publisher import EnginePublisher
+from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvindex.indexer.keys import BlockHasher, HashConfig
+
+MODEL = "soak/model"
+BLOCK = 16
+HASHER = BlockHasher(HashConfig())
+
+
+@dataclass
+class Prompt:
+    tokens: list[int]
+    keys: list[int]
+
+
+def make_prompts(rng: random.Random, count: int, blocks: int, shared: int) -> list[Prompt]:
+    """``count`` prompts of ``blocks`` blocks; groups of them share a ``shared``-block
+    prefix (a system prompt), as chat traffic does."""
+    systems = [[rng.randrange(1, 150_000) for _ in range(shared * BLOCK)] for _ in range(8)]
+    prompts = []
+    for i in range(count):
+        tail = [rng.randrange(1, 150_000) for _ in range((blocks - shared) * BLOCK)]
+        tokens = systems[i % len(systems)] + tail
+        prompts.append(Prompt(tokens, HASHER.keys(tokens)))
+    return prompts
+
+
+@dataclass
+class SoakPod:
+    """One engine: its publisher and the blocks it holds (the ground truth)."""
+
+    pod: str
+    publisher: EnginePublisher
+    capacity: int
+    held: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    partition_left: int = 0  # batches still to drop
+
+    def publish(self, events: list, ops: Counter) -> None:
+        send = self.partition_left == 0
+        if not send:
+            self.partition_left -= 1
+            ops["dropped_batches"] += 1
+        self.publisher.publish(events, send=send)
+
+    def store(self, prompt: Prompt, upto: int, ops: Counter) -> None:
+        """Store the first run of blocks of the prompt's prefix that the pod lacks (vLLM
+        never stores a block it holds), evicting the least recently used past capacity."""
+        keys = prompt.keys[:upto]
+        start = next((i for i, k in enumerate(keys) if k not in self.held), None)
+        if start is None:
+            for k in keys:
+                self.held.move_to_end(k)
+            return
+        end = next((i for i in range(start, len(keys)) if keys[i] in self.held), len(keys))
+        new = keys[start:end]
+        events: list = []
+        overflow = len(self.held) + len(new) - self.capacity
+        if overflow > 0:
+            evicted = [self.held.popitem(last=False)[0] for _ in range(overflow)]
+            events.append(BlockRemoved(evicted))
+            ops["blocks_evicted"] += len(evicted)
+        parent = keys[start - 1] if start else None
+        events.append(BlockStored(new, parent, prompt.tokens[start * BLOCK : end * BLOCK], BLOCK))
+        for k in new:
+            self.held[k] = None
+        self.publish(events, ops)
+        ops["blocks_stored"] += len(new)
+
+    def remove(self, rng: random.Random, ops: Counter) -> None:
+        if not self.held:
+            return
+        victims = rng.sample(list(self.held), min(len(self.held), rng.randint(1, 8)))
+        for k in victims:
+            del self.held[k]
+        self.publish([BlockRemoved(victims)], ops)
+        ops["blocks_removed"] += len(victims)
+
+    def clear(self, ops: Counter) -> None:
+        self.held.clear()
+        self.publish([AllBlocksCleared()], ops)
+        ops["clears"] += 1
+
+    def restart(self, ops: Counter) -> None:
+        self.partition_left = 0
+        self.publisher.restart()
+        self.held.clear()
+        ops["restarts"] += 1
+
+
+class Latencies:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._samples: list[float] = []
+        self.errors = 0
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._samples.append(seconds)
+
+    def take(self) -> list[float]:
+        with self._lock:
+            samples, self._samples = self._samples, []
+        return samples
+
+
+def client_loop(
+    port: int, prompts: list[Prompt], stop: threading.Event, lat: Latencies, seed: int
+) -> None:
+    rng = random.Random(seed)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {"content-type": "application/json"}
+    while not stop.is_set():
+        prompt = rng.choice(prompts)
+        body = json.dumps({"model": MODEL, "token_ids": prompt.tokens})
+        started = time.perf_counter()
+        try:
+            conn.request("POST", "/score", body, headers)
+            response = conn.getresponse()
+            response.read()
+            if response.status != 200:
+                lat.errors += 1
+        except (OSError, http.client.HTTPException):
+            lat.errors += 1
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            continue
+        lat.add(time.perf_counter() - started)
+    conn.close()
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+_COUNTERS = {
+    "gaps": r"^kvindex_seq_gaps_total (\S+)",
+    "replays_ok": r'^kvindex_replays_total\{result="ok"\} (\S+)',
+    "replays_failed": r'^kvindex_replays_total\{result="failed"\} (\S+)',
+    "missed": r"^kvindex_missed_batches_total (\S+)",
+    "restarts_seen": r"^kvindex_pod_restarts_total (\S+)",
+    "event_errors": r"^kvindex_event_errors_total\{[^}]*\} (\S+)",
+}
+
+
+def counters(url: str) -> dict[str, int]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for name, pattern in _COUNTERS.items():
+        out[name] = int(sum(float(v) for v in re.findall(pattern, text, re.M)))
+    return out
+
+
+def percentile(samples: list[float], q: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def drive(pods: list[SoakPod], prompts: list[Prompt], args, stop, ops: Counter) -> None:
+    """The engines: one thread, round robin (publishers are single-threaded), paced."""
+    rng = random.Random(args.seed)
+    interval = 1.0 / args.rate
+    next_at = time.monotonic()
+    while not stop.is_set():
+        pod = pods[rng.randrange(len(pods))]
+        roll = rng.random()
+        if roll < args.restart_p and pod.partition_left == 0:
+            pod.restart(ops)
+        elif roll < args.restart_p + args.partition_p and pod.partition_left == 0:
+            pod.partition_left = rng.randint(1, args.max_partition)
+            ops["partitions"] += 1
+        elif roll < args.restart_p + args.partition_p + args.clear_p:
+            pod.clear(ops)
+        elif roll < 0.2:
+            pod.remove(rng, ops)
+        else:
+            prompt = rng.choice(prompts)
+            pod.store(prompt, rng.randint(1, len(prompt.keys)), ops)
+        ops["batches"] += 1
+        next_at += interval
+        delay = next_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        elif delay < -1.0:
+            next_at = time.monotonic()  # behind: don't burst to catch up
+
+
+def settle(url: str, pods: list[SoakPod], ops: Counter, timeout_s: float) -> bool:
+    """End partitions with one sent batch each, then wait until kvindex has applied
+    every pod's last batch."""
+    for pod in pods:
+        pod.partition_left = 0
+        pod.remove(random.Random(0), ops) if pod.held else pod.clear(ops)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = 0
+        for pod in pods:
+            report = httpx.get(f"{url}/index/pods/{pod.pod}", timeout=10).json()
+            if report.get("last_seq", {}).get(pod.pod) == pod.publisher.next_seq - 1:
+                done += 1
+        if done == len(pods):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def exactness(url: str, pods: list[SoakPod]) -> tuple[int, list[str]]:
+    problems = []
+    for pod in pods:
+        answer = httpx.get(
+            f"{url}/index/pods/{pod.pod}/blocks",
+            params={"model": MODEL, "limit": 1_000_000},
+            timeout=30,
+        )
+        indexed = (
+            set(answer.json().get("blocks", {}).get(pod.pod, [])) if answer.is_success else set()
+        )
+        truth = set(pod.held)
+        if indexed != truth:
+            problems.append(
+                f"{pod.pod}: {len(truth - indexed)} held but not indexed, "
+                f"{len(indexed - truth)} indexed but not held"
+            )
+    return len(pods) - len(problems), problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=600.0)
+    parser.add_argument("--report-every", type=float, default=30.0)
+    parser.add_argument("--pods", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--rate", type=float, default=1000.0, help="engine batches per second")
+    parser.add_argument("--capacity", type=int, default=4096, help="blocks per pod")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompt-blocks", type=int, default=64)
+    parser.add_argument("--restart-p", type=float, default=0.0005)
+    parser.add_argument("--partition-p", type=float, default=0.001)
+    parser.add_argument("--max-partition", type=int, default=50)
+    parser.add_argument("--clear-p", type=float, default=0.0005)
+    parser.add_argument("--seed", type=int, default=14)
+    args = parser.parse_args()
+
+    prompts = make_prompts(random.Random(args.seed), args.prompts, args.prompt_blocks, 16)
+    bind, replay = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVINDEX_")}
+    server = ServeProcess(
+        "--zmq-bind", f"tcp://127.0.0.1:{bind}",
+        "--replay-port", str(replay),
+        "--model", MODEL,
+        "--log-level", "warning",
+        env=env,
+    )  # fmt: skip
+    pods: list[SoakPod] = []
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    ops: Counter = Counter()
+    lat = Latencies()
+    try:
+        server.wait_ready(60.0)
+        for i in range(args.pods):
+            host = f"127.0.0.{10 + i}"
+            publisher = EnginePublisher(
+                f"tcp://127.0.0.1:{bind}",
+                topic=f"kv@{host}:8000@{MODEL}",
+                replay_endpoint=f"tcp://{host}:{replay}",
+            )
+            if not publisher.wait_for_subscribers(1, 10.0):
+                raise RuntimeError(f"kvindex never subscribed to pod {host}")
+            pods.append(SoakPod(f"{host}:8000", publisher, args.capacity))
+        driver = threading.Thread(target=drive, args=(pods, prompts, args, stop, ops))
+        threads.append(driver)
+        for c in range(args.clients):
+            threads.append(
+                threading.Thread(
+                    target=client_loop, args=(server.port, prompts, stop, lat, args.seed + c)
+                )
+            )
+        for thread in threads:
+            thread.start()
+        print(
+            f"soak: {args.pods} pods, {args.clients} /score clients, {args.rate:g} batches/s, "
+            f"{args.seconds:g} s; kvindex pid {server.process.pid}",
+            flush=True,
+        )
+        print(
+            f"{'t_s':>5} {'rss_mb':>7} {'score_p50_ms':>12} {'score_p99_ms':>12} {'scores':>7} "
+            f"{'batches':>8} {'blocks_st':>9} {'restarts':>8} {'partitions':>10} {'gaps':>5} "
+            f"{'replays':>7} {'failed':>6} {'missed':>6}",
+            flush=True,
+        )
+        started = time.monotonic()
+        end = started + args.seconds
+        while time.monotonic() < end:
+            time.sleep(min(args.report_every, max(0.0, end - time.monotonic())))
+            samples = lat.take()
+            seen = counters(server.url)
+            print(
+                f"{time.monotonic() - started:5.0f} {rss_mb(server.process.pid):7.1f} "
+                f"{1000 * percentile(samples, 0.5):12.2f} {1000 * percentile(samples, 0.99):12.2f} "
+                f"{len(samples):7d} {ops['batches']:8d} {ops['blocks_stored']:9d} "
+                f"{ops['restarts']:8d} {ops['partitions']:10d} {seen['gaps']:5d} "
+                f"{seen['replays_ok']:7d} {seen['replays_failed']:6d} {seen['missed']:6d}",
+                flush=True,
+            )
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+        settled = settle(server.url, pods, ops, 60.0)
+        exact, problems = exactness(server.url, pods)
+        seen = counters(server.url)
+        print(f"operations: {dict(sorted(ops.items()))}")
+        print(f"kvindex counters: {seen}; /score errors: {lat.errors}")
+        print(
+            f"exactness: {exact}/{len(pods)} pods exact"
+            + ("" if settled else " (not every pod's last batch was applied in 60 s)")
+        )
+        for problem in problems:
+            print(f"  {problem}")
+        return 0 if exact == len(pods) and settled else 1
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+        for pod in pods:
+            pod.publisher.close()
+        server.stop()
+        print(f"server log: {server.log_path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

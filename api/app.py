@@ -108,7 +108,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
         max_body_bytes=limits.max_body_bytes,
         body_timeout_s=limits.body_timeout,
         max_in_flight=limits.max_in_flight,
-        on_refusal=lambda code: service.metrics.refused(False, code),
+        on_refusal=lambda path, code: service.metrics.refused(path == "/score", code),
     )
 
     @app.post(

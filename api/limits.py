@@ -29,7 +29,7 @@ _EXEMPT = frozenset({"/healthz", "/readyz", "/metrics"})
 
 class RequestLimits:
     """ASGI middleware: ``max_body_bytes`` (413), ``body_timeout_s`` (408),
-    ``max_in_flight`` (429). ``on_refusal(code)`` counts what it refuses itself."""
+    ``max_in_flight`` (429). ``on_refusal(path, code)`` counts what it refuses itself."""
 
     def __init__(
         self,
@@ -38,7 +38,7 @@ class RequestLimits:
         max_body_bytes: int,
         body_timeout_s: float,
         max_in_flight: int,
-        on_refusal: Callable[[str], None] = lambda code: None,
+        on_refusal: Callable[[str, str], None] = lambda path, code: None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
@@ -54,6 +54,7 @@ class RequestLimits:
         exempt = scope["path"] in _EXEMPT
         if not exempt and self.in_flight >= self.max_in_flight:
             await self._refuse(
+                scope,
                 send,
                 429,
                 "too_many_requests",
@@ -63,7 +64,7 @@ class RequestLimits:
             return
         length = _content_length(scope)
         if length is not None and length > self.max_body_bytes:
-            await self._refuse(send, 413, TooLarge.code, self._too_large(f"{length} bytes"))
+            await self._refuse(scope, send, 413, TooLarge.code, self._too_large(f"{length} bytes"))
             return
         self.in_flight += 0 if exempt else 1
         try:
@@ -110,8 +111,8 @@ class RequestLimits:
 
         return limited
 
-    async def _refuse(self, send: Send, status: int, code: str, detail: str) -> None:
-        self.on_refusal(code)
+    async def _refuse(self, scope: Scope, send: Send, status: int, code: str, detail: str) -> None:
+        self.on_refusal(scope["path"], code)
         body = error_body(code, detail)
         await send(
             {

@@ -13,32 +13,63 @@ from kvindex.scoring.scorer import PodScore
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 
 
-class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /score``: exactly one of ``token_ids``, ``prompt``, ``messages``.
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
 
-    With ``messages``, the chat fields below render the prompt as vLLM's chat completions
+
+class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`POST /score`: the model and exactly one of `token_ids`, `prompt`, `messages`.
+
+    With `messages`, the chat fields below render the prompt as vLLM's chat completions
     endpoint does with the same fields and defaults (vLLM 0.33): send what the client
     sends vLLM, or the score is for a different prompt."""
 
-    model: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
-    token_ids: list[TokenId] | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    pods: list[str] | None = None
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None
-    documents: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    model: Annotated[
+        str,
+        msgspec.Meta(min_length=1, max_length=512),
+        _doc("The model name the pods serve (as in their events' topic or --model)."),
+    ]
+    token_ids: Annotated[
+        list[TokenId] | None, _doc("The prompt as token ids (no tokenizer needed; fastest).")
+    ] = None
+    prompt: Annotated[
+        str | None, _doc("The prompt as text; needs the model's tokenizer (--model-config).")
+    ] = None
+    messages: Annotated[
+        list[dict[str, Any]] | None,
+        _doc("Chat messages, rendered with the model's chat template, then tokenized."),
+    ] = None
+    pods: Annotated[
+        list[str] | None,
+        _doc("Candidate pods (ip:port); the answer lists exactly these, matched or not."),
+    ] = None
+    lora_name: Annotated[str | None, _doc("LoRA adapter the request will use.")] = None
+    cache_salt: Annotated[str | None, _doc("vLLM cache_salt of the request, if any.")] = None
+    add_generation_prompt: Annotated[
+        bool, _doc("messages only: as vLLM's chat completions field (default true).")
+    ] = True
+    continue_final_message: Annotated[
+        bool, _doc("messages only: as vLLM's chat completions field (default false).")
+    ] = False
+    tools: Annotated[
+        list[dict[str, Any]] | None, _doc("messages only: tools passed to the chat template.")
+    ] = None
+    documents: Annotated[
+        list[dict[str, Any]] | None,
+        _doc("messages only: documents passed to the chat template."),
+    ] = None
+    chat_template_kwargs: Annotated[
+        dict[str, Any] | None, _doc("messages only: extra chat template variables.")
+    ] = None
 
 
 class ScoreResponse(msgspec.Struct):
+    """Each pod's longest consecutive cached prefix of the prompt, best first."""
+
     model: str
-    block_size: int
+    block_size: Annotated[int, _doc("The model's KV block size in tokens.")]
     prompt_tokens: int
-    prompt_blocks: int
+    prompt_blocks: Annotated[int, _doc("Full blocks in the prompt (the most a pod can match).")]
     pods: list[PodScore]
     warnings: Annotated[
         list[str],
@@ -51,13 +82,19 @@ class ScoreResponse(msgspec.Struct):
 
 
 class ErrorBody(msgspec.Struct):
-    error: str  # a stable code: invalid_request, unknown_model, tokenizer_unavailable, ...
-    detail: str
+    """Every refusal: a stable machine-readable code and a sentence that says what to fix."""
+
+    error: Annotated[
+        str, _doc("Stable code: invalid_request, unknown_model, backend_unavailable, ...")
+    ]
+    detail: Annotated[str, _doc("What went wrong and which field or setting to change.")]
 
 
 class PurgeResponse(msgspec.Struct):
+    """What an operator purge removed."""
+
     pod: str
-    members: list[str]
+    members: Annotated[list[str], _doc("The pod and its data-parallel ranks.")]
     entries_removed: int
 
 

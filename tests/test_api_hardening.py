@@ -181,6 +181,9 @@ def test_openapi_lists_the_errors_that_occur_and_no_422(client: TestClient) -> N
     assert {"401", "403", "404"} <= set(purge)
     error = score["404"]["content"]["application/json"]["schema"]
     assert error == {"$ref": "#/components/schemas/ErrorBody"}
+    assert "``" not in text, "raw reST in the OpenAPI descriptions"
+    request = spec["components"]["schemas"]["ScoreRequest"]["properties"]
+    assert all(field.get("description") for field in request.values()), request
     blocks = spec["paths"]["/index/pods/{pod}/blocks"]["get"]["parameters"]
     assert all(p.get("description") for p in blocks if p["name"] != "pod")
 

@@ -72,7 +72,10 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if manage_lifecycle:
+        # `kvindex serve` starts the service before serving (a port in use is then one
+        # line, not a traceback) but stops it here: uvicorn re-raises SIGTERM once it is
+        # done, so nothing after uvicorn.run() would get to write a final snapshot.
+        if manage_lifecycle and not service.started:
             service.start()
         try:
             yield

@@ -284,15 +284,13 @@ def _serve(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
-    try:
-        serve(
-            create_app(service, manage_lifecycle=False),
-            sock,
-            header_timeout_s=settings.header_timeout,
-            keep_alive_timeout_s=settings.keep_alive_timeout,
-        )
-    finally:
-        service.stop()
+    # The app's lifespan stops the service (final snapshot, leases released).
+    serve(
+        create_app(service),
+        sock,
+        header_timeout_s=settings.header_timeout,
+        keep_alive_timeout_s=settings.keep_alive_timeout,
+    )
     return 0
 
 

@@ -257,9 +257,11 @@ class Service:
         )
         self.bound: list[str] = []
         self.backend_health = BackendHealthLog(self.backend)
+        self.started = False
         self._models_cache: tuple[float, frozenset[str]] = (float("-inf"), frozenset())
 
     def start(self) -> None:
+        self.started = True
         self.backend_health.start()
         if self.leases is not None:
             self.leases.start()

@@ -9,6 +9,7 @@ with what the engine really holds, not with a number written down in the test.
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import signal
 import time
@@ -105,7 +106,6 @@ class Cluster:
             "--snapshot-interval", str(interval_s),
             "--replay-port", str(replay_port),
             "--log-format", "json",
-            "--admin-token", "t0ken",
         ]  # fmt: skip
         for engine in engines:
             self._flags += ["--zmq-connect", engine.connect]
@@ -115,7 +115,11 @@ class Cluster:
 
     def start(self) -> ServeProcess:
         self._runs += 1
-        self.server = ServeProcess(*self._flags, log_path=self._tmp / f"serve-{self._runs}.log")
+        self.server = ServeProcess(
+            *self._flags,
+            env={**os.environ, "KVINDEX_ADMIN_TOKEN": "t0ken"},  # the token never in argv
+            log_path=self._tmp / f"serve-{self._runs}.log",
+        )
         self.server.wait_ready(30.0)
         return self.server
 

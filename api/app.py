@@ -324,7 +324,7 @@ def _tokenize(service: Service, req: ScoreRequest, max_chars: int) -> list[int]:
             for part in (req.messages, req.tools, req.documents, req.chat_template_kwargs)
             if part is not None
         ]
-        if _depth(parts) > MAX_MESSAGE_DEPTH + 1:
+        if _depth(parts) > MAX_MESSAGE_DEPTH:
             raise ClientError(
                 f"messages (or tools, documents) are nested more than {MAX_MESSAGE_DEPTH} "
                 "levels deep"

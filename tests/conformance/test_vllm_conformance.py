@@ -211,6 +211,7 @@ def test_message_drops_are_replayed(suite: dict) -> None:
     pods = ["127.0.0.15:8000", "127.0.0.16:8000"]
     run_phase(suite, [(pod, "burst") for pod in pods])
     gaps = {pod: suite["kvindex"].pod_report(pod)["gaps"] for pod in pods}
+    print(f"gaps seen by kvindex: {gaps}")
     assert sum(gaps.values()) > 0, f"no batch was dropped, the phase proved nothing: {gaps}"
 
 

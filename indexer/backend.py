@@ -88,6 +88,26 @@ class MemberMatch:
 
 
 @dataclass(slots=True)
+class MemberPresence:
+    """Which blocks of a looked-up list one member holds, position by position.
+
+    ``by_tier[t]`` is a bitmask over positions of the list: bit ``i`` is set when the
+    member holds ``keys[i]`` in tier ``t``. Unlike :class:`MemberMatch` it does not stop
+    at the first hole: sliding-window and Mamba KV groups hit on blocks near the end of
+    a prefix, not on the whole prefix (see :mod:`kvindex.scoring.hybrid`).
+    """
+
+    member: str
+    by_tier: tuple[int, int, int]
+
+    @property
+    def held(self) -> int:
+        """Positions held in any tier."""
+        gpu, cpu, storage = self.by_tier
+        return gpu | cpu | storage
+
+
+@dataclass(slots=True)
 class MemberStats:
     """What one member holds: ``blocks[model][tier] = count``."""
 
@@ -142,6 +162,14 @@ class IndexBackend(Protocol):
         """For the ordered chain ``keys``, each member's longest consecutive prefix held
         in any tier. Only members with at least one matched block are returned, best
         first (ties by member id). ``members`` restricts the answer to those members."""
+
+    def presence(
+        self, model: str, keys: Sequence[int], members: Collection[str] | None = None
+    ) -> list[MemberPresence]:
+        """For each position of ``keys`` (any keys, not only a chain), which members hold
+        it and in which tier. Only members holding at least one of the keys are
+        returned, sorted by member id; ``members`` restricts the answer as in
+        :meth:`lookup`. Costs one probe per key (no early stop)."""
 
     def member_stats(self, member: str) -> MemberStats | None:
         """What ``member`` holds, or None when it holds nothing."""

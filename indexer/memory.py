@@ -23,6 +23,7 @@ from kvindex.indexer.backend import (
     Change,
     IndexStats,
     MemberMatch,
+    MemberPresence,
     MemberStats,
     Op,
     Tier,
@@ -447,6 +448,27 @@ class MemoryBackend:
             if found is None:
                 return []
             return self._answer(found)
+
+    def presence(
+        self, model: str, keys: Sequence[int], members: Collection[str] | None = None
+    ) -> list[MemberPresence]:
+        """Per member, which positions of ``keys`` it holds in each tier (see
+        :meth:`IndexBackend.presence`); one vectorised probe of every key."""
+        wanted = as_keys(keys)
+        with self._lock:
+            table = self._tables.get(model)
+            if table is None or not wanted.size:
+                return []
+            allowed = None
+            if members is not None:
+                allowed = self._member_mask(members)
+                if allowed is None:
+                    return []
+            found = table.presence(wanted, allowed)
+            names = self._names
+            out = [MemberPresence(names[mid], tuple(masks)) for mid, masks in found.items()]  # type: ignore[arg-type]
+        out.sort(key=lambda p: p.member)
+        return out
 
     def _answer(self, found: ChainMatch) -> list[MemberMatch]:
         """MemberMatch objects, best first. Per-member Python work is kept to building

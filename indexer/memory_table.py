@@ -1077,6 +1077,33 @@ class BlockTable:
             self._count_tiers(found, slots[:length], run)
         return found
 
+    def presence(
+        self, keys: U64s, allowed: np.ndarray | np.uint64 | None
+    ) -> dict[int, list[int]]:
+        """Per member id holding any of ``keys``: one bitmask per tier over the positions
+        of ``keys`` (bit ``i`` = holds ``keys[i]`` there). No early stop: every key is
+        probed (sliding-window and Mamba hits need blocks past a hole)."""
+        slots = self.find(keys, exact=False)
+        at = np.flatnonzero(slots >= 0)
+        out: dict[int, list[int]] = {}
+        if not at.size:
+            return out
+        slots = slots[at]
+        n = keys.size
+        for tier, masks in enumerate(self.masks):
+            if masks is None:
+                continue
+            rows = masks[slots]
+            if allowed is not None:
+                rows = rows & allowed
+            bits = _bit_matrix(rows)  # uint8[len(at), 64 * W]: column m = member id m
+            for mid in np.flatnonzero(bits.any(axis=0)).tolist():
+                mask = np.zeros(n, np.uint8)
+                mask[at[bits[:, mid].astype(np.bool_)]] = 1
+                packed = np.packbits(mask, bitorder="little").tobytes()
+                out.setdefault(mid, [0, 0, 0])[tier] = int.from_bytes(packed, "little")
+        return out
+
     def _count_tiers(self, found: ChainMatch, slots: Slots, run: np.ndarray) -> None:
         """Fill ``found.off_gpu`` and ``found.cpu``.
 

@@ -30,6 +30,7 @@ from kvindex.indexer.backend import (
     Change,
     IndexStats,
     MemberMatch,
+    MemberPresence,
     MemberStats,
     Op,
     Tier,
@@ -45,6 +46,7 @@ CLEAR_CHUNK = 4096
 _APPLY, _CLEAR, _LOOKUP = SCRIPTS["apply"], SCRIPTS["clear"], SCRIPTS["lookup"]
 _MEMBER_STATS, _MEMBER_KEYS = SCRIPTS["member_stats"], SCRIPTS["member_keys"]
 _MODEL_STATS = SCRIPTS["model_stats"]
+_PRESENCE = SCRIPTS["presence"]
 _OPS = {Op.STORE: b"s", Op.REMOVE: b"r", Op.ANNOUNCE: b"a"}
 _TIER_ARG = {Tier.GPU: b"0", Tier.CPU: b"1", Tier.STORAGE: b"2"}
 _LITTLE = sys.byteorder == "little"
@@ -179,6 +181,34 @@ class RedisBackend:
         ]
         out.sort(key=lambda m: (-m.matched_blocks, -m.by_tier[0], m.member))
         return out
+
+    def presence(
+        self, model: str, keys: Sequence[int], members: Collection[str] | None = None
+    ) -> list[MemberPresence]:
+        """One script call: per member, which positions of ``keys`` it holds per tier."""
+        argv: list[Any] = [pack_keys(keys)]
+        if not argv[0]:
+            return []
+        if members is not None:
+            argv += list(members)
+            if len(argv) == 1:
+                return []
+        ids, blocks = self.connection.call(
+            "presence", *_PRESENCE.args(self.meta_key(model), argv)
+        )
+        names = {int(ids[i]): ids[i + 1].decode() for i in range(0, len(ids), 2)}
+        masks: dict[str, list[int]] = {}
+        for i in range(0, len(blocks), 4):
+            bit = 1 << int(blocks[i])
+            for tier in TIERS:
+                bitmap = int.from_bytes(blocks[i + 1 + tier], "little")  # bit id = member id
+                while bitmap:
+                    low = bitmap & -bitmap
+                    name = names.get(low.bit_length() - 1)
+                    if name is not None:
+                        masks.setdefault(name, [0, 0, 0])[tier] |= bit
+                    bitmap ^= low
+        return [MemberPresence(m, tuple(masks[m])) for m in sorted(masks)]  # type: ignore[arg-type]
 
     def models(self) -> list[str]:
         """Every model written to this index (one call; /score's model check uses it

@@ -607,6 +607,118 @@ return cmsgpack.pack(out)
 """
 )
 
+# Which members hold each of the given keys, per tier (no early stop: sliding-window
+# and Mamba hits need blocks past a hole). ARGV: packed keys, then optional member
+# names to restrict to. Returns a Redis array (bitmaps are binary, so not msgpack
+# strings): {id, name, ...} of the members that occur, then {position, gpu bitmap,
+# cpu bitmap, storage bitmap, ...} ('' for none) for every position someone holds.
+PRESENCE = (
+    _PRELUDE
+    + r"""
+if not nbuckets then return {{}, {}} end
+local keys = ARGV[1]
+local allowed = nil
+local function and_str(a, b)
+  if not a or not b then return a end
+  local n = math.min(#a, #b)
+  local x, y = {sbyte(a, 1, n)}, {sbyte(b, 1, n)}
+  local last = 0
+  for j = 1, n do
+    local v = band(x[j], y[j])
+    x[j] = v
+    if v ~= 0 then last = j end
+  end
+  if last == 0 then return false end
+  return schar(unpack(x, 1, last))
+end
+if #ARGV > 1 then
+  local names = {}
+  for i = 2, #ARGV do names[#names + 1] = ARGV[i] end
+  local found = call('HMGET', IDS, unpack(names))
+  local bytes, top = {}, 0
+  for _, mid in ipairs(found) do
+    if mid then
+      mid = tonumber(mid)
+      local at = math.floor(mid / 8) + 1
+      for j = top + 1, at do bytes[j] = 0 end
+      if at > top then top = at end
+      bytes[at] = bor(bytes[at], bit.lshift(1, mid % 8))
+    end
+  end
+  if top == 0 then return {{}, {}} end
+  allowed = schar(unpack(bytes, 1, top))
+end
+local all = multi_tier()
+local n = #keys / 8
+local by_bucket, order = {}, {}
+for j = 0, n - 1 do
+  local k = ssub(keys, j * 8 + 1, j * 8 + 8)
+  local name = bucket(k)
+  local b = by_bucket[name]
+  if not b then
+    b = {fields = {}, at = {}}
+    by_bucket[name] = b
+    order[#order + 1] = name
+  end
+  b.at[#b.at + 1] = j
+  if all then
+    local f = b.fields
+    f[#f + 1], f[#f + 2], f[#f + 3] = k, k .. '\1', k .. '\2'
+  else
+    b.fields[#b.fields + 1] = k
+  end
+end
+local blocks, seen = {}, {}
+local function note(v)
+  if not v then return '' end
+  local bytes = {sbyte(v, 1, -1)}
+  for j = 1, #bytes do
+    local byte = bytes[j]
+    if byte ~= 0 then
+      for b = 0, 7 do
+        if band(byte, bit.lshift(1, b)) ~= 0 then seen[(j - 1) * 8 + b] = true end
+      end
+    end
+  end
+  return v
+end
+for _, name in ipairs(order) do
+  local b = by_bucket[name]
+  local v = call('HMGET', name, unpack(b.fields))
+  for x, j in ipairs(b.at) do
+    local v0, v1, v2
+    if all then
+      v0, v1, v2 = v[3 * x - 2], v[3 * x - 1], v[3 * x]
+    else
+      v0, v1, v2 = v[x], false, false
+    end
+    if allowed then
+      v0, v1, v2 = and_str(v0, allowed), and_str(v1, allowed), and_str(v2, allowed)
+    end
+    if v0 or v1 or v2 then
+      blocks[#blocks + 1] = j
+      blocks[#blocks + 1] = note(v0)
+      blocks[#blocks + 1] = note(v1)
+      blocks[#blocks + 1] = note(v2)
+    end
+  end
+end
+local ids = {}
+for mid in pairs(seen) do ids[#ids + 1] = mid end
+local members = {}
+if #ids > 0 then
+  local names = call('HMGET', NAMES, unpack(ids))
+  for x, mid in ipairs(ids) do
+    if names[x] then
+      members[#members + 1] = mid
+      members[#members + 1] = names[x]
+    end
+  end
+end
+return {members, blocks}
+"""
+)
+
 # What one member holds in this model: {e0, e1, e2} entry counts, or {} when nothing.
 MEMBER_STATS = (
     _PRELUDE
@@ -716,6 +828,7 @@ SCRIPTS = {
         ("apply", APPLY),
         ("clear", CLEAR),
         ("lookup", LOOKUP),
+        ("presence", PRESENCE),
         ("member_stats", MEMBER_STATS),
         ("member_keys", MEMBER_KEYS),
         ("model_stats", MODEL_STATS),

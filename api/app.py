@@ -140,7 +140,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
             cache_salt=req.cache_salt,
             candidates=candidates,
         )
-        warnings = service.directory.warnings(req.model, candidates)
+        warnings = [*result.warnings, *service.directory.warnings(req.model, candidates)]
         response = ScoreResponse(
             result.model,
             result.block_size,

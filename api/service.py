@@ -235,7 +235,9 @@ class Service:
                 self.subscriber, discovery_config(settings), known=known
             )
             discovered = discovered or self.discovery.discovered
-        self.scorer = Scorer(self.backend, self.catalog, tier_weights(models_file))
+        self.scorer = Scorer(
+            self.backend, self.catalog, tier_weights(models_file), self.ingestor.layouts
+        )
         self.tokenizers = TokenizerRegistry(tokenizer_dirs(models_file))
         self.metrics = ScoreMetrics(self.registry)
         register_process_metrics(self.registry, VERSION, settings.backend)

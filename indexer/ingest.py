@@ -10,9 +10,12 @@ memory). Rules, each one a pitfall other indexers hit:
   under-reporting it); an engine restart or a removed pod clears the member first.
 * Hybrid models publish one stream of stores and removals per KV-cache group, and the
   same hash can be evicted from a sliding-window group while the full-attention group
-  still holds it. Only the member's primary group is indexed: the lowest-numbered
-  full-attention group (``kv_cache_spec_kind``, vLLM 0.22+), or group 0 when the engine
-  does not say. Other groups are counted and skipped.
+  still holds it. Once a member's stores name their group's kind
+  (``kv_cache_spec_kind``, vLLM 0.22+), every group is indexed in its own namespace
+  (:mod:`kvindex.indexer.kv_groups`) and the model's group layout is learned for
+  scoring. Until then (older engines), and always in token-key mode, only the primary
+  group is indexed: the lowest-numbered full-attention group, or group 0 when the
+  engine does not say; other groups are counted and skipped.
 * Copies (vLLM 0.33): an engine may hold one hash in several physical blocks (a fully
   cached, block-aligned prompt recomputes its last block into a new one; n>1
   sampling, retries, many users sending one canned prompt) and publishes a
@@ -64,13 +67,13 @@ from kvindex.events.wire import (
 )
 from kvindex.indexer.backend import Change, IndexBackend, Op, Tier
 from kvindex.indexer.keys import BlockExtras
+from kvindex.indexer.kv_groups import FULL_ATTENTION_KINDS, KvLayouts, group_model
 from kvindex.indexer.models import KeyMode, ModelCatalog
 from kvindex.indexer.token_keys import ContentHasher, EngineKeyMap, TokenRangeError
 from kvindex.indexer.verify import HashVerifier
 
 log = logging.getLogger(__name__)
 
-_FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 #: vLLM's ``Locality.REMOTE`` (``v1/kv_offload/base.py``, 0.26-0.33).
 _REMOTE = "REMOTE"
 _TIERS = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "STORAGE": Tier.STORAGE}
@@ -95,6 +98,7 @@ class Ingestor:
         backend: IndexBackend,
         catalog: ModelCatalog,
         verifier: HashVerifier | None = None,
+        layouts: KvLayouts | None = None,
     ) -> None:
         self._backend = backend
         self._catalog = catalog
@@ -102,6 +106,8 @@ class Ingestor:
         self._engine_map = EngineKeyMap()
         self._content: dict[str, ContentHasher] = {}
         self._primary_group: dict[str, int] = {}
+        self._grouped: set[str] = set()  # members whose stores name their KV group's kind
+        self.layouts = layouts if layouts is not None else KvLayouts()
         self.counts = IngestCounts()
 
     def deliver(self, deliveries: Sequence[Delivery]) -> None:
@@ -116,6 +122,7 @@ class Ingestor:
         self.counts.resets[reason] += 1
         self._engine_map.clear(member)
         self._primary_group.pop(member, None)
+        self._grouped.discard(member)
         if self._verifier is not None:
             self._verifier.reset(member)
         dropped = self._backend.clear_member(member)
@@ -144,11 +151,19 @@ class Ingestor:
                 if event.locality == _REMOTE:
                     counts.skipped["remote_locality"] += 1
                     continue
-                tier = self._tier_for(
-                    member, event.group_idx, event.kv_cache_spec_kind, event.medium
+                if event.group_idx is not None and not tokens_mode:
+                    self._learn_group(member, model, event)
+                place = self._place(
+                    member,
+                    model,
+                    event.group_idx,
+                    event.kv_cache_spec_kind,
+                    event.medium,
+                    tokens_mode,
                 )
-                if tier is None:
+                if place is None:
                     continue
+                target, tier = place
                 # From the root of the chain: maybe an announcement (see the docstring)
                 op = Op.ANNOUNCE if event.parent_block_hash is None else Op.STORE
                 if tokens_mode:
@@ -159,45 +174,72 @@ class Ingestor:
                         self._verifier.observe(member, model, event)
                 if keys:
                     counts.blocks_stored += len(keys)
-                    changes.append(Change(op, member, model, tier, keys))
+                    changes.append(Change(op, member, target, tier, keys))
             elif isinstance(event, BlockRemoved):
                 counts.events["BlockRemoved"] += 1
                 if event.locality == _REMOTE:
                     counts.skipped["remote_locality"] += 1
                     continue
-                tier = self._tier_for(member, event.group_idx, None, event.medium)
-                if tier is None:
+                place = self._place(member, model, event.group_idx, None, event.medium, tokens_mode)
+                if place is None:
                     continue
+                target, tier = place
                 keys = hashes_to_ints(event.block_hashes)
                 if tokens_mode:
                     keys = self._engine_map.forget(member, tier, keys)
                 if keys:
                     counts.blocks_removed += len(keys)
-                    changes.append(Change(Op.REMOVE, member, model, tier, keys))
+                    changes.append(Change(Op.REMOVE, member, target, tier, keys))
             elif isinstance(event, AllBlocksCleared):
                 counts.events["AllBlocksCleared"] += 1
                 self._engine_map.clear(member)
                 changes.append(Change(Op.CLEAR, member, model, None))
 
-    def _tier_for(
-        self, member: str, group_idx: int | None, kind: str | None, medium: str | None
-    ) -> Tier | None:
-        """The tier an event of this KV-cache group and medium applies to; None (counted)
-        when it is not indexed."""
-        if not self._indexed_group(member, group_idx, kind):
+    def _learn_group(self, member: str, model: str, event: BlockStored) -> None:
+        """Record the group layout a store announces (engine-key mode only: token-key
+        mode indexes the primary group alone)."""
+        kind = event.kv_cache_spec_kind
+        if kind is None:
+            return
+        self._grouped.add(member)
+        if event.medium not in (None, "GPU"):
+            return  # offload tiers have block sizes of their own
+        block_size = event.block_size if event.token_ids else 0
+        self.layouts.learn(
+            model, event.group_idx or 0, kind, event.kv_cache_spec_sliding_window, block_size
+        )
+
+    def _place(
+        self,
+        member: str,
+        model: str,
+        group_idx: int | None,
+        kind: str | None,
+        medium: str | None,
+        tokens_mode: bool,
+    ) -> tuple[str, Tier] | None:
+        """The index namespace and tier an event of this KV-cache group and medium
+        applies to; None (counted) when it is not indexed."""
+        if group_idx is None:
+            target: str | None = model
+        elif member in self._grouped:
+            target = group_model(model, group_idx)
+        else:
+            target = model if self._indexed_group(member, group_idx, kind) else None
+        if target is None:
             self.counts.skipped["other_kv_group"] += 1
             return None
         tier = _TIERS.get(medium)
         if tier is None:
             self.counts.skipped["unknown_medium"] += 1
-        return tier
+            return None
+        return target, tier
 
-    def _indexed_group(self, member: str, group_idx: int | None, kind: str | None) -> bool:
-        if group_idx is None:
-            return True
+    def _indexed_group(self, member: str, group_idx: int, kind: str | None) -> bool:
+        """Without a learned layout: whether this is the member's primary group."""
         primary = self._primary_group.get(member)
         if kind is not None:
-            if kind not in _FULL_ATTENTION_KINDS:
+            if kind not in FULL_ATTENTION_KINDS:
                 return False
             if primary is None or group_idx < primary:
                 self._primary_group[member] = primary = group_idx

@@ -1077,9 +1077,7 @@ class BlockTable:
             self._count_tiers(found, slots[:length], run)
         return found
 
-    def presence(
-        self, keys: U64s, allowed: np.ndarray | np.uint64 | None
-    ) -> dict[int, list[int]]:
+    def presence(self, keys: U64s, allowed: np.ndarray | np.uint64 | None) -> dict[int, list[int]]:
         """Per member id holding any of ``keys``: one bitmask per tier over the positions
         of ``keys`` (bit ``i`` = holds ``keys[i]`` there). No early stop: every key is
         probed (sliding-window and Mamba hits need blocks past a hole)."""

@@ -193,9 +193,7 @@ class RedisBackend:
             argv += list(members)
             if len(argv) == 1:
                 return []
-        ids, blocks = self.connection.call(
-            "presence", *_PRESENCE.args(self.meta_key(model), argv)
-        )
+        ids, blocks = self.connection.call("presence", *_PRESENCE.args(self.meta_key(model), argv))
         names = {int(ids[i]): ids[i + 1].decode() for i in range(0, len(ids), 2)}
         masks: dict[str, list[int]] = {}
         for i in range(0, len(blocks), 4):

@@ -5,6 +5,10 @@ cache is a hash chain), so a pod's answer is its longest consecutive cached pref
 ``matched_blocks``, how many of those sit in each tier, and a tier-weighted ``score``
 (a block in CPU memory must be copied back before use and is worth less than one on
 the GPU).
+
+Hybrid models (several KV groups, learned from the events): a pod's answer is the hit
+vLLM's hybrid coordinator would find over every group (:mod:`kvindex.scoring.hybrid`),
+uncapped like the plain path (vLLM caps a new request at ``prompt_tokens - 1``).
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvindex.indexer.backend import IndexBackend, Tier
+from kvindex.indexer.backend import IndexBackend, MemberMatch, MemberPresence, Tier
 from kvindex.indexer.keys import BlockExtras, KeyConfigError
+from kvindex.indexer.kv_groups import GroupSpec, KvLayouts, group_model
 from kvindex.indexer.models import KeyMode, ModelCatalog
 from kvindex.indexer.token_keys import ContentHasher
+from kvindex.scoring import hybrid
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +57,7 @@ class ScoreResult:
     prompt_tokens: int
     prompt_blocks: int
     pods: list[PodScore] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def best_matched_blocks(self) -> int:
@@ -65,11 +72,16 @@ class Scorer:
     """Scores prompts against an index backend."""
 
     def __init__(
-        self, backend: IndexBackend, catalog: ModelCatalog, weights: TierWeights | None = None
+        self,
+        backend: IndexBackend,
+        catalog: ModelCatalog,
+        weights: TierWeights | None = None,
+        layouts: KvLayouts | None = None,
     ) -> None:
         self._backend = backend
         self._catalog = catalog
         self._weights = weights or TierWeights()
+        self._layouts = layouts
         self._content: dict[int, ContentHasher] = {}
 
     def block_keys(
@@ -111,7 +123,22 @@ class Scorer:
         keys = self.block_keys(model, tokens, lora_name, cache_salt)
         block_size = self._catalog.keying(model).hash.block_size
         result = ScoreResult(model, block_size, len(tokens), len(keys))
-        matches = [] if not keys else self._backend.lookup(model, keys, candidates)
+        layout = None if self._layouts is None else self._layouts.get(model)
+        if layout is not None and _is_plain(layout):
+            layout = None
+        if layout is not None:
+            reason = hybrid.unsupported_reason(layout, block_size)
+            if reason is not None:
+                result.warnings.append(
+                    f"hybrid KV-cache hit not reproduced ({reason}): scores count KV group 0 only"
+                )
+                layout = None
+        if not keys:
+            matches = []
+        elif layout is None:
+            matches = self._backend.lookup(model, keys, candidates)
+        else:
+            matches = self._hybrid_matches(model, keys, len(tokens), block_size, layout, candidates)
         weights = self._weights
         w_gpu, w_cpu, w_storage = weights.gpu, weights.cpu, weights.storage
         for match in matches:
@@ -134,3 +161,71 @@ class Scorer:
                 PodScore(pod, 0, 0, 0, 0, 0, 0.0) for pod in sorted(set(candidates) - seen)
             )
         return result
+
+    def _hybrid_matches(
+        self,
+        model: str,
+        keys: Sequence[int],
+        max_length: int,
+        block_size: int,
+        layout: dict[int, GroupSpec],
+        candidates: Collection[str] | None,
+    ) -> list[MemberMatch]:
+        """Each pod's hit under vLLM's hybrid rule, from one presence query per KV group.
+
+        A group with blocks of ``s`` times the model's block size is probed on every
+        ``s``-th key (vLLM 0.33 ``BlockHashListWithBlockSize``: the hash at a block's last
+        hash-block boundary is that block's hash). Tier counts come from the first spec
+        group in lookup order (full attention when there is one); blocks a window skips
+        count as GPU (they cost nothing to reuse)."""
+        steps = hybrid.plan(layout)
+        answers: list[list[dict[str, MemberPresence]]] = []  # per spec group, per KV group
+        for group in steps.groups:
+            scale = group.spec.block_size // block_size
+            view = keys[scale - 1 :: scale]
+            answers.append(
+                [
+                    {
+                        p.member: p
+                        for p in self._backend.presence(group_model(model, g), view, candidates)
+                    }
+                    for g in group.group_ids
+                ]
+            )
+        members = {member for per_group in answers for found in per_group for member in found}
+        held: dict[str, list[int]] = {}
+        tiers: dict[str, tuple[int, int, int]] = {}
+        for member in members:
+            masks = []
+            for per_group in answers:
+                mask = -1  # cached in every KV group of the spec group (get_cached_block)
+                for found in per_group:
+                    presence = found.get(member)
+                    mask &= 0 if presence is None else presence.held
+                masks.append(mask)
+            held[member] = masks
+            first_found = answers[0][0].get(member)
+            if first_found is not None:
+                tiers[member] = first_found.by_tier
+        out = []
+        first = steps.groups[0].spec.block_size
+        for member, masks in held.items():
+            tokens = hybrid.find_longest_cache_hit(steps, masks, max_length)
+            if tokens <= 0:
+                continue
+            blocks = tokens // block_size
+            scale = first // block_size
+            low = (1 << (tokens // first)) - 1
+            gpu, cpu, storage = tiers.get(member, (0, 0, 0))
+            on_cpu = (cpu & ~gpu & low).bit_count() * scale
+            on_storage = (storage & ~gpu & ~cpu & low).bit_count() * scale
+            out.append(
+                MemberMatch(member, blocks, (blocks - on_cpu - on_storage, on_cpu, on_storage))
+            )
+        return out
+
+
+def _is_plain(layout: dict[int, GroupSpec]) -> bool:
+    """A single full-attention group at index 0: the plain longest-prefix rule applies."""
+    spec = layout.get(0)
+    return len(layout) == 1 and spec is not None and spec.is_full_attention

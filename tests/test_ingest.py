@@ -17,6 +17,7 @@ from kvindex.events.wire import (
 from kvindex.indexer.backend import Tier
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import BlockHasher, HashAlgo, HashConfig
+from kvindex.indexer.kv_groups import GroupSpec
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.models import KeyMode, ModelCatalog, ModelKeying
 from kvindex.indexer.verify import CheckState, HashVerifier
@@ -33,7 +34,7 @@ class Harness:
         self.backend = MemoryBackend()
         self.verifier = HashVerifier(self.catalog.keying, self.catalog.hasher)
         self.ingestor = Ingestor(self.backend, self.catalog, self.verifier)
-        self.scorer = Scorer(self.backend, self.catalog)
+        self.scorer = Scorer(self.backend, self.catalog, layouts=self.ingestor.layouts)
         self.seq = 0
 
     def send(self, stream: StreamId, *events: object, model: str = "m") -> None:
@@ -112,18 +113,41 @@ def test_digest_bytes_hashes_are_indexed_as_their_uint64(h: Harness) -> None:
     assert h.verifier.status(POD_A.member).state is CheckState.OK
 
 
-def test_sliding_window_group_is_not_indexed_and_cannot_remove(h: Harness) -> None:
+def test_every_kv_group_is_indexed_in_its_own_namespace(h: Harness) -> None:
     full = stored(8, group_idx=0, kv_cache_spec_kind="full_attention")
-    window = stored(8, group_idx=1, kv_cache_spec_kind="sliding_window")
+    window = stored(
+        8, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=32
+    )
     h.send(POD_A, full, window)
-    h.send(POD_A, BlockRemoved(KEYS[:8], group_idx=1))
+    assert h.backend.member_keys(POD_A.member, "m") == sorted(KEYS[:8])
+    assert h.backend.member_keys(POD_A.member, "m#kv-group-1") == sorted(KEYS[:8])
+    assert h.ingestor.layouts.get("m") == {
+        0: GroupSpec("full_attention", None, 16),
+        1: GroupSpec("sliding_window", 32, 16),
+    }
     assert h.matched()[POD_A.member][0] == 8
-    assert h.ingestor.counts.skipped["other_kv_group"] == 2
-    h.send(POD_A, BlockRemoved(KEYS[4:8], group_idx=0))
-    assert h.matched()[POD_A.member][0] == 4
+    # evicting the window group's blocks 0-5 leaves its tail: still a hit (window 32 =
+    # the last 2 blocks of 16), while the full-attention group keeps all 8 blocks
+    h.send(POD_A, BlockRemoved(KEYS[:6], group_idx=1))
+    assert h.backend.member_keys(POD_A.member, "m") == sorted(KEYS[:8])
+    assert h.matched()[POD_A.member][0] == 8
+    # a hole in the window's tail: the hit moves back to the last 2 consecutive blocks
+    h.send(POD_A, BlockRemoved([KEYS[7]], group_idx=1))
+    assert h.matched() == {}
+    h.send(
+        POD_A,
+        stored(
+            4, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=32
+        ),
+    )
+    assert h.matched()[POD_A.member] == (4, (4, 0, 0))
+    assert h.ingestor.counts.skipped["other_kv_group"] == 0
+    h.send(POD_A, AllBlocksCleared())
+    assert h.backend.members() == []
 
 
-def test_primary_group_is_the_lowest_full_attention_group(h: Harness) -> None:
+def test_primary_group_is_the_lowest_full_attention_group_in_token_key_mode() -> None:
+    h = Harness(ModelCatalog(ModelKeying(key_mode=KeyMode.TOKENS)))
     h.send(
         POD_A,
         stored(8, group_idx=0, kv_cache_spec_kind="sliding_window"),
@@ -133,6 +157,7 @@ def test_primary_group_is_the_lowest_full_attention_group(h: Harness) -> None:
     assert h.matched()[POD_A.member][0] == 8
     h.send(POD_A, BlockRemoved(KEYS[:8], group_idx=1))
     assert h.matched() == {}
+    assert h.ingestor.layouts.get("m") is None
 
 
 def test_group_zero_is_primary_when_kinds_are_unknown(h: Harness) -> None:

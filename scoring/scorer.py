@@ -117,10 +117,17 @@ class Scorer:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         candidates: Collection[str] | None = None,
+        max_hit_tokens: int | None = None,
     ) -> ScoreResult:
         """Every pod's cached prefix of ``tokens``, best first; ``candidates`` (normalised
-        pod ids) restricts the answer and each candidate is listed even with no match."""
+        pod ids) restricts the answer and each candidate is listed even with no match.
+
+        ``max_hit_tokens`` caps a hit as vLLM's ``max_cache_hit_length`` does (a new
+        request is capped at ``len(tokens) - 1``, its last token recomputed for logits);
+        by default nothing is capped. For a hybrid model the cap can change more than the
+        last block: a sliding window's hit is searched from the cap leftwards."""
         keys = self.block_keys(model, tokens, lora_name, cache_salt)
+        max_length = len(tokens) if max_hit_tokens is None else max(0, max_hit_tokens)
         block_size = self._catalog.keying(model).hash.block_size
         result = ScoreResult(model, block_size, len(tokens), len(keys))
         layout = None if self._layouts is None else self._layouts.get(model)
@@ -136,9 +143,11 @@ class Scorer:
         if not keys:
             matches = []
         elif layout is None:
-            matches = self._backend.lookup(model, keys, candidates)
+            if max_hit_tokens is not None:
+                keys = keys[: max_length // block_size]
+            matches = self._backend.lookup(model, keys, candidates) if keys else []
         else:
-            matches = self._hybrid_matches(model, keys, len(tokens), block_size, layout, candidates)
+            matches = self._hybrid_matches(model, keys, max_length, block_size, layout, candidates)
         weights = self._weights
         w_gpu, w_cpu, w_storage = weights.gpu, weights.cpu, weights.storage
         for match in matches:

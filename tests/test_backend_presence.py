@@ -97,6 +97,4 @@ def test_presence_matches_a_plain_reference(backend: IndexBackend) -> None:
             if any(masks):
                 want.append(MemberPresence(m, masks))  # type: ignore[arg-type]
         assert backend.presence(M, probe) == want
-        assert backend.presence(M, probe, members=[A, C]) == [
-            p for p in want if p.member in (A, C)
-        ]
+        assert backend.presence(M, probe, members=[A, C]) == [p for p in want if p.member in (A, C)]

@@ -51,6 +51,7 @@ from kvindex.events.replay_endpoints import (
 from kvindex.events.subscriber import Subscriber
 from kvindex.indexer.backend import BackendError, IndexBackend
 from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.kv_groups import is_group_namespace
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.pods import PodDirectory
 from kvindex.indexer.snapshot import SnapshotGate, Snapshotter
@@ -391,7 +392,7 @@ class Service:
         if self.settings.model:
             found.add(self.settings.model)
         found.update(s.model for s in self.subscriber.streams() if s.model)
-        found.update(self.backend.models())
+        found.update(m for m in self.backend.models() if not is_group_namespace(m))
         models = frozenset(found)
         self._models_cache = (now, models)
         return models

@@ -134,11 +134,21 @@ class Ingestor:
         return {
             "engine_map": self._engine_map.to_state(),
             "primary_group": dict(self._primary_group),  # a copy: written after the cut
+            "grouped": sorted(self._grouped),
+            "layouts": [
+                [model, idx, spec.kind, spec.sliding_window, spec.block_size]
+                for model, groups in sorted(self.layouts.all().items())
+                for idx, spec in sorted(groups.items())
+            ],
         }
 
     def from_state(self, state: dict[str, Any]) -> None:
         self._engine_map.from_state(state["engine_map"])
         self._primary_group = {str(m): int(g) for m, g in state["primary_group"].items()}
+        # KV groups (absent from snapshots written before hybrid indexing)
+        self._grouped = {str(m) for m in state.get("grouped", ())}
+        for model, idx, kind, window, block_size in state.get("layouts", ()):
+            self.layouts.learn(str(model), int(idx), str(kind), window, int(block_size))
 
     def _changes_for(self, delivery: Delivery, changes: list[Change]) -> None:
         member = delivery.stream.member

@@ -7,6 +7,8 @@ scorer's use of it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvindex.events.identity import StreamId
@@ -17,6 +19,7 @@ from kvindex.indexer.keys import BlockHasher, HashConfig
 from kvindex.indexer.kv_groups import GroupSpec, KvLayouts, group_model
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.models import ModelCatalog
+from kvindex.indexer.snapshot_file import read_snapshot, write_snapshot
 from kvindex.scoring import hybrid
 from kvindex.scoring.scorer import Scorer
 
@@ -202,3 +205,20 @@ def test_cap_applies_to_the_plain_path_too() -> None:
     assert p.scorer.score("m", TOKENS).pods[0].matched_blocks == 8
     assert p.scorer.score("m", TOKENS, max_hit_tokens=len(TOKENS) - 1).pods[0].matched_blocks == 7
     assert p.scorer.score("m", TOKENS, max_hit_tokens=0).pods == []
+
+
+def test_kv_groups_survive_a_snapshot(tmp_path: Path) -> None:
+    p = Pipeline()
+    window = {"kv_cache_spec_sliding_window": 48}
+    p.send(store(range(4), 0, "full_attention"), store(range(4), 1, "sliding_window", **window))
+    write_snapshot(tmp_path / "snap", {"ingest": p.ingestor.to_state()})
+    state = read_snapshot(tmp_path / "snap")["ingest"]
+    restored = Ingestor(p.backend, p.catalog, layouts=KvLayouts())
+    restored.from_state(state)
+    assert restored.layouts.get("m") == p.ingestor.layouts.get("m")
+    # a window-group removal right after the restore still reaches its namespace
+    restored.deliver(
+        [Delivery(POD, "m", 9, EventBatch(0.0, [BlockRemoved(KEYS[:4], group_idx=1)]), 0.0)]
+    )
+    assert p.backend.member_keys(POD.member, group_model("m", 1)) == []
+    assert p.backend.member_keys(POD.member, "m") == sorted(KEYS[:4])

@@ -145,18 +145,26 @@ def test_events_ingested_then_scored_equal_vllm(recorded: dict, config: str) -> 
     """End to end: vLLM's published events through kvindex's decoder and ingestor give
     every KV group's block set and every probe's hit exactly as vLLM has them.
 
-    vLLM may hold one hash in two blocks and evict one (issue 10 item 1); an index
-    without copy counts then drops a block vLLM still holds. Until the backend counts
-    copies, such a divergence is an expected failure, reported as one."""
+    Known gap (issue 10 item 1, the copy rule): a store from the root of the chain
+    counts as an announcement, not a second copy, so when vLLM stores a block it already
+    holds from the root and then evicts one copy, kvindex drops a block vLLM still holds.
+    A hybrid model does that whenever a request's combined hit is shorter than its
+    full-attention group's (the request recomputes and re-stores from block 0). That
+    under-report is an expected failure from the step it first happens; anything else
+    (kvindex holding a block vLLM does not, or a different hit) fails."""
     replica = Replica(recorded[config])
     for seq, step in enumerate(replica.run["steps"]):
         replica.apply(seq, step)
-        if not replica.groups_equal_vllm(step):
-            if not counts_copies():
-                pytest.xfail(f"step {seq}: a duplicate block was evicted (needs copy counts)")
-            for group, hashes in step["cached"].items():
-                mine = replica.backend.member_keys(POD.member, group_model(MODEL, int(group)))
-                assert mine == hashes, f"step {seq}, KV group {group}"
+        for group, hashes in step["cached"].items():
+            mine = set(replica.backend.member_keys(POD.member, group_model(MODEL, int(group))))
+            extra = mine - set(hashes)
+            assert not extra, f"step {seq}, KV group {group}: {len(extra)} blocks vLLM lacks"
+            missing = set(hashes) - mine
+            if missing:
+                pytest.xfail(
+                    f"step {seq}, KV group {group}: kvindex lacks {len(missing)} block(s) vLLM "
+                    "holds (root-stored copies are not counted, see the docstring)"
+                )
         for probe in step["probes"]:
             tokens = probe["tokens"]
             got = (hit(replica.scorer, tokens), hit(replica.scorer, tokens, len(tokens) - 1))
@@ -164,11 +172,3 @@ def test_events_ingested_then_scored_equal_vllm(recorded: dict, config: str) -> 
             assert got == want, f"step {seq}, {len(tokens)} tokens: kvindex {got}, vLLM {want}"
     assert replica.ingestor.counts.skipped["other_kv_group"] == 0
     assert replica.ingestor.layouts.conflicts == 0
-
-
-def counts_copies() -> bool:
-    """Whether the memory backend keeps a key stored twice until it is removed twice."""
-    backend = MemoryBackend()
-    backend.apply([Change(Op.STORE, "a", "m", Tier.GPU, [1]) for _ in range(2)])
-    backend.apply([Change(Op.REMOVE, "a", "m", Tier.GPU, [1])])
-    return bool(backend.lookup("m", [1]))

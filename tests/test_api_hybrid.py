@@ -11,6 +11,7 @@ from kvindex.api.app import create_app
 from kvindex.api.config import Settings
 from kvindex.api.service import Service
 from kvindex.api.testing import free_port
+from kvindex.events.endpoints import from_source
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.testing import wait_until
 from kvindex.events.wire import BlockRemoved, BlockStored
@@ -31,7 +32,9 @@ def served() -> Iterator[tuple[TestClient, str, Service]]:
 
 
 def publish(endpoint: str, pod: str, service: Service, *events: object) -> None:
-    with EnginePublisher(endpoint, topic=f"kv@{pod}@m", bind=False) as pub:
+    # Sent from the pod's own host: bind mode checks the sender's address.
+    source = from_source(endpoint, pod.split(":")[0])
+    with EnginePublisher(source, topic=f"kv@{pod}@m", bind=False) as pub:
         assert pub.wait_for_subscribers(1, 5.0)
         pub.publish(list(events))
         applied = wait_until(

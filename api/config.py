@@ -15,7 +15,7 @@ import msgspec
 
 from kvindex.events.k8s_pods import DiscoveryConfig, DiscoveryMode
 from kvindex.indexer.keys import ExtraKeyStyle, HashAlgo, HashConfig, KeyConfigError
-from kvindex.indexer.models import KeyMode, ModelCatalog, ModelKeying
+from kvindex.indexer.models import KeyMode, ModelCatalog, ModelKeying, ReportMode
 from kvindex.scoring.scorer import TierWeights
 
 
@@ -32,6 +32,7 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     extra_key_style: ExtraKeyStyle | None = None
     lookahead_tokens: int | None = None
     key_mode: KeyMode | None = None
+    kv_cache_report_mode: ReportMode = ReportMode.INCREMENTAL
     tokenizer: str | None = None
     loras: dict[str, str] = {}
 
@@ -198,6 +199,7 @@ def build_catalog(settings: Settings, models: ModelConfigFile) -> ModelCatalog:
                 ),
                 key_mode=entry.key_mode or default.key_mode,
                 loras=dict(entry.loras),
+                report_mode=entry.kv_cache_report_mode,
             )
         return ModelCatalog(default, per_model)
     except KeyConfigError as exc:

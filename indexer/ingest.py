@@ -21,17 +21,17 @@ memory). Rules, each one a pitfall other indexers hit:
   sampling, retries, many users sending one canned prompt) and publishes a
   ``BlockStored`` per copy and a ``BlockRemoved`` per copy evicted, so the index counts
   copies (``Op.STORE`` adds one, ``Op.REMOVE`` takes one away, never below zero) and
-  a member holds a hash while it has one. Requests sent with
-  ``kv_cache_report_mode="full"`` also re-announce the blocks their prompt hit as a
-  ``BlockStored`` with no removal to match, and such an event is built exactly like a
-  real one; what marks it is that it starts at the root of the chain
-  (``parent_block_hash`` None) and names blocks already cached. So a store from the
-  root is an ``Op.ANNOUNCE``: a block not held gets one copy, a held block gets
-  nothing. Announcements then never outlive the real copies' removals (no
-  over-counting, in any mode); the price is that a real second copy stored from the
-  root (a prompt of exactly one block sent twice, a request that skips the prefix
-  cache) is not counted, so its first eviction drops the hash early (under-reporting,
-  healed by the next store). The README ("Copies and report modes") has the cases.
+  a member holds a hash while it has one. Under vLLM's default report mode
+  (``incremental``) that is exact. Requests sent with ``kv_cache_report_mode="full"``
+  also re-announce the blocks their prompt hit as a ``BlockStored`` with no removal to
+  match, built exactly like a real one (vLLM 0.33 ``BlockPool._build_block_stored_event``
+  serves both); what marks it is only that it starts at the root of the chain
+  (``parent_block_hash`` None). The wire cannot tell such an announcement from a real
+  root copy, so the model's ``kv_cache_report_mode`` setting (``ReportMode``) decides:
+  ``incremental`` (the default) counts every store; ``full`` takes a store from the
+  root for an ``Op.ANNOUNCE`` (a block not held gets one copy, a held block nothing),
+  which never over-counts but drops a real root copy's hash at its first eviction.
+  The README ("Copies and report modes") has the cases.
 * Stores and removals marked ``locality="REMOTE"`` (vLLM >= 0.26) are not indexed
   (counted ``remote_locality``). In vLLM 0.33.0 only the offloading connector's
   secondary tiers set it (``v1/kv_offload/tiering/fs/manager.py`` and ``obj/manager.py``,
@@ -68,7 +68,7 @@ from kvindex.events.wire import (
 from kvindex.indexer.backend import Change, IndexBackend, Op, Tier
 from kvindex.indexer.keys import BlockExtras
 from kvindex.indexer.kv_groups import FULL_ATTENTION_KINDS, KvLayouts, group_model
-from kvindex.indexer.models import KeyMode, ModelCatalog
+from kvindex.indexer.models import KeyMode, ModelCatalog, ReportMode
 from kvindex.indexer.token_keys import ContentHasher, EngineKeyMap, TokenRangeError
 from kvindex.indexer.verify import HashVerifier
 
@@ -153,7 +153,10 @@ class Ingestor:
     def _changes_for(self, delivery: Delivery, changes: list[Change]) -> None:
         member = delivery.stream.member
         model = delivery.model
-        tokens_mode = self._catalog.keying(model).key_mode is KeyMode.TOKENS
+        keying = self._catalog.keying(model)
+        tokens_mode = keying.key_mode is KeyMode.TOKENS
+        # Under report mode "full" a store from the root may be an announcement (docstring)
+        root_op = Op.ANNOUNCE if keying.report_mode is ReportMode.FULL else Op.STORE
         counts = self.counts
         for event in delivery.batch.events:
             if isinstance(event, BlockStored):
@@ -174,8 +177,7 @@ class Ingestor:
                 if place is None:
                     continue
                 target, tier = place
-                # From the root of the chain: maybe an announcement (see the docstring)
-                op = Op.ANNOUNCE if event.parent_block_hash is None else Op.STORE
+                op = root_op if event.parent_block_hash is None else Op.STORE
                 if tokens_mode:
                     keys = self._content_keys(member, model, tier, event, op)
                 else:

@@ -32,6 +32,26 @@ class KeyMode(enum.StrEnum):
     TOKENS = "tokens"
 
 
+class ReportMode(enum.StrEnum):
+    """How the model's clients ask vLLM to report cache hits (``kv_cache_report_mode``
+    in a request's ``SamplingParams.extra_args``, vLLM 0.33).
+
+    ``incremental`` (vLLM's default): every ``BlockStored`` is a new physical copy, so
+    every store adds a copy and the index equals the engine's cache map exactly.
+
+    ``full``: some requests also re-announce the blocks their prompt hit, as a
+    ``BlockStored`` from the root of the chain built exactly like a real store and never
+    matched by a removal. A store from the root is then taken as an announcement (held
+    at least once, no copy added), so nothing is over-counted; the price is that a real
+    second copy stored from the root (a one-block prompt sent twice, a request that skips
+    the prefix cache, a hybrid model re-storing after a shorter combined hit) is not
+    counted and its first eviction drops the hash early.
+    """
+
+    INCREMENTAL = "incremental"
+    FULL = "full"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelKeying:
     """How one model's keys are made."""
@@ -39,6 +59,7 @@ class ModelKeying:
     hash: HashConfig = field(default_factory=HashConfig)
     key_mode: KeyMode = KeyMode.ENGINE
     loras: Mapping[str, str] = field(default_factory=dict)  # adapter name -> path
+    report_mode: ReportMode = ReportMode.INCREMENTAL
 
     def lora_path(self, name: str) -> str | None:
         return self.loras.get(name)

@@ -145,13 +145,10 @@ def test_events_ingested_then_scored_equal_vllm(recorded: dict, config: str) -> 
     """End to end: vLLM's published events through kvindex's decoder and ingestor give
     every KV group's block set and every probe's hit exactly as vLLM has them.
 
-    Known gap (issue 10 item 1, the copy rule): a store from the root of the chain
-    counts as an announcement, not a second copy, so when vLLM stores a block it already
-    holds from the root and then evicts one copy, kvindex drops a block vLLM still holds.
-    A hybrid model does that whenever a request's combined hit is shorter than its
-    full-attention group's (the request recomputes and re-stores from block 0). That
-    under-report is an expected failure from the step it first happens; anything else
-    (kvindex holding a block vLLM does not, or a different hit) fails."""
+    A hybrid model re-stores from block 0 whenever a request's combined hit is shorter
+    than its full-attention group's: under report mode ``incremental`` (the default)
+    those root stores are copies, so evicting one copy keeps the block.
+    """
     replica = Replica(recorded[config])
     for seq, step in enumerate(replica.run["steps"]):
         replica.apply(seq, step)
@@ -160,11 +157,7 @@ def test_events_ingested_then_scored_equal_vllm(recorded: dict, config: str) -> 
             extra = mine - set(hashes)
             assert not extra, f"step {seq}, KV group {group}: {len(extra)} blocks vLLM lacks"
             missing = set(hashes) - mine
-            if missing:
-                pytest.xfail(
-                    f"step {seq}, KV group {group}: kvindex lacks {len(missing)} block(s) vLLM "
-                    "holds (root-stored copies are not counted, see the docstring)"
-                )
+            assert not missing, f"step {seq}, KV group {group}: {len(missing)} blocks missing"
         for probe in step["probes"]:
             tokens = probe["tokens"]
             got = (hit(replica.scorer, tokens), hit(replica.scorer, tokens, len(tokens) - 1))

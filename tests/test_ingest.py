@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kvindex.api.config import ConfigError, Settings, build_catalog, load_model_config
 from kvindex.events.identity import StreamId
 from kvindex.events.sink import Delivery
 from kvindex.events.wire import (
@@ -267,3 +268,34 @@ def test_malformed_token_ids_are_skipped_in_token_mode() -> None:
     h.send(POD_A, decoded_stored(random_seed_keys("a"), ["not", "tokens"]))
     assert h.matched() == {}
     assert h.ingestor.counts.skipped["invalid_token_ids"] == 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "after_one_removal"),
+    [
+        # incremental (vLLM's default): the second root store is a second physical copy
+        ("incremental", 1),
+        # full: a root store of held blocks is a re-announcement, never a copy
+        ("full", 0),
+    ],
+)
+def test_report_mode_decides_what_a_root_store_of_held_blocks_is(
+    tmp_path, mode: str, after_one_removal: int
+) -> None:
+    config = tmp_path / "models.json"
+    config.write_bytes(msgspec.json.encode({"models": {"m": {"kv_cache_report_mode": mode}}}))
+    catalog = build_catalog(Settings(), load_model_config(str(config)))
+    h = Harness(catalog)
+    h.send(POD_A, stored(1))
+    h.send(POD_A, stored(1))  # the same one-block chain from the root, again
+    h.send(POD_A, BlockRemoved([KEYS[0]]))
+    assert h.matched(TOKENS[:16]).get(POD_A.member, (0,))[0] == after_one_removal
+    h.send(POD_A, BlockRemoved([KEYS[0]]))
+    assert POD_A.member not in h.matched(TOKENS[:16])  # never a negative or leftover count
+
+
+def test_an_unknown_report_mode_is_refused(tmp_path) -> None:
+    config = tmp_path / "models.json"
+    config.write_text('{"models": {"m": {"kv_cache_report_mode": "sometimes"}}}')
+    with pytest.raises(ConfigError, match="kv_cache_report_mode"):
+        load_model_config(str(config))

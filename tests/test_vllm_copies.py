@@ -5,9 +5,10 @@ in an interpreter that has vLLM (``KVINDEX_VLLM_PYTHON``, default
 ``/tmp/vv/bin/python``) and prints each step's event batch, encoded by vLLM's own
 encoder, with the hashes its ``cached_block_hash_to_block`` holds afterwards. Here
 every batch goes through kvindex's decoder and Ingestor into each backend, and after
-every step the member's keys must equal that truth (the shared-prefix workloads, in
-either report mode), or, for the one documented case the rule cannot tell apart, never
-exceed it. Skips when no such interpreter is there.
+every step the member's keys must equal that truth, with the model's
+``kv_cache_report_mode`` set as its clients send (``incremental`` phases, the one-block
+duplicate included, and ``full`` for full and mixed traffic). Skips when no such
+interpreter is there.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kvindex.events.wire import BatchDecoder
 from kvindex.indexer.backend import IndexBackend
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.models import ModelCatalog
+from kvindex.indexer.models import ModelCatalog, ModelKeying, ReportMode
 from tests.redis_fixtures import redis_backend_factory
 
 DRIVER = Path(__file__).with_name("vllm_copies_driver.py")
@@ -69,22 +70,21 @@ def test_index_equals_the_engines_cache_map(
 ) -> None:
     backend = BACKENDS[kind](request)
     try:
-        ingestor = Ingestor(backend, ModelCatalog())
         decoder = BatchDecoder()
-        phase, checked, short = None, 0, 0
+        phase, checked = None, 0
         for seq, step in enumerate(steps):
             if step["phase"] != phase:  # each phase is a fresh engine
                 phase = step["phase"]
+                # The model's kv_cache_report_mode says what its clients send.
+                mode = ReportMode.FULL if "full" in phase else ReportMode.INCREMENTAL
+                ingestor = Ingestor(backend, ModelCatalog(ModelKeying(report_mode=mode)))
                 ingestor.reset(POD, "engine_restart")
             batch = decoder.decode(base64.b64decode(step["payload"])).batch
             ingestor.deliver([Delivery(POD, MODEL, seq, batch, 0.0)])
             held = set(backend.member_keys(POD.member, MODEL))
             truth = set(step["truth"])
             assert not held - truth, f"{phase} step {seq}: indexed but not cached"
-            if phase == "one-block":
-                short += len(truth - held)
-            else:
-                assert held == truth, f"{phase} step {seq}: cached but not indexed"
+            assert held == truth, f"{phase} step {seq}: cached but not indexed"
             checked += 1
         assert checked == len(steps) > 700
         assert {s["phase"] for s in steps} == {
@@ -94,7 +94,5 @@ def test_index_equals_the_engines_cache_map(
             "full",
             "one-block",
         }
-        assert short == 1  # the second copy of a one-block prompt: dropped one step early
     finally:
         backend.close()
-

@@ -170,8 +170,8 @@ def workload(out: list[dict[str, object]], seed: int, rounds: int, modes: list[s
 
 def single_block_prompts(out: list[dict[str, object]]) -> None:
     """A prompt of exactly one block, sent twice: the second request cannot hit (vLLM
-    recomputes the last token) and stores a second copy from the chain's root, which
-    the index takes for an announcement (the documented under-count)."""
+    recomputes the last token) and stores a second copy from the chain's root: counted
+    under report mode ``incremental``, where no announcement can come."""
     engine = Engine(num_blocks=6)
     prompt = list(range(300, 300 + BLOCK))
     first = engine.request(prompt, "incremental")

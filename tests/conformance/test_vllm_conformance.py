@@ -6,14 +6,15 @@ interpreter), in both ZMQ topologies: pods that connect to kvindex's bound socke
 topic ``kv@<pod>@<model>``, and pods that bind (``tcp://*:0`` on their own loopback
 address, vLLM's own rule) and that kvindex connects to. Every pod serves replay on its
 address and the same port. Two hash configurations run side by side as two models:
-sha256 with no seed, and sha256_cbor seeded with PYTHONHASHSEED.
+sha256 with no seed, and sha256_cbor seeded with PYTHONHASHSEED; each also as a model
+whose clients send report-mode "full" requests (configured ``kv_cache_report_mode:
+full``), and a hybrid (full-attention + sliding-window) model.
 
 Each test is one phase: a workload on its own pods, then the check of
 :func:`harness.compare_pod` for each of them - the pod's block set in kvindex equals
 vLLM's ``cached_block_hash_to_block`` keys, and every probe's ``/score`` equals
 ``get_computed_blocks`` (how the cap at ``num_tokens - 1`` is compared: see harness.py).
-Phases that fail today because of a known issue-10 item are strict xfails: when the fix
-lands they fail with "XPASS(strict)", and the mark must go.
+Every phase must agree exactly; none is marked as an expected failure.
 
 Run: ``bash tests/conformance/vllm_env.sh`` once (makes ``.venv-vllm``), then
 ``.venv/bin/python -m pytest tests/conformance``. Without a vLLM interpreter the suite
@@ -44,6 +45,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SHA = "conformance/sha256"
 CBOR = "conformance/sha256-cbor"
+#: The same hashes, for pods whose clients send kv_cache_report_mode="full" requests:
+#: the model config says so (README "Copies and report modes").
+SHA_FULL = "conformance/sha256-full"
+CBOR_FULL = "conformance/sha256-cbor-full"
 HYBRID = "conformance/hybrid"
 CBOR_SEED = "4242"
 LORAS = {"sql-adapter": "/adapters/sql", "chat-adapter": "/adapters/chat"}
@@ -51,8 +56,8 @@ LORAS = {"sql-adapter": "/adapters/sql", "chat-adapter": "/adapters/chat"}
 PODS = [
     PodSpec("127.0.0.11:8000", SHA, "bind"),
     PodSpec("127.0.0.12:8000", CBOR, "bind"),
-    PodSpec("127.0.0.13:8000", SHA, "connect", topic=False),
-    PodSpec("127.0.0.14:8000", CBOR, "connect"),
+    PodSpec("127.0.0.13:8000", SHA_FULL, "connect", topic=False),
+    PodSpec("127.0.0.14:8000", CBOR_FULL, "connect"),
     PodSpec("127.0.0.15:8000", SHA, "connect", options={"hwm": 1}),
     PodSpec("127.0.0.16:8000", CBOR, "bind", options={"hwm": 1}),
     PodSpec("127.0.0.17:8000", SHA, "bind"),
@@ -74,8 +79,8 @@ def _driver_pod(spec: PodSpec, bind_port: int, replay_port: int) -> dict:
     topic = f"kv@{spec.pod}@{spec.model}" if spec.topic else ""
     config = {
         "pod": spec.pod,
-        "hash_algo": "sha256_cbor" if spec.model == CBOR else "sha256",
-        "hash_seed": CBOR_SEED if spec.model == CBOR else None,
+        "hash_algo": "sha256_cbor" if spec.model in (CBOR, CBOR_FULL) else "sha256",
+        "hash_seed": CBOR_SEED if spec.model in (CBOR, CBOR_FULL) else None,
         "replay_endpoint": f"tcp://{spec.host}:{replay_port}",
         "topic": topic,
         "host_ip": spec.host,
@@ -89,15 +94,15 @@ def _driver_pod(spec: PodSpec, bind_port: int, replay_port: int) -> dict:
 
 
 def _model_config(path: Path) -> Path:
+    cbor = {"block_size": 16, "hash_algo": "sha256_cbor", "hash_seed": CBOR_SEED}
+    sha = {"block_size": 16, "hash_algo": "sha256"}
+    full = {"kv_cache_report_mode": "full"}
     models = {
-        SHA: {"block_size": 16, "hash_algo": "sha256", "loras": LORAS},
-        CBOR: {
-            "block_size": 16,
-            "hash_algo": "sha256_cbor",
-            "hash_seed": CBOR_SEED,
-            "loras": LORAS,
-        },
-        HYBRID: {"block_size": 16, "hash_algo": "sha256"},
+        SHA: {**sha, "loras": LORAS},
+        CBOR: {**cbor, "loras": LORAS},
+        SHA_FULL: {**sha, "loras": LORAS, **full},
+        CBOR_FULL: {**cbor, "loras": LORAS, **full},
+        HYBRID: sha,
     }
     path.write_text(json.dumps({"models": models}))
     return path
@@ -227,42 +232,23 @@ def test_preemption(suite: dict) -> None:
     assert truth["127.0.0.20:8000"]["preemptions"] > 0
 
 
-ITEM_1 = (
-    "issue 10 item 1 (what is left of it): a second physical copy stored from the chain's "
-    "root (a one-block prompt) is taken for a report-mode announcement, so evicting one "
-    "copy drops the hash although vLLM still caches the other"
-)
-
-
 def test_duplicate_copies_of_block_aligned_prompts(suite: dict) -> None:
     truth = run_phase(suite, [("127.0.0.18:8000", "canned_aligned")])
     assert truth["127.0.0.18:8000"]["duplicates_seen"], "vLLM never held two copies"
 
 
-@pytest.mark.xfail(strict=True, raises=Divergence, reason=ITEM_1)
 def test_duplicate_copies_of_one_block_prompts(suite: dict) -> None:
     truth = run_phase(suite, [("127.0.0.19:8000", "canned_one_block")])
     assert truth["127.0.0.19:8000"]["duplicates_seen"], "vLLM never held two copies"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=Divergence,
-    reason="issue 10 item 8: only the full-attention group is indexed (the sliding-window "
-    "group's blocks are missing and hits ignore its rule); and item 1: a hybrid hit shorter "
-    "than the cached full-attention prefix recomputes those blocks into second copies",
-)
 def test_hybrid_full_attention_and_sliding_window(suite: dict) -> None:
     """One full-attention and one sliding-window (48 tokens) group in one block pool."""
     run_phase(suite, [("127.0.0.21:8000", "chat"), ("127.0.0.21:8000", "shared")])
 
 
-#: Pods whose phase is a strict xfail above: they hold known differences.
-KNOWN_DIVERGENT = {"127.0.0.19:8000", "127.0.0.21:8000"}
-
-
 def test_every_other_pod_still_agrees_at_the_end(suite: dict) -> None:
     """After every phase (and more traffic on a fresh pod), each pod outside the known
     failures still agrees with its engine: nothing one pod did leaked into another."""
-    clean = [spec.pod for spec in PODS if spec.pod not in KNOWN_DIVERGENT]
+    clean = [spec.pod for spec in PODS]
     run_phase(suite, [("127.0.0.22:8000", "chat"), ("127.0.0.22:8000", "shared")], check=clean)

@@ -245,6 +245,10 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
+    from kvindex.api.route import install_route  # it imports this module's helpers
+
+    components.update(install_route(app, service))
+
     app.openapi_schema = None
     _original_openapi = app.openapi
 

@@ -227,6 +227,48 @@ _SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+_SERVE_OPTIONS += [
+    (
+        "--load-interval",
+        {
+            "type": float,
+            "metavar": "SECONDS",
+            "help": "/route: seconds between scrapes of every pod's vLLM /metrics (default 1); "
+            "a pod not scraped for 3 intervals has unknown load",
+        },
+    ),
+    (
+        "--load-timeout",
+        {"type": float, "metavar": "SECONDS", "help": "/route: one scrape's timeout (0.5)"},
+    ),
+    (
+        "--route-ttl",
+        {
+            "type": float,
+            "metavar": "SECONDS",
+            "help": "/route: a routed request counts against its pod until "
+            "POST /route/{id}/done or this many seconds (default 120)",
+        },
+    ),
+    (
+        "--max-kv-usage",
+        {
+            "type": float,
+            "help": "/route: never choose a pod whose KV cache usage (fullest engine) is "
+            "above this fraction (default 0.95)",
+        },
+    ),
+    (
+        "--max-waiting",
+        {
+            "type": int,
+            "help": "/route: never choose a pod with more requests waiting; 0 = no limit "
+            "(default)",
+        },
+    ),
+]
+
+
 def _settings_from(args: argparse.Namespace, environ: dict[str, str]) -> Settings:
     values: dict[str, Any] = {}
     for flag, spec in _SERVE_OPTIONS:

@@ -16,6 +16,7 @@ import msgspec
 from kvindex.events.k8s_pods import DiscoveryConfig, DiscoveryMode
 from kvindex.indexer.keys import ExtraKeyStyle, HashAlgo, HashConfig, KeyConfigError
 from kvindex.indexer.models import KeyMode, ModelCatalog, ModelKeying, ReportMode
+from kvindex.scoring.route_cost import CostWeights
 from kvindex.scoring.scorer import TierWeights
 
 
@@ -43,6 +44,15 @@ class TierWeightsEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     storage: float = 0.5
 
 
+class RouteWeightsEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``/route``'s cost weights (:mod:`kvindex.scoring.route_cost` says why these)."""
+
+    prefix: float = 2.0
+    queue: float = 1.0
+    kv: float = 1.0
+    queue_half: float = 4.0
+
+
 class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True):
     """The ``--model-config`` file (YAML, JSON or TOML)::
 
@@ -53,10 +63,12 @@ class ModelConfigFile(msgspec.Struct, forbid_unknown_fields=True):
         tokenizer: /models/qwen3-32b      # directory holding tokenizer.json
         loras: {sql-adapter: /adapters/sql}
     tier_weights: {gpu: 1.0, cpu: 0.8, storage: 0.5}
+    route_weights: {prefix: 2.0, queue: 1.0, kv: 1.0, queue_half: 4.0}
     """
 
     models: dict[str, ModelEntry] = {}
     tier_weights: TierWeightsEntry = TierWeightsEntry()
+    route_weights: RouteWeightsEntry = RouteWeightsEntry()
 
 
 class Settings(msgspec.Struct, kw_only=True):
@@ -107,6 +119,11 @@ class Settings(msgspec.Struct, kw_only=True):
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     keep_alive_timeout: float = 5.0
+    load_interval: float = 1.0
+    load_timeout: float = 0.5
+    route_ttl: float = 120.0
+    max_kv_usage: float = 0.95
+    max_waiting: int = 0
 
 
 def load_model_config(path: str | None) -> ModelConfigFile:
@@ -209,6 +226,14 @@ def build_catalog(settings: Settings, models: ModelConfigFile) -> ModelCatalog:
 def tier_weights(models: ModelConfigFile) -> TierWeights:
     w = models.tier_weights
     return TierWeights(w.gpu, w.cpu, w.storage)
+
+
+def route_weights(models: ModelConfigFile) -> CostWeights:
+    w = models.route_weights
+    try:
+        return CostWeights(w.prefix, w.queue, w.kv, w.queue_half)
+    except ValueError as exc:
+        raise ConfigError(f"route_weights: {exc}") from None
 
 
 def tokenizer_dirs(models: ModelConfigFile) -> dict[str, str]:

@@ -81,6 +81,58 @@ class ScoreResponse(msgspec.Struct):
     ] = []
 
 
+class RouteRequest(ScoreRequest, forbid_unknown_fields=True):
+    """``POST /route``: the /score body, plus the request's id and expected output."""
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+class RouteCandidate(msgspec.Struct):
+    """One candidate pod: what its index match and its load cost (lower is better)."""
+
+    pod: str
+    matched_blocks: int  # the pod's cached prefix, as /score says
+    usable_blocks: int  # of those, what vLLM can reuse (at most num_tokens - 1 tokens)
+    uncached_blocks: float  # blocks to prefill (cached ones weighted by tier)
+    load: Annotated[
+        str, msgspec.Meta(description="known, stale or not_scraped (unknown is costed busy)")
+    ]
+    running: int | None
+    waiting: int | None
+    kv_usage: float | None
+    in_flight: int  # routed here by kvindex and not done
+    prefix_cost: float
+    queue_cost: float
+    kv_cost: float
+    cost: float
+    admitted: bool
+    refused: str | None = None
+
+
+class RouteResponse(msgspec.Struct):
+    route_id: str
+    pod: str
+    reason: Annotated[
+        str,
+        msgspec.Meta(
+            description="prefix, load, fallback_stale_index, fallback_backend_down, "
+            "fallback_unknown_model or fallback_tokenizer_unavailable"
+        ),
+    ]
+    model: str
+    block_size: int
+    prompt_tokens: int
+    prompt_blocks: int
+    candidates: list[RouteCandidate]
+    warnings: list[str] = []
+
+
+class RouteDone(msgspec.Struct):
+    route_id: str
+    pod: str
+
+
 class ErrorBody(msgspec.Struct):
     """Every refusal: a stable machine-readable code and a sentence that says what to fix."""
 

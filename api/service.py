@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from kvindex.api.config import (
     ConfigError,
+    ModelConfigFile,
     Settings,
     admin_token,
     build_catalog,
@@ -24,13 +25,16 @@ from kvindex.api.config import (
     check_tokenizer_dirs,
     discovery_config,
     load_model_config,
+    route_weights,
     tier_weights,
     tokenizer_dirs,
 )
 from kvindex.api.health import BackendHealthLog
 from kvindex.api.metrics import (
     InstrumentedSink,
+    LoadCollector,
     RedisCollector,
+    RouteMetrics,
     ScoreMetrics,
     ServiceCollector,
     SnapshotCollector,
@@ -56,6 +60,8 @@ from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.pods import PodDirectory
 from kvindex.indexer.snapshot import SnapshotGate, Snapshotter
 from kvindex.indexer.verify import HashVerifier
+from kvindex.scoring.load import LoadView
+from kvindex.scoring.router import Admission, Router
 from kvindex.scoring.scorer import Scorer
 from kvindex.scoring.tokenize import TokenizerRegistry
 
@@ -167,6 +173,28 @@ def parse_connect(
     return PodEndpoint(endpoint, pod=pod, model=model or settings.model, replay_endpoint=replay)
 
 
+def make_routing(
+    settings: Settings,
+    models_file: ModelConfigFile,
+    pods: Callable[[], Iterable[str]],
+    seed: int | None = None,
+) -> tuple[LoadView, Router]:
+    """/route's parts: the load view scraping every known pod, and the router."""
+    if settings.load_interval <= 0 or settings.load_timeout <= 0:
+        raise ConfigError("--load-interval and --load-timeout must be positive")
+    if settings.route_ttl <= 0:
+        raise ConfigError(f"--route-ttl {settings.route_ttl}: must be positive")
+    if not 0 < settings.max_kv_usage <= 1:
+        raise ConfigError(f"--max-kv-usage {settings.max_kv_usage}: must be in (0, 1]")
+    if settings.max_waiting < 0:
+        raise ConfigError(f"--max-waiting {settings.max_waiting}: must be >= 0 (0: no limit)")
+    view = LoadView(
+        interval_s=settings.load_interval, timeout_s=settings.load_timeout, pods_source=pods
+    )
+    admission = Admission(settings.max_kv_usage, settings.max_waiting)
+    return view, Router(route_weights(models_file), admission, seed)
+
+
 class Service:
     """A composed kvindex: backend, ingest, subscriber, scorer, metrics, pod directory."""
 
@@ -178,6 +206,7 @@ class Service:
         backend: IndexBackend | None = None,
         discovered: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
         owners: Callable[[], Mapping[str, str]] | None = None,
+        route_seed: int | None = None,
     ) -> None:
         self.settings = settings
         self.admin_token = admin_token(settings)
@@ -258,6 +287,9 @@ class Service:
             owners,
             marks=self.snapshot_gate.marks if self.snapshot_gate is not None else None,
         )
+        self.load, self.router = make_routing(settings, models_file, self.known_pods, route_seed)
+        self.route_metrics = RouteMetrics(self.registry)
+        self.registry.register(LoadCollector(self.load))
         self.bound: list[str] = []
         self.backend_health = BackendHealthLog(self.backend)
         self.started = False
@@ -285,6 +317,7 @@ class Service:
             self.discovery.start()
         if self.snapshotter is not None:
             self.snapshotter.start()
+        self.load.start()
         if self.settings.k8s_namespace and self.settings.k8s_mode == "bind":
             if not self.settings.zmq_bind:
                 log.warning("--k8s-mode bind: add --zmq-bind tcp://*:5557 for pods to connect to")
@@ -319,6 +352,7 @@ class Service:
         )
 
     def stop(self) -> None:
+        self.load.stop()
         if self.discovery is not None:
             self.discovery.stop()
         self.subscriber.stop()
@@ -367,6 +401,18 @@ class Service:
         if not self.has_event_source():
             return ["no event source configured: answering from the shared index only"]
         return []
+
+    def known_pods(self) -> list[str]:
+        """Pods /route chooses among when a request names none, and whose load is
+        scraped: configured (--zmq-connect), discovered, or in the index or its streams."""
+        try:
+            pods = self.directory.known_pods()
+        except BackendError:  # the index is down: the pods this process hears from
+            pods = {stream.pod for stream in self.subscriber.streams()}
+            if self.discovery is not None:
+                pods.update(self.discovery.discovered())
+        pods.update(target.pod for target in self._connect if target.pod)
+        return sorted(pods)
 
     def known_models(self) -> list[str]:
         return sorted(self._models())

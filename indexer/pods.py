@@ -19,6 +19,8 @@ from kvindex.indexer.verify import CheckState, HashVerifier
 
 #: States in which a stream's entries may differ from what its engine holds.
 _UNHEALTHY_STREAMS = frozenset({"gapped", "incomplete", "resync"})
+#: States in which a stream is not known to be in step with its engine right now.
+_NOT_IN_STEP = _UNHEALTHY_STREAMS | {"verifying", "replaying"}
 #: Worst first: the state a pod shows when its streams differ.
 _STATE_ORDER = (
     "gapped",
@@ -220,6 +222,34 @@ class PodDirectory:
             if problems:
                 out.setdefault(stream.model, []).extend((stream.pod, p) for p in problems)
         return out
+
+    def known_pods(self) -> set[str]:
+        """Every pod the index, its streams or discovery know of."""
+        snap = self._snapshot()
+        return set(snap.members) | set(snap.discovered)
+
+    def index_doubts(self, model: str, pods: Collection[str]) -> dict[str, str]:
+        """Of ``pods``, those whose entries for ``model`` may differ from their engine's
+        cache right now, with the reason: a stream not in step (catching up, being
+        verified, gapped, incomplete, resyncing), a restored snapshot not heard since, or
+        block hashes that do not match. A router must not compare prefixes then."""
+        wanted = set(pods)
+        doubts: dict[str, str] = {}
+        marks = self._marks()
+        for mark in marks.values():
+            pod = member_pod(mark.member)
+            if pod in wanted and mark.model == model:
+                doubts.setdefault(pod, f"stream {mark.member} {mark.state} ({mark.reason})")
+        for stream in self._streams():
+            if stream.pod not in wanted or stream.model != model or stream.pod in doubts:
+                continue
+            if stream.state in _NOT_IN_STEP and stream.member not in marks:
+                doubts[stream.pod] = f"stream {stream.member} {stream.state}"
+            elif self._verifier is not None:
+                check = self._verifier.status(stream.member)
+                if check.state is CheckState.MISMATCH:
+                    doubts[stream.pod] = f"stream {stream.member}: block hashes do not match"
+        return doubts
 
 
 def _stream_dicts(streams: Sequence[StreamStatus], marks: Sequence[Mark]) -> list[dict[str, Any]]:

@@ -103,6 +103,7 @@ class LoadView:
         max_workers: int = 16,
         clock: Callable[[], float] = time.monotonic,
         ledger: InFlightLedger | None = None,
+        pods_source: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("interval_s and timeout_s must be positive")
@@ -114,6 +115,8 @@ class LoadView:
         self._clock = clock
         self.ledger = ledger or InFlightLedger(clock)
         self._pods: tuple[str, ...] = ()
+        # Asked before every background round, so pods found later are scraped too.
+        self._pods_source = pods_source
         self._states: dict[str, _PodState] = {}
         self._max_workers = max_workers
         self._stop = threading.Event()
@@ -124,6 +127,11 @@ class LoadView:
         """The pods to scrape from the next round on; pods no longer listed are forgotten
         at that round (the scraper thread is the only writer of their state)."""
         self._pods = tuple(dict.fromkeys(pods))
+
+    @property
+    def pods(self) -> tuple[str, ...]:
+        """The pods being scraped."""
+        return self._pods
 
     def start(self) -> None:
         if self._thread is not None:
@@ -209,6 +217,8 @@ class LoadView:
         while not self._stop.is_set():
             started = self._clock()
             try:
+                if self._pods_source is not None:
+                    self.set_pods(self._pods_source())
                 self.scrape_once()
             except Exception:  # a bug, not a pod's failure (those are counted): keep going
                 log.exception("load scrape round failed")

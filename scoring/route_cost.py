@@ -1,0 +1,126 @@
+"""What serving one prompt on one pod costs, from its cached prefix and its load: a pure
+function, the heart of ``POST /route``.
+
+The cost (lower is better) is a weighted sum of three terms, each in 0..1::
+
+    cost = prefix_w * uncached_fraction + queue_w * queue_term + kv_w * kv_usage
+
+- ``uncached_fraction``: the share of the prompt's blocks the pod must prefill. This is
+  Dynamo's router term (``overlap_weight * uncached prefill blocks``), divided by the
+  prompt's blocks so that it weighs the same against load for a short prompt as for a
+  long one. Only ``(num_tokens - 1) // block_size`` blocks can be reused, as vLLM 0.33
+  always computes the prompt's last token (``KVCacheManager.get_computed_blocks``); cached
+  blocks count by their tier weight (a CPU block must be copied back first).
+- ``queue_term``: requests waiting for the pod, ``q / (q + queue_half)`` with
+  ``q = waiting + in_flight`` (the scrape's waiting queue plus what kvindex routed there
+  and has not seen finish). Saturating rather than min-max normalised over the candidates
+  (llm-d's queue scorer): a pod's cost then does not depend on who else is a candidate,
+  and 0 vs 1 waiting is not the same gap as 0 vs 100.
+- ``kv_usage``: the fraction of the pod's KV cache in use (mean over its engines), llm-d's
+  KV-utilisation scorer; a full cache means preemption and evicting what others reuse.
+
+Default weights 2 : 1 : 1 are llm-d's default scorer weights (prefix 2, queue 1, KV
+utilisation 1): a full prefix hit is worth as much as going from an idle pod to one with
+a deep queue and a full cache, so prefix wins at equal load, and load wins once the
+prefix pod is clearly busier. Dynamo's default ``overlap_weight`` of 1 against active
+blocks gives prefill and decode load equal say; kvindex cannot see active blocks per pod
+(only the scraped usage fraction), so its two load terms play that role.
+
+Unknown load (no fresh scrape) is never idle: its KV term is 1 (full) and its queue
+term counts ``queue_half`` assumed waiting requests on top of its in-flight ones, so it
+costs 1.5 more than an idle pod at the default weights. A pod whose load kvindex cannot
+see is chosen only for a strong prefix match or when every known pod is busy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    """The cost model's weights; see the module docstring for why these defaults."""
+
+    prefix: float = 2.0
+    queue: float = 1.0
+    kv: float = 1.0
+    queue_half: float = 4.0  # waiting + in-flight requests at which the queue term is 0.5
+
+    def __post_init__(self) -> None:
+        if min(self.prefix, self.queue, self.kv) < 0:
+            raise ValueError("route cost weights must not be negative")
+        if self.queue_half <= 0:
+            raise ValueError("queue_half must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class PodInputs:
+    """What the cost of one pod is computed from."""
+
+    pod: str
+    matched_blocks: int  # the pod's consecutive cached prefix, in blocks
+    tier_weighted_blocks: float  # the same blocks weighted by tier (the scorer's score)
+    waiting: int | None  # None: load unknown (no fresh scrape)
+    kv_usage: float | None  # 0..1; None: unknown
+    in_flight: int  # requests kvindex routed to the pod that have not finished
+
+
+@dataclass(frozen=True, slots=True)
+class CostTerms:
+    """One pod's cost and the terms it is made of (shown in /route's answer)."""
+
+    usable_blocks: int  # cached blocks vLLM can reuse for this prompt
+    uncached_blocks: float  # blocks to prefill, tier weights applied to the cached ones
+    prefix: float  # weighted uncached fraction
+    queue: float  # weighted queue term
+    kv: float  # weighted KV-usage term
+    total: float
+
+    @property
+    def load(self) -> float:
+        return self.queue + self.kv
+
+
+def usable_blocks(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Cached blocks vLLM can reuse: it always computes the last prompt token, so a hit
+    covers at most ``prompt_tokens - 1`` tokens (vLLM 0.33, ``get_computed_blocks``)."""
+    if prompt_tokens <= 0:
+        return 0
+    return max(0, min(matched_blocks, (prompt_tokens - 1) // block_size))
+
+
+def pod_cost(
+    inputs: PodInputs,
+    prompt_tokens: int,
+    block_size: int,
+    weights: CostWeights,
+    *,
+    load_only: bool = False,
+) -> CostTerms:
+    """The cost of serving a ``prompt_tokens``-token prompt on one pod. With
+    ``load_only`` the prefix term is 0 for every pod (the index is not trusted)."""
+    total_blocks = -(-prompt_tokens // block_size) if prompt_tokens > 0 else 0
+    usable = usable_blocks(inputs.matched_blocks, prompt_tokens, block_size)
+    # Tier weights scale the reusable part only: the blocks past the cap are not reused.
+    hit = 0.0
+    if inputs.matched_blocks > 0:
+        hit = inputs.tier_weighted_blocks * usable / inputs.matched_blocks
+    uncached = max(0.0, total_blocks - hit)
+    prefix = 0.0
+    if not load_only and total_blocks:
+        prefix = weights.prefix * uncached / total_blocks
+    if inputs.waiting is None:  # unknown load: never idle
+        pending = inputs.in_flight + weights.queue_half
+    else:
+        pending = inputs.waiting + inputs.in_flight
+    queue = weights.queue * pending / (pending + weights.queue_half)
+    usage = 1.0 if inputs.kv_usage is None else min(max(inputs.kv_usage, 0.0), 1.0)
+    kv = weights.kv * usage
+    return CostTerms(
+        usable,
+        round(uncached, 6),
+        round(prefix, 6),
+        round(queue, 6),
+        round(kv, 6),
+        round(prefix + queue + kv, 6),
+    )

@@ -1,0 +1,119 @@
+"""The routing decision: admission, the cheapest pod, ties, and load-only fallbacks.
+
+Pure apart from its tie-breaking state (a seeded RNG and a round-robin counter), so every
+rule here is unit-tested without a network; ``POST /route`` gathers the inputs (index
+matches, scraped load, in-flight ledger) and enters the decision in the ledger.
+
+- Admission: a pod whose fullest engine's KV usage is above ``max_kv_usage``, or whose
+  scraped waiting queue is longer than ``max_waiting`` (0: no limit), is not chosen.
+  A pod with unknown load is admitted (nothing says it is full) but costed as busy.
+  No admitted pod: no decision (``no_capacity``; the API answers 429).
+- Normal decision: the lowest :func:`pod_cost`; equal costs are broken at random (a
+  fixed order would always load the first pod). ``reason`` is ``prefix`` when the chosen
+  pod has the longest reusable match among the admitted pods (and a non-empty one),
+  else ``load``.
+- Fallback (the index is not trusted for this request, or cannot be asked): the least
+  loaded pod by the load terms alone, equal ones taken in turn (round-robin), and the
+  reason says which fallback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvindex.scoring.route_cost import CostTerms, CostWeights, PodInputs, pod_cost
+
+_EPSILON = 1e-9
+
+
+class Reason(StrEnum):
+    PREFIX = "prefix"
+    LOAD = "load"
+    FALLBACK_STALE_INDEX = "fallback_stale_index"
+    FALLBACK_BACKEND_DOWN = "fallback_backend_down"
+    FALLBACK_UNKNOWN_MODEL = "fallback_unknown_model"
+    FALLBACK_TOKENIZER_UNAVAILABLE = "fallback_tokenizer_unavailable"
+    NO_CAPACITY = "no_capacity"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    inputs: PodInputs
+    terms: CostTerms
+    refused: str | None  # why admission refused the pod; None when admitted
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    pod: str | None  # None with NO_CAPACITY
+    reason: Reason
+    candidates: list[Candidate]
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    max_kv_usage: float = 0.95
+    max_waiting: int = 0  # 0: no limit
+
+    def refusal(self, kv_usage_max: float | None, waiting: int | None) -> str | None:
+        if kv_usage_max is not None and kv_usage_max > self.max_kv_usage:
+            return f"kv_usage {kv_usage_max:.3f} above --max-kv-usage {self.max_kv_usage}"
+        if self.max_waiting and waiting is not None and waiting > self.max_waiting:
+            return f"{waiting} waiting, more than --max-waiting {self.max_waiting}"
+        return None
+
+
+class Router:
+    """Chooses a pod per request; one per service, shared by all requests."""
+
+    def __init__(
+        self,
+        weights: CostWeights | None = None,
+        admission: Admission | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.weights = weights or CostWeights()
+        self.admission = admission or Admission()
+        self._rng = random.Random(seed)
+        self._turn = itertools.count()
+
+    def decide(
+        self,
+        pods: list[PodInputs],
+        kv_usage_max: dict[str, float | None],
+        prompt_tokens: int,
+        block_size: int,
+        fallback: Reason | None = None,
+    ) -> Decision:
+        """Choose among ``pods``; ``kv_usage_max`` is each pod's fullest engine (for
+        admission); ``fallback`` set means load only, and is the decision's reason."""
+        load_only = fallback is not None
+        candidates = [
+            Candidate(
+                p,
+                pod_cost(p, prompt_tokens, block_size, self.weights, load_only=load_only),
+                self.admission.refusal(kv_usage_max.get(p.pod), p.waiting),
+            )
+            for p in pods
+        ]
+        admitted = [c for c in candidates if c.refused is None]
+        if not admitted:
+            return Decision(None, Reason.NO_CAPACITY, candidates)
+        if load_only:
+            best = min(c.terms.load for c in admitted)
+            tied = sorted(
+                (c for c in admitted if c.terms.load <= best + _EPSILON),
+                key=lambda c: c.inputs.pod,
+            )
+            chosen = tied[next(self._turn) % len(tied)]
+            return Decision(chosen.inputs.pod, fallback, candidates)
+        best = min(c.terms.total for c in admitted)
+        tied = [c for c in admitted if c.terms.total <= best + _EPSILON]
+        chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        longest = max(c.terms.usable_blocks for c in admitted)
+        usable = chosen.terms.usable_blocks
+        reason = Reason.PREFIX if usable > 0 and usable == longest else Reason.LOAD
+        return Decision(chosen.inputs.pod, reason, candidates)

@@ -1,0 +1,245 @@
+"""``POST /route`` end to end: a real ``kvindex serve``, pods publishing KV events over
+real ZMQ on loopback, and each pod's vLLM 0.33 ``/metrics`` page served over real HTTP
+(the captured page, with only the scheduler gauges' values changed)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from kvindex.api.testing import ServeProcess, free_port
+from kvindex.events.publisher import EnginePublisher
+from kvindex.events.wire import BlockStored
+from kvindex.indexer.keys import BlockHasher, HashConfig
+from kvindex.scoring.load_metrics import parse_engine_loads
+from tests.test_load import DP1_IDLE, MetricsServer, with_values
+
+pytestmark = pytest.mark.slow
+
+MODEL = "acme/route-7b"
+TOKENS = list(range(1000, 1000 + 16 * 32))  # 32 blocks
+COLD = list(range(90_000, 90_000 + 16 * 8))  # nobody holds these
+HASHER = BlockHasher(HashConfig())
+KEYS = HASHER.keys(TOKENS)
+
+
+def page(running: int = 0, waiting: int = 0, kv: float = 0.0) -> str:
+    text = with_values(DP1_IDLE, "vllm:num_requests_running", "0", running)
+    text = with_values(text, "vllm:num_requests_waiting", "0", waiting)
+    return with_values(text, "vllm:kv_cache_usage_perc", "0", kv)
+
+
+def eventually(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Cluster:
+    def __init__(self, server: ServeProcess, pods: list[MetricsServer], pubs) -> None:
+        self.server, self.metrics, self.pubs = server, pods, pubs
+        self.url = server.url
+        self.a, self.b, self.c = (m.pod for m in pods)
+
+    def route(self, tokens=TOKENS, **extra) -> httpx.Response:
+        body = {"model": MODEL, "token_ids": tokens, **extra}
+        return httpx.post(f"{self.url}/route", json=body, timeout=5)
+
+    def done(self, route_id: str) -> httpx.Response:
+        return httpx.post(f"{self.url}/route/{route_id}/done", timeout=5)
+
+    def set_pages(self, **pages: str) -> None:
+        """Serve new pages (idle unless named) and wait until /route sees them."""
+        for name, server in zip("abc", self.metrics, strict=True):
+            server.page = pages.get(name, page())
+        want = {s.pod: parse_engine_loads(s.page)["0"].waiting for s in self.metrics}
+
+        def seen() -> bool:
+            answer = self.route(COLD, request_id="probe")
+            self.done("probe")
+            if answer.status_code != 200:
+                return False
+            got = {c["pod"]: c["waiting"] for c in answer.json()["candidates"]}
+            return got == want
+
+        eventually(seen, f"scraped waiting {want}")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    metrics = [MetricsServer(page()) for _ in range(3)]
+    bind = free_port()
+    server = ServeProcess(
+        "--zmq-bind", f"tcp://127.0.0.1:{bind}",
+        "--model", MODEL,
+        "--load-interval", "0.1",
+        "--load-timeout", "2",
+        "--max-kv-usage", "0.9",
+        "--route-ttl", "60",
+        env={**os.environ},
+    )  # fmt: skip
+    pubs: list[EnginePublisher] = []
+    try:
+        server.wait_ready(20.0)
+        for m in metrics:
+            pub = EnginePublisher(
+                f"tcp://127.0.0.1:{bind}", topic=f"kv@{m.pod}@{MODEL}", vllm_version="0.33"
+            )
+            pubs.append(pub)
+            assert pub.wait_for_subscribers(1, 10.0)
+        cluster = Cluster(server, metrics, pubs)
+        # Pod A holds half the prompt; B and C something else, so all three are known.
+        pubs[0].publish([BlockStored(KEYS[:16], None, TOKENS[: 16 * 16], 16)])
+        for pub, base in ((pubs[1], 5000), (pubs[2], 6000)):
+            other = list(range(base, base + 16))
+            pub.publish([BlockStored(HASHER.keys(other), None, other, 16)])
+        eventually(
+            lambda: sorted(
+                p["pod"] for p in httpx.get(f"{server.url}/index/pods", timeout=5).json()["pods"]
+            )
+            == sorted(m.pod for m in metrics),
+            "three pods indexed",
+        )
+        cluster.set_pages()
+        yield cluster
+    finally:
+        for pub in pubs:
+            pub.close()
+        server.stop()
+        for m in metrics:
+            m.close()
+
+
+def test_prefix_wins_at_equal_load(cluster: Cluster) -> None:
+    cluster.set_pages()
+    answer = cluster.route(request_id="eq-1", max_tokens=64)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert (body["pod"], body["reason"], body["route_id"]) == (cluster.a, "prefix", "eq-1")
+    assert body["prompt_blocks"] == 32 and body["block_size"] == 16
+    by_pod = {c["pod"]: c for c in body["candidates"]}
+    assert set(by_pod) == {cluster.a, cluster.b, cluster.c}
+    assert by_pod[cluster.a]["matched_blocks"] == 16 and by_pod[cluster.b]["matched_blocks"] == 0
+    assert by_pod[cluster.a]["prefix_cost"] == pytest.approx(1.0)
+    assert by_pod[cluster.b]["prefix_cost"] == pytest.approx(2.0)
+    assert all(c["load"] == "known" and c["admitted"] for c in body["candidates"])
+    assert cluster.done("eq-1").json() == {"route_id": "eq-1", "pod": cluster.a}
+    assert cluster.done("eq-1").status_code == 404
+
+
+def test_load_wins_when_the_prefix_pod_is_saturated(cluster: Cluster) -> None:
+    cluster.set_pages(a=page(running=30, waiting=20, kv=0.8), c=page(running=2, kv=0.2))
+    answer = cluster.route(request_id="busy-1").json()
+    assert (answer["pod"], answer["reason"]) == (cluster.b, "load")
+    by_pod = {c["pod"]: c for c in answer["candidates"]}
+    a, b = by_pod[cluster.a], by_pod[cluster.b]
+    assert (a["running"], a["waiting"], a["kv_usage"]) == (30, 20, 0.8)
+    assert a["admitted"] and a["prefix_cost"] < b["prefix_cost"] and a["cost"] > b["cost"]
+    cluster.done("busy-1")
+    # Past --max-kv-usage the prefix pod is not admitted at all.
+    cluster.set_pages(a=page(kv=0.95))
+    answer = cluster.route(request_id="full-1").json()
+    a = next(c for c in answer["candidates"] if c["pod"] == cluster.a)
+    assert answer["pod"] != cluster.a and not a["admitted"] and "max-kv-usage" in a["refused"]
+    cluster.done("full-1")
+
+
+def test_in_flight_routes_spread_a_burst_until_done(cluster: Cluster) -> None:
+    cluster.set_pages()
+    ids = [f"burst-{i}" for i in range(6)]
+    picks = [cluster.route(COLD, request_id=rid).json()["pod"] for rid in ids]
+    assert Counter(picks) == {cluster.a: 2, cluster.b: 2, cluster.c: 2}
+    last = cluster.route(COLD, request_id="burst-peek").json()
+    assert {c["in_flight"] for c in last["candidates"]} == {2}
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=5).text
+    assert f'kvindex_route_in_flight{{pod="{cluster.a}"}}' in metrics
+    for rid in [*ids, "burst-peek"]:
+        assert cluster.done(rid).status_code == 200
+    after = cluster.route(COLD, request_id="burst-after").json()
+    assert {c["in_flight"] for c in after["candidates"]} == {0}
+    cluster.done("burst-after")
+
+
+def test_no_admissible_pod_is_429_with_retry_after(cluster: Cluster) -> None:
+    full = page(running=50, kv=0.97)
+    for server in cluster.metrics:
+        server.page = full
+    eventually(lambda: cluster.route(COLD).status_code == 429, "every pod over --max-kv-usage")
+    refused = cluster.route(COLD)
+    assert refused.json()["error"] == "no_capacity"
+    assert int(refused.headers["retry-after"]) == math.ceil(0.1)
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=5).text
+    assert 'kvindex_route_decisions_total{reason="no_capacity"}' in metrics
+    assert 'kvindex_route_decisions_total{reason="prefix"}' in metrics
+    cluster.set_pages()
+
+
+def test_unknown_model_and_unknown_pods_fall_back_to_load(cluster: Cluster) -> None:
+    cluster.set_pages(a=page(waiting=3))
+    answer = cluster.route(model="nobody/knows", request_id="unk-1").json()
+    assert answer["reason"] == "fallback_unknown_model" and answer["pod"] != cluster.a
+    cluster.done("unk-1")
+    stranger = "127.0.0.9:8000"  # named by the request, never scraped: not idle
+    answer = cluster.route(COLD, pods=[stranger, cluster.b], request_id="unk-2").json()
+    assert answer["pod"] == cluster.b
+    s = next(c for c in answer["candidates"] if c["pod"] == stranger)
+    assert s["load"] == "not_scraped" and s["waiting"] is None and s["kv_cost"] == 1.0
+    cluster.done("unk-2")
+    bad = cluster.route(model=MODEL, token_ids=None)
+    assert bad.status_code == 400 and bad.json()["error"] == "invalid_request"
+
+
+def test_a_gapped_stream_makes_the_decision_load_only(cluster: Cluster) -> None:
+    # Runs last in this module: pod A's stream stays gapped (no replay endpoint).
+    cluster.set_pages(a=page(), b=page(waiting=1), c=page(waiting=1))
+    pub = cluster.pubs[0]
+    pub.publish([BlockStored(KEYS[16:20], KEYS[15], TOKENS[16 * 16 : 20 * 16], 16)], send=False)
+    pub.publish([BlockStored(KEYS[20:22], KEYS[19], TOKENS[20 * 16 : 22 * 16], 16)])
+
+    def stale() -> bool:
+        answer = cluster.route(request_id="gap-probe").json()
+        cluster.done("gap-probe")
+        return answer["reason"] == "fallback_stale_index"
+
+    eventually(stale, "pod A's stream gapped")
+    answer = cluster.route(pods=[cluster.b, cluster.c], request_id="gap-1").json()
+    assert answer["reason"] in ("prefix", "load")  # A is not a candidate: its gap is not asked
+    cluster.done("gap-1")
+    answer = cluster.route(request_id="gap-2").json()
+    assert answer["reason"] == "fallback_stale_index" and answer["pod"] == cluster.a
+    assert any(cluster.a in w and "gapped" in w for w in answer["warnings"])
+    assert all(c["prefix_cost"] == 0 for c in answer["candidates"])
+    cluster.done("gap-2")
+
+
+def test_backend_down_falls_back_to_load() -> None:
+    metrics = [MetricsServer(page()), MetricsServer(page(waiting=2))]
+    dead = free_port()  # nothing listens: every Redis call fails
+    server = ServeProcess(
+        "--backend", f"redis://127.0.0.1:{dead}/0",
+        "--model", MODEL,
+        "--load-interval", "0.1",
+        env={**os.environ},
+    )  # fmt: skip
+    try:
+        server.wait_ready(20.0, path="/healthz")
+        body = {"model": MODEL, "token_ids": TOKENS, "pods": [m.pod for m in metrics]}
+        answer = httpx.post(f"{server.url}/route", json=body, timeout=10)
+        assert answer.status_code == 200, answer.text
+        got = answer.json()
+        assert got["reason"] == "fallback_backend_down"
+        assert any("index backend unavailable" in w for w in got["warnings"])
+        assert httpx.post(f"{server.url}/route/nope/done", timeout=5).status_code == 404
+    finally:
+        server.stop()
+        for m in metrics:
+            m.close()

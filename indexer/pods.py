@@ -224,9 +224,13 @@ class PodDirectory:
         return out
 
     def known_pods(self) -> set[str]:
-        """Every pod the index, its streams or discovery know of."""
-        snap = self._snapshot()
-        return set(snap.members) | set(snap.discovered)
+        """Every pod the index, its streams or discovery know of (the owners of streams
+        are not read: that is a Redis round trip nobody here needs)."""
+        pods = {member_pod(m) for m in self._backend.members()}
+        pods.update(stream.pod for stream in self._streams())
+        pods.update(member_pod(m) for m in self._marks())
+        pods.update(self._discovered())
+        return pods
 
     def index_doubts(self, model: str, pods: Collection[str]) -> dict[str, str]:
         """Of ``pods``, those whose entries for ``model`` may differ from their engine's

@@ -18,6 +18,7 @@ from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from kvindex.scoring.load_metrics import parse_engine_loads
+from tests.redis_fixtures import RedisServer
 from tests.test_load import DP1_IDLE, MetricsServer, with_values
 
 pytestmark = pytest.mark.slow
@@ -173,7 +174,13 @@ def test_no_admissible_pod_is_429_with_retry_after(cluster: Cluster) -> None:
     full = page(running=50, kv=0.97)
     for server in cluster.metrics:
         server.page = full
-    eventually(lambda: cluster.route(COLD).status_code == 429, "every pod over --max-kv-usage")
+    def refused() -> bool:
+        answer = cluster.route(COLD)
+        if answer.status_code == 200:  # not scraped yet: release it, later tests count
+            cluster.done(answer.json()["route_id"])
+        return answer.status_code == 429
+
+    eventually(refused, "every pod over --max-kv-usage")
     refused = cluster.route(COLD)
     assert refused.json()["error"] == "no_capacity"
     assert int(refused.headers["retry-after"]) == math.ceil(0.1)
@@ -221,22 +228,23 @@ def test_a_gapped_stream_makes_the_decision_load_only(cluster: Cluster) -> None:
     cluster.done("gap-2")
 
 
-def test_backend_down_falls_back_to_load() -> None:
+def test_backend_down_falls_back_to_load(redis_server: RedisServer) -> None:
     metrics = [MetricsServer(page()), MetricsServer(page(waiting=2))]
-    dead = free_port()  # nothing listens: every Redis call fails
     server = ServeProcess(
-        "--backend", f"redis://127.0.0.1:{dead}/0",
+        "--backend", redis_server.url,
         "--model", MODEL,
         "--load-interval", "0.1",
         env={**os.environ},
     )  # fmt: skip
     try:
-        server.wait_ready(20.0, path="/healthz")
+        server.wait_ready(20.0)
         body = {"model": MODEL, "token_ids": TOKENS, "pods": [m.pod for m in metrics]}
+        assert httpx.post(f"{server.url}/route", json=body, timeout=10).json()["reason"] == "load"
+        redis_server.stop()  # the index backend goes away under a running kvindex
         answer = httpx.post(f"{server.url}/route", json=body, timeout=10)
         assert answer.status_code == 200, answer.text
         got = answer.json()
-        assert got["reason"] == "fallback_backend_down"
+        assert got["reason"] == "fallback_backend_down" and got["pod"] in body["pods"]
         assert any("index backend unavailable" in w for w in got["warnings"])
         assert httpx.post(f"{server.url}/route/nope/done", timeout=5).status_code == 404
     finally:

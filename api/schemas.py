@@ -82,10 +82,29 @@ class ScoreResponse(msgspec.Struct):
 
 
 class RouteRequest(ScoreRequest, forbid_unknown_fields=True):
-    """``POST /route``: the /score body, plus the request's id and expected output."""
+    """POST /route: the /score body, plus the request's id and expected output."""
 
-    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
-    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    request_id: (
+        Annotated[
+            str,
+            msgspec.Meta(
+                min_length=1,
+                max_length=256,
+                description="Becomes the route_id (a fresh one when absent); routing the "
+                "same id again moves it, as a retry on another pod does.",
+            ),
+        ]
+        | None
+    ) = None
+    max_tokens: (
+        Annotated[
+            int,
+            msgspec.Meta(
+                ge=0, description="Expected output tokens, counted in the blocks the route holds."
+            ),
+        ]
+        | None
+    ) = None
 
 
 class RouteCandidate(msgspec.Struct):

@@ -347,7 +347,7 @@ class Service:
         return (
             f"kvindex {VERSION} started: backend={backend} hash_algo={keying.hash.algo.value} "
             f"block_size={keying.hash.block_size} key_mode={keying.key_mode.value} "
-            f"models={','.join(self.known_models()) or '(from events)'} "
+            f"models={','.join(self._configured_models()) or '(from events)'} "
             f"listen={self.settings.listen} events={'; '.join(events) or 'none'}"
         )
 
@@ -417,6 +417,14 @@ class Service:
     def known_models(self) -> list[str]:
         return sorted(self._models())
 
+    def _configured_models(self) -> list[str]:
+        """Models named by configuration alone: what the startup line can say without
+        reading the index (a Redis that is down at startup must not stop the start)."""
+        configured = set(self.catalog.configured())
+        if self.settings.model:
+            configured.add(self.settings.model)
+        return sorted(configured)
+
     def knows_model(self, model: str) -> bool:
         """Configured (model config or --model), or seen in events or the index; a gateway
         asking about a configured model before its first events gets zeros, not 404."""
@@ -434,9 +442,7 @@ class Service:
         refreshed, models = self._models_cache
         if now - refreshed < max_age_s:
             return models
-        found = set(self.catalog.configured())
-        if self.settings.model:
-            found.add(self.settings.model)
+        found = set(self._configured_models())
         found.update(s.model for s in self.subscriber.streams() if s.model)
         found.update(m for m in self.backend.models() if not is_group_namespace(m))
         models = frozenset(found)

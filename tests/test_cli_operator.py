@@ -186,3 +186,15 @@ def test_redis_outage_is_logged_once_at_start_and_once_at_end(
         "index backend available again",
     ]
     assert health.outages == 2
+
+
+def test_serve_starts_against_a_down_redis_and_says_so() -> None:
+    """A Redis that is down at startup is an outage to report and wait out, not a reason
+    to exit: the process serves /healthz, is unready, and its log says why."""
+    down = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    with ServeProcess("--backend", down, "--model", "m") as s:
+        s.wait_ready(30.0, path="/healthz")
+        assert not s.answers("/readyz")
+        log = s.log_tail()
+    assert "starting with the index backend unavailable" in log
+    assert "started: backend=redis://127.0.0.1" in log and "models=m " in log

@@ -101,6 +101,25 @@ local function multi_tier()
   return get_stat('t1') + get_stat('t2') > 0
 end
 
+-- A bitmap (bit = member id) of the members named in ARGV[2..], for a query restricted
+-- to them; false when none of them holds an id (so none holds anything).
+local function named_members()
+  local names = {}
+  for i = 2, #ARGV do names[#names + 1] = ARGV[i] end
+  local bytes, top = {}, 0
+  for _, mid in ipairs(call('HMGET', IDS, unpack(names))) do
+    if mid then
+      mid = tonumber(mid)
+      local at = math.floor(mid / 8) + 1
+      for j = top + 1, at do bytes[j] = 0 end
+      if at > top then top = at end
+      bytes[at] = bor(bytes[at], bit.lshift(1, mid % 8))
+    end
+  end
+  if top == 0 then return false end
+  return schar(unpack(bytes, 1, top))
+end
+
 -- Extra copies (past the first) of one (key, tier, member) entry live in COPIES, field
 -- key .. tier byte .. member id; stats 'c' counts the fields, so a model without any
 -- (the usual case) never reads the hash.
@@ -429,22 +448,8 @@ local function or3(a, b, c)
 end
 
 if #ARGV > 1 then
-  local names = {}
-  for i = 2, #ARGV do names[#names + 1] = ARGV[i] end
-  local found = call('HMGET', IDS, unpack(names))
-  local bytes = {}
-  local top = 0
-  for _, mid in ipairs(found) do
-    if mid then
-      mid = tonumber(mid)
-      local at = math.floor(mid / 8) + 1
-      for j = top + 1, at do bytes[j] = 0 end
-      if at > top then top = at end
-      bytes[at] = bor(bytes[at], bit.lshift(1, mid % 8))
-    end
-  end
-  if top == 0 then return cmsgpack.pack({}) end
-  alive = schar(unpack(bytes, 1, top))
+  alive = named_members()
+  if not alive then return cmsgpack.pack({}) end
 end
 
 local all = multi_tier()
@@ -632,21 +637,8 @@ local function and_str(a, b)
   return schar(unpack(x, 1, last))
 end
 if #ARGV > 1 then
-  local names = {}
-  for i = 2, #ARGV do names[#names + 1] = ARGV[i] end
-  local found = call('HMGET', IDS, unpack(names))
-  local bytes, top = {}, 0
-  for _, mid in ipairs(found) do
-    if mid then
-      mid = tonumber(mid)
-      local at = math.floor(mid / 8) + 1
-      for j = top + 1, at do bytes[j] = 0 end
-      if at > top then top = at end
-      bytes[at] = bor(bytes[at], bit.lshift(1, mid % 8))
-    end
-  end
-  if top == 0 then return {{}, {}} end
-  allowed = schar(unpack(bytes, 1, top))
+  allowed = named_members()
+  if not allowed then return {{}, {}} end
 end
 local all = multi_tier()
 local n = #keys / 8

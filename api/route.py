@@ -30,7 +30,7 @@ from kvindex.api.schemas import (
     RouteResponse,
     openapi_schema,
 )
-from kvindex.events.errors import ClientError, NotFound, Unavailable
+from kvindex.events.errors import ClientError, NotFound, TooManyRequests, Unavailable
 from kvindex.indexer.backend import BackendUnavailable
 from kvindex.scoring.load import PodLoad
 from kvindex.scoring.route_cost import PodInputs
@@ -51,7 +51,6 @@ def install_route(app: FastAPI, service: Service) -> dict[str, Any]:
     (request_schema, response_schema, error_schema, done_schema), components = openapi_schema(
         RouteRequest, RouteResponse, ErrorBody, RouteDone
     )
-    settings = service.settings
 
     def error(text: str) -> dict[str, Any]:
         return {"description": text, "content": {_JSON: {"schema": error_schema}}}
@@ -85,62 +84,13 @@ def install_route(app: FastAPI, service: Service) -> dict[str, Any]:
     async def route(request: Request) -> Response:
         _require_json(request)
         req = decode(await request.body())
-        pods = _candidates(req.pods, settings.serving_port, settings.max_pods)
-        pods = pods or service.known_pods()
-        if not pods:
-            raise Unavailable(
-                "no pods given and none known (configured, discovered or indexed)", code="no_pods"
-            )
-        pods = list(dict.fromkeys(pods))
-        tokens, matches, fallback, warnings = _index_view(service, req, pods)
-        block_size = service.catalog.keying(req.model).hash.block_size
-        loads = service.load.snapshot(pods)
-        inputs, kv_max = [], {}
-        for pod in pods:
-            load = loads[pod]
-            match = matches.get(pod)
-            known = isinstance(load, PodLoad)
-            inputs.append(
-                PodInputs(
-                    pod,
-                    match.matched_blocks if match else 0,
-                    match.score if match else 0.0,
-                    load.waiting if known else None,
-                    load.kv_usage if known else None,
-                    load.in_flight.requests,
-                )
-            )
-            kv_max[pod] = load.kv_usage_max if known else None
-        decision = service.router.decide(inputs, kv_max, len(tokens), block_size, fallback)
-        service.route_metrics.decided(decision.reason)
-        if decision.pod is None:
-            retry = max(1, math.ceil(settings.load_interval))
-            refused = "; ".join(f"{c.inputs.pod}: {c.refused}" for c in decision.candidates)
+        try:
+            answer = route_request(service, req)
+        except NoCapacity as exc:
             return error_response(
-                429,
-                "no_capacity",
-                f"no pod admissible ({refused})",
-                headers={"Retry-After": str(retry)},
+                429, exc.code, exc.detail, headers={"Retry-After": str(exc.retry_after)}
             )
-        route_id = req.request_id or uuid.uuid4().hex
-        # The blocks the request will hold at its end: its prompt and expected output.
-        held_tokens = len(tokens) + (req.max_tokens or 0)
-        service.load.ledger.begin(
-            decision.pod, route_id, -(-held_tokens // block_size), settings.route_ttl
-        )
-        return _json(
-            RouteResponse(
-                route_id,
-                decision.pod,
-                decision.reason.value,
-                req.model,
-                block_size,
-                len(tokens),
-                len(tokens) // block_size,
-                [_candidate(c, loads[c.inputs.pod]) for c in decision.candidates],
-                warnings,
-            )
-        )
+        return _json(answer)
 
     @app.post(
         "/route/{route_id}/done",
@@ -153,15 +103,88 @@ def install_route(app: FastAPI, service: Service) -> dict[str, Any]:
         },
     )
     def route_done(route_id: str) -> Response:
-        pod = service.load.ledger.done(route_id)
-        if pod is None:
-            raise NotFound(
-                f"no open route {route_id!r} (never routed, already done, or past --route-ttl)",
-                code="unknown_route",
-            )
-        return _json(RouteDone(route_id, pod))
+        return _json(release_route(service, route_id))
 
     return components
+
+
+class NoCapacity(TooManyRequests):
+    """No candidate pod is admissible now; ``retry_after`` is the seconds until the
+    next scrape may change that."""
+
+    code = "no_capacity"
+
+    def __init__(self, detail: str, retry_after: int) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+
+def route_request(service: Service, req: RouteRequest) -> RouteResponse:
+    """Decide where ``req`` goes and enter it in the in-flight ledger: ``POST /route``
+    without HTTP, for the gateway running in the same process. Raises NoCapacity (429),
+    ClientError (400) or Unavailable (503, no pods known)."""
+    settings = service.settings
+    pods = _candidates(req.pods, settings.serving_port, settings.max_pods)
+    pods = pods or service.known_pods()
+    if not pods:
+        raise Unavailable(
+            "no pods given and none known (configured, discovered or indexed)", code="no_pods"
+        )
+    pods = list(dict.fromkeys(pods))
+    tokens, matches, fallback, warnings = _index_view(service, req, pods)
+    block_size = service.catalog.keying(req.model).hash.block_size
+    loads = service.load.snapshot(pods)
+    inputs, kv_max = [], {}
+    for pod in pods:
+        load = loads[pod]
+        match = matches.get(pod)
+        known = isinstance(load, PodLoad)
+        inputs.append(
+            PodInputs(
+                pod,
+                match.matched_blocks if match else 0,
+                match.score if match else 0.0,
+                load.waiting if known else None,
+                load.kv_usage if known else None,
+                load.in_flight.requests,
+            )
+        )
+        kv_max[pod] = load.kv_usage_max if known else None
+    decision = service.router.decide(inputs, kv_max, len(tokens), block_size, fallback)
+    service.route_metrics.decided(decision.reason)
+    if decision.pod is None:
+        refused = "; ".join(f"{c.inputs.pod}: {c.refused}" for c in decision.candidates)
+        raise NoCapacity(
+            f"no pod admissible ({refused})", max(1, math.ceil(settings.load_interval))
+        )
+    route_id = req.request_id or uuid.uuid4().hex
+    # The blocks the request will hold at its end: its prompt and expected output.
+    held_tokens = len(tokens) + (req.max_tokens or 0)
+    service.load.ledger.begin(
+        decision.pod, route_id, -(-held_tokens // block_size), settings.route_ttl
+    )
+    return RouteResponse(
+        route_id,
+        decision.pod,
+        decision.reason.value,
+        req.model,
+        block_size,
+        len(tokens),
+        len(tokens) // block_size,
+        [_candidate(c, loads[c.inputs.pod]) for c in decision.candidates],
+        warnings,
+    )
+
+
+def release_route(service: Service, route_id: str) -> RouteDone:
+    """``POST /route/{route_id}/done`` without HTTP; NotFound when it is not open."""
+    pod = service.load.ledger.done(route_id)
+    if pod is None:
+        raise NotFound(
+            f"no open route {route_id!r} (never routed, already done, or past --route-ttl)",
+            code="unknown_route",
+        )
+    return RouteDone(route_id, pod)
 
 
 def _index_view(

@@ -95,7 +95,8 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
     (request_schema, response_schema, error_schema, purge_schema), components = openapi_schema(
         ScoreRequest, ScoreResponse, ErrorBody, PurgeResponse
     )
-    limits = service.settings
+    limits = service.settings.http
+    serving_port = service.settings.events.serving_port
     admin_token = service.admin_token
     everywhere = (429,)  # --max-in-flight applies to every route but the probes
 
@@ -132,7 +133,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
         _require_json(request)
         req = _decode_score(await request.body())
         tokens = _tokens_of(service, req, limits.max_prompt_tokens, limits.max_prompt_chars)
-        candidates = _candidates(req.pods, limits.serving_port, limits.max_pods)
+        candidates = _candidates(req.pods, serving_port, limits.max_pods)
         result = service.scorer.score(
             req.model,
             tokens,
@@ -166,7 +167,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
         responses=errors(400, 404, 503),
     )
     def get_pod(pod: str) -> Response:
-        pod_id = _pod_id(pod, limits.serving_port)
+        pod_id = _pod_id(pod, serving_port)
         report = service.directory.report(pod_id)
         if report is None:
             raise _unknown_pod(pod_id)
@@ -185,7 +186,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
             100_000, description=f"most keys per member (1..{MAX_BLOCKS_LIMIT}); sorted"
         ),
     ) -> Response:
-        pod_id = _pod_id(pod, limits.serving_port)
+        pod_id = _pod_id(pod, serving_port)
         try:
             tier_filter = None if tier is None else Tier[tier.upper()]
         except KeyError:
@@ -219,7 +220,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
     )
     def purge_pod(pod: str, request: Request) -> Response:
         _check_admin(request, admin_token)
-        pod_id = _pod_id(pod, limits.serving_port)
+        pod_id = _pod_id(pod, serving_port)
         members, removed = service.purge_pod(pod_id)
         if not members:
             raise _unknown_pod(pod_id)

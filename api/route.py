@@ -124,7 +124,7 @@ def route_request(service: Service, req: RouteRequest) -> RouteResponse:
     without HTTP, for the gateway running in the same process. Raises NoCapacity (429),
     ClientError (400) or Unavailable (503, no pods known)."""
     settings = service.settings
-    pods = _candidates(req.pods, settings.serving_port, settings.max_pods)
+    pods = _candidates(req.pods, settings.events.serving_port, settings.http.max_pods)
     pods = pods or service.known_pods()
     if not pods:
         raise Unavailable(
@@ -155,13 +155,13 @@ def route_request(service: Service, req: RouteRequest) -> RouteResponse:
     if decision.pod is None:
         refused = "; ".join(f"{c.inputs.pod}: {c.refused}" for c in decision.candidates)
         raise NoCapacity(
-            f"no pod admissible ({refused})", max(1, math.ceil(settings.load_interval))
+            f"no pod admissible ({refused})", max(1, math.ceil(settings.scoring.load_interval))
         )
     route_id = req.request_id or uuid.uuid4().hex
     # The blocks the request will hold at its end: its prompt and expected output.
     held_tokens = len(tokens) + (req.max_tokens or 0)
     service.load.ledger.begin(
-        decision.pod, route_id, -(-held_tokens // block_size), settings.route_ttl
+        decision.pod, route_id, -(-held_tokens // block_size), settings.scoring.route_ttl
     )
     return RouteResponse(
         route_id,
@@ -204,7 +204,9 @@ def _index_view(
         return tokens, {}, Reason.FALLBACK_UNKNOWN_MODEL, []
     settings = service.settings
     try:
-        tokens = _tokens_of(service, req, settings.max_prompt_tokens, settings.max_prompt_chars)
+        tokens = _tokens_of(
+            service, req, settings.http.max_prompt_tokens, settings.http.max_prompt_chars
+        )
     except TokenizerUnavailable as exc:
         return [], {}, Reason.FALLBACK_TOKENIZER_UNAVAILABLE, [exc.detail]
     try:  # bad keys (an unknown LoRA, token ids out of range) are ClientErrors: 400

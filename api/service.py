@@ -17,16 +17,12 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from kvindex.api.config import (
     ConfigError,
-    ModelConfigFile,
     Settings,
     admin_token,
     build_catalog,
     check_bind_endpoint,
     check_tokenizer_dirs,
     discovery_config,
-    load_model_config,
-    route_weights,
-    tier_weights,
     tokenizer_dirs,
 )
 from kvindex.api.health import BackendHealthLog
@@ -73,9 +69,9 @@ log = logging.getLogger(__name__)
 
 def make_backend(settings: Settings) -> IndexBackend:
     """``memory`` (embedded, the default) or ``redis://host:port/db`` (shared)."""
-    spec = settings.backend
+    spec = settings.index.backend
     if spec == "memory":
-        return MemoryBackend(capacity_blocks=settings.capacity_blocks)
+        return MemoryBackend(capacity_blocks=settings.index.capacity_blocks)
     if spec.startswith(("redis://", "rediss://", "unix://")):
         try:
             from kvindex.indexer.redis_backend import RedisBackend
@@ -83,7 +79,7 @@ def make_backend(settings: Settings) -> IndexBackend:
             raise ConfigError(
                 f"--backend {spec} needs the redis extra: pip install 'kvindex[redis]' ({exc})"
             ) from None
-        return RedisBackend.from_url(spec, prefix=settings.redis_prefix)
+        return RedisBackend.from_url(spec, prefix=settings.index.redis_prefix)
     raise ConfigError(f"--backend {spec!r}: use 'memory' or 'redis://HOST:PORT/DB'")
 
 
@@ -97,27 +93,29 @@ def make_leases(settings: Settings, backend: IndexBackend) -> RedisLeases | None
         return None
     if not isinstance(backend, RedisBackend):
         return None
-    if settings.lease_ttl <= 0:
-        raise ConfigError(f"--lease-ttl {settings.lease_ttl}: must be at least 1 second")
-    return RedisLeases(backend, settings.replica_id, float(settings.lease_ttl))
+    if settings.index.lease_ttl <= 0:
+        raise ConfigError(f"--lease-ttl {settings.index.lease_ttl}: must be at least 1 second")
+    return RedisLeases(backend, settings.index.replica_id, float(settings.index.lease_ttl))
 
 
 def snapshot_backend(settings: Settings, backend: IndexBackend) -> MemoryBackend | None:
     """The backend to snapshot when ``--snapshot`` is set: the memory backend only
     (Redis keeps its own data across kvindex restarts, and several replicas use
     leases). Refuses settings that cannot work before anything starts."""
-    if not settings.snapshot:
+    if not settings.index.snapshot:
         return None
     if not isinstance(backend, MemoryBackend):
         raise ConfigError(
             "--snapshot works with the memory backend; a Redis index survives kvindex "
             "restarts on its own (drop --snapshot, or use --backend memory)"
         )
-    if settings.snapshot_interval < 0:
-        raise ConfigError(f"--snapshot-interval {settings.snapshot_interval}: must be >= 0")
-    directory = Path(settings.snapshot).parent
+    if settings.index.snapshot_interval < 0:
+        raise ConfigError(f"--snapshot-interval {settings.index.snapshot_interval}: must be >= 0")
+    directory = Path(settings.index.snapshot).parent
     if not directory.is_dir():
-        raise ConfigError(f"--snapshot {settings.snapshot}: directory {directory} does not exist")
+        raise ConfigError(
+            f"--snapshot {settings.index.snapshot}: directory {directory} does not exist"
+        )
     return backend
 
 
@@ -125,13 +123,13 @@ def replay_endpoints(settings: Settings, known: KnownPods | None) -> ReplayEndpo
     """Each stream's replay endpoint: ``--replay-endpoint``, discovery's annotations, then
     the ``--replay-port`` rule (:mod:`kvindex.events.replay_endpoints`)."""
     configured: dict[str, str] = {}
-    for spec in settings.replay_endpoint:
+    for spec in settings.events.replay_endpoint:
         try:
-            pod, endpoint = parse_pod_replay_endpoint(spec, settings.serving_port)
+            pod, endpoint = parse_pod_replay_endpoint(spec, settings.events.serving_port)
         except ReplayEndpointError as exc:
             raise ConfigError(f"--replay-endpoint {exc}") from None
         configured[pod] = endpoint
-    return ReplayEndpoints(configured, settings.replay_port or None, known)
+    return ReplayEndpoints(configured, settings.events.replay_port or None, known)
 
 
 def parse_connect(
@@ -158,41 +156,43 @@ def parse_connect(
     if name:
         pod_text, _, model_text = name.partition("@")
         try:
-            pod = normalize_pod(pod_text, settings.serving_port)
+            pod = normalize_pod(pod_text, settings.events.serving_port)
         except IdentityError as exc:
             raise ConfigError(f"--zmq-connect {spec!r}: {exc}") from None
         model = model_text or None
     host = endpoint_host(endpoint)
     if pod is None and host is not None:
-        pod = normalize_pod(host, settings.serving_port)
+        pod = normalize_pod(host, settings.events.serving_port)
     replay = own_replay
     if replay is None and replays is not None and pod is not None:
         replay = replays.pod_endpoint(pod)
-    if replay is None and settings.replay_port and host is not None:
-        replay = tcp_endpoint(f"[{host}]" if ":" in host else host, settings.replay_port)
-    return PodEndpoint(endpoint, pod=pod, model=model or settings.model, replay_endpoint=replay)
+    if replay is None and settings.events.replay_port and host is not None:
+        replay = tcp_endpoint(f"[{host}]" if ":" in host else host, settings.events.replay_port)
+    return PodEndpoint(
+        endpoint, pod=pod, model=model or settings.events.model, replay_endpoint=replay
+    )
 
 
 def make_routing(
     settings: Settings,
-    models_file: ModelConfigFile,
     pods: Callable[[], Iterable[str]],
     seed: int | None = None,
 ) -> tuple[LoadView, Router]:
     """/route's parts: the load view scraping every known pod, and the router."""
-    if settings.load_interval <= 0 or settings.load_timeout <= 0:
+    scoring = settings.scoring
+    if scoring.load_interval <= 0 or scoring.load_timeout <= 0:
         raise ConfigError("--load-interval and --load-timeout must be positive")
-    if settings.route_ttl <= 0:
-        raise ConfigError(f"--route-ttl {settings.route_ttl}: must be positive")
-    if not 0 < settings.max_kv_usage <= 1:
-        raise ConfigError(f"--max-kv-usage {settings.max_kv_usage}: must be in (0, 1]")
-    if settings.max_waiting < 0:
-        raise ConfigError(f"--max-waiting {settings.max_waiting}: must be >= 0 (0: no limit)")
+    if scoring.route_ttl <= 0:
+        raise ConfigError(f"--route-ttl {scoring.route_ttl}: must be positive")
+    if not 0 < scoring.max_kv_usage <= 1:
+        raise ConfigError(f"--max-kv-usage {scoring.max_kv_usage}: must be in (0, 1]")
+    if scoring.max_waiting < 0:
+        raise ConfigError(f"--max-waiting {scoring.max_waiting}: must be >= 0 (0: no limit)")
     view = LoadView(
-        interval_s=settings.load_interval, timeout_s=settings.load_timeout, pods_source=pods
+        interval_s=scoring.load_interval, timeout_s=scoring.load_timeout, pods_source=pods
     )
-    admission = Admission(settings.max_kv_usage, settings.max_waiting)
-    return view, Router(route_weights(models_file), admission, seed)
+    admission = Admission(scoring.max_kv_usage, scoring.max_waiting)
+    return view, Router(scoring.route_weights, admission, seed)
 
 
 class Service:
@@ -210,14 +210,15 @@ class Service:
     ) -> None:
         self.settings = settings
         self.admin_token = admin_token(settings)
-        models_file = load_model_config(settings.model_config)
-        self.catalog = build_catalog(settings, models_file)
-        known = KnownPods() if settings.k8s_namespace else None
+        self.catalog = build_catalog(settings)
+        known = KnownPods() if settings.k8s.namespace else None
         replays = replay_endpoints(settings, known)
-        self._connect = [parse_connect(spec, settings, replays) for spec in settings.zmq_connect]
-        for endpoint in settings.zmq_bind:
+        self._connect = [
+            parse_connect(spec, settings, replays) for spec in settings.events.zmq_connect
+        ]
+        for endpoint in settings.events.zmq_bind:
             check_bind_endpoint(endpoint)
-        check_tokenizer_dirs(tokenizer_dirs(models_file))
+        check_tokenizer_dirs(tokenizer_dirs(settings))
         self.backend = backend or make_backend(settings)
         self.leases = make_leases(settings, self.backend)
         # `*_created` series double every counter's series; no dashboard here uses them.
@@ -230,13 +231,13 @@ class Service:
         sink = InstrumentedSink(self.ingestor, self.registry)
         try:
             subscriber_config = SubscriberConfig(
-                topic_filter=settings.topic_filter,
-                replay_port=settings.replay_port or None,
-                queue_capacity=settings.stream_queue,
-                default_serving_port=settings.serving_port,
-                default_model=settings.model,
-                bind_allow=tuple(settings.bind_allow),
-                max_streams_per_sender=settings.max_streams_per_sender,
+                topic_filter=settings.events.topic_filter,
+                replay_port=settings.events.replay_port or None,
+                queue_capacity=settings.events.stream_queue,
+                default_serving_port=settings.events.serving_port,
+                default_model=settings.events.model,
+                bind_allow=tuple(settings.events.bind_allow),
+                max_streams_per_sender=settings.events.max_streams_per_sender,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -250,27 +251,27 @@ class Service:
             discovered_pods=known,
         )
         self.snapshotter: Snapshotter | None = None
-        if snapshotted is not None and self.snapshot_gate is not None and settings.snapshot:
+        if snapshotted is not None and self.snapshot_gate is not None and settings.index.snapshot:
             self.snapshotter = Snapshotter(
-                settings.snapshot,
-                settings.snapshot_interval,
+                settings.index.snapshot,
+                settings.index.snapshot_interval,
                 snapshotted,
                 self.ingestor,
                 self.snapshot_gate,
                 self.subscriber.streams,
             )
         self.discovery: KubernetesDiscovery | None = None
-        if settings.k8s_namespace:
+        if settings.k8s.namespace:
             self.discovery = KubernetesDiscovery(
                 self.subscriber, discovery_config(settings), known=known
             )
             discovered = discovered or self.discovery.discovered
         self.scorer = Scorer(
-            self.backend, self.catalog, tier_weights(models_file), self.ingestor.layouts
+            self.backend, self.catalog, settings.scoring.tier_weights, self.ingestor.layouts
         )
-        self.tokenizers = TokenizerRegistry(tokenizer_dirs(models_file))
+        self.tokenizers = TokenizerRegistry(tokenizer_dirs(settings))
         self.metrics = ScoreMetrics(self.registry)
-        register_process_metrics(self.registry, VERSION, settings.backend)
+        register_process_metrics(self.registry, VERSION, settings.index.backend)
         self.registry.register(
             ServiceCollector(self.subscriber, self.ingestor, self.backend, self.verifier)
         )
@@ -287,7 +288,7 @@ class Service:
             owners,
             marks=self.snapshot_gate.marks if self.snapshot_gate is not None else None,
         )
-        self.load, self.router = make_routing(settings, models_file, self.known_pods, route_seed)
+        self.load, self.router = make_routing(settings, self.known_pods, route_seed)
         self.route_metrics = RouteMetrics(self.registry)
         self.registry.register(LoadCollector(self.load))
         self.bound: list[str] = []
@@ -303,7 +304,7 @@ class Service:
         if self.snapshotter is not None:
             self.snapshotter.restore()  # before any batch is applied
         self.subscriber.start()
-        for endpoint in self.settings.zmq_bind:
+        for endpoint in self.settings.events.zmq_bind:
             try:
                 self.bound.append(self.subscriber.bind(endpoint))
             except zmq.ZMQError as exc:
@@ -318,10 +319,10 @@ class Service:
         if self.snapshotter is not None:
             self.snapshotter.start()
         self.load.start()
-        if self.settings.k8s_namespace and self.settings.k8s_mode == "bind":
-            if not self.settings.zmq_bind:
+        if self.settings.k8s.namespace and self.settings.k8s.mode == "bind":
+            if not self.settings.events.zmq_bind:
                 log.warning("--k8s-mode bind: add --zmq-bind tcp://*:5557 for pods to connect to")
-        elif not self.settings.zmq_bind and not self._connect and self.discovery is None:
+        elif not self.settings.events.zmq_bind and not self._connect and self.discovery is None:
             log.warning(
                 "no event source configured: add --zmq-bind tcp://*:5557 (pods connect to "
                 "kvindex) or --zmq-connect tcp://POD_IP:5557 (kvindex connects to pods)"
@@ -332,23 +333,23 @@ class Service:
     def startup_summary(self) -> str:
         """One line that tells an operator what this process is: version, index, hashing,
         models, where it listens and where its events come from."""
-        keying = self.catalog.keying(self.settings.model or "")
-        backend = self.settings.backend
+        keying = self.catalog.keying(self.settings.events.model or "")
+        backend = self.settings.index.backend
         if "@" in backend:  # redis://user:password@host: keep the password out of logs
             scheme, _, rest = backend.partition("://")
             backend = f"{scheme}://***@{rest.rpartition('@')[2]}"
         events = [f"bind {e}" for e in self.bound]
         events += [f"connect {t.endpoint}" for t in self._connect]
-        if self.settings.k8s_namespace:
+        if self.settings.k8s.namespace:
             events.append(
-                f"k8s {self.settings.k8s_mode} {','.join(self.settings.k8s_namespace)} "
-                f"({self.settings.k8s_selector})"
+                f"k8s {self.settings.k8s.mode} {','.join(self.settings.k8s.namespace)} "
+                f"({self.settings.k8s.selector})"
             )
         return (
             f"kvindex {VERSION} started: backend={backend} hash_algo={keying.hash.algo.value} "
             f"block_size={keying.hash.block_size} key_mode={keying.key_mode.value} "
             f"models={','.join(self._configured_models()) or '(from events)'} "
-            f"listen={self.settings.listen} events={'; '.join(events) or 'none'}"
+            f"listen={self.settings.http.listen} events={'; '.join(events) or 'none'}"
         )
 
     def stop(self) -> None:
@@ -383,7 +384,7 @@ class Service:
             problems.append(f"index backend unavailable: {exc}")
         if not self.subscriber.is_running():
             problems.append("event subscriber is not running")
-        if not self.has_event_source() and self.settings.backend == "memory":
+        if not self.has_event_source() and self.settings.index.backend == "memory":
             problems.append(
                 "no event source configured, so the in-memory index stays empty: add "
                 "--zmq-bind tcp://*:5557 (pods connect to kvindex), --zmq-connect "
@@ -394,7 +395,7 @@ class Service:
         return problems
 
     def has_event_source(self) -> bool:
-        return bool(self.settings.zmq_bind or self._connect or self.discovery is not None)
+        return bool(self.settings.events.zmq_bind or self._connect or self.discovery is not None)
 
     def readiness_notes(self) -> list[str]:
         """Why a replica that looks idle is ready anyway."""
@@ -421,14 +422,14 @@ class Service:
         """Models named by configuration alone: what the startup line can say without
         reading the index (a Redis that is down at startup must not stop the start)."""
         configured = set(self.catalog.configured())
-        if self.settings.model:
-            configured.add(self.settings.model)
+        if self.settings.events.model:
+            configured.add(self.settings.events.model)
         return sorted(configured)
 
     def knows_model(self, model: str) -> bool:
         """Configured (model config or --model), or seen in events or the index; a gateway
         asking about a configured model before its first events gets zeros, not 404."""
-        if self.catalog.is_configured(model) or model == self.settings.model:
+        if self.catalog.is_configured(model) or model == self.settings.events.model:
             return True
         if model in self._models():
             return True

@@ -36,10 +36,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 
-@dataclass(frozen=True, slots=True)
-class CostWeights:
-    """The cost model's weights; see the module docstring for why these defaults."""
+
+class CostWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The cost model's weights; see the module docstring for why these defaults.
+
+    The config file's ``scoring.route_weights`` decodes into this type (a negative
+    weight is refused there, naming the field)."""
 
     prefix: float = 2.0
     queue: float = 1.0

@@ -26,9 +26,11 @@ from kvindex.indexer.token_keys import ContentHasher
 from kvindex.scoring import hybrid
 
 
-@dataclass(frozen=True, slots=True)
-class TierWeights:
-    """What one cached block is worth per tier, relative to recomputing it (0)."""
+class TierWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one cached block is worth per tier, relative to recomputing it (0).
+
+    These defaults are the only ones: the config file's ``scoring.tier_weights``
+    decodes into this type."""
 
     gpu: float = 1.0
     cpu: float = 0.8

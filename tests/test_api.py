@@ -14,8 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvindex.api.app import create_app
-from kvindex.api.config import Settings
 from kvindex.api.service import Service
+from kvindex.api.settings_load import from_flags
 from kvindex.api.testing import free_port
 from kvindex.events.endpoints import from_source
 from kvindex.events.publisher import EnginePublisher
@@ -52,7 +52,7 @@ def setup(tmp_path: Path) -> Iterator[tuple[TestClient, str, Service]]:
         json.dumps({"models": {"m": {"tokenizer": str(tmp_path / "tok"), "loras": {"ad": "/a"}}}})
     )
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    settings = Settings(
+    settings = from_flags(
         zmq_bind=[endpoint],
         model_config=str(model_config),
         admin_token="s3cret",
@@ -158,7 +158,7 @@ def test_bad_requests_get_clear_4xx(setup, body, status, code, needle) -> None:
 def test_missing_tokenizer_names_the_model_and_the_setting(tmp_path: Path) -> None:
     config = tmp_path / "models.toml"
     config.write_text("[models.plain]\nblock_size = 16\n")  # configured, no tokenizer
-    service = Service(Settings(model_config=str(config)))
+    service = Service(from_flags(model_config=str(config)))
     with TestClient(create_app(service, manage_lifecycle=False)) as client:
         response = client.post("/score", json={"model": "plain", "prompt": "hello"})
     assert response.status_code == 503
@@ -236,7 +236,7 @@ def test_probes_metrics_and_docs(setup) -> None:
 
 
 def test_readyz_reports_a_stopped_subscriber() -> None:
-    service = Service(Settings())
+    service = Service(from_flags())
     with TestClient(create_app(service, manage_lifecycle=False)) as client:
         response = client.get("/readyz")
     assert response.status_code == 503
@@ -250,9 +250,9 @@ def test_stream_queue_flag_and_environment() -> None:
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--stream-queue", "100"])
-    assert _settings_from(args, {"KVINDEX_STREAM_QUEUE": "7"}).stream_queue == 100
+    assert _settings_from(args, {"KVINDEX_STREAM_QUEUE": "7"}).events.stream_queue == 100
     args = parser.parse_args(["serve"])
-    assert _settings_from(args, {"KVINDEX_STREAM_QUEUE": "7"}).stream_queue == 7
-    assert _settings_from(args, {}).stream_queue == SubscriberConfig().queue_capacity
+    assert _settings_from(args, {"KVINDEX_STREAM_QUEUE": "7"}).events.stream_queue == 7
+    assert _settings_from(args, {}).events.stream_queue == SubscriberConfig().queue_capacity
     with pytest.raises(ConfigError, match="stream_queue"):
         _settings_from(args, {"KVINDEX_STREAM_QUEUE": "0"})

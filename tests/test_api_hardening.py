@@ -17,8 +17,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvindex.api.app import create_app
-from kvindex.api.config import ConfigError, Settings, admin_token
+from kvindex.api.config import ConfigError, admin_token
 from kvindex.api.service import Service
+from kvindex.api.settings_load import from_flags
 from kvindex.api.testing import ServeProcess
 from kvindex.events.identity import IdentityError, normalize_pod
 
@@ -26,7 +27,7 @@ from kvindex.events.identity import IdentityError, normalize_pod
 @contextmanager
 def client_for(**settings: object) -> Iterator[TestClient]:
     """An app over a service that is never started, and stopped (its ZMQ context closed)."""
-    service = Service(Settings(**settings))
+    service = Service(from_flags(**settings))
     try:
         with TestClient(create_app(service, manage_lifecycle=False)) as client:
             yield client
@@ -72,7 +73,7 @@ def test_a_non_ascii_admin_token_matches_its_utf8_bytes() -> None:
 def test_admin_token_from_a_file(tmp_path: Path) -> None:
     secret = tmp_path / "token"
     secret.write_text("from-file\n")
-    assert admin_token(Settings(admin_token_file=str(secret))) == "from-file"
+    assert admin_token(from_flags(admin_token_file=str(secret))) == "from-file"
     with client_for(admin_token_file=str(secret)) as c:
         denied = c.delete("/index/pods/127.0.0.1:8000", headers={"authorization": "Bearer x"})
         allowed = c.delete(
@@ -81,13 +82,13 @@ def test_admin_token_from_a_file(tmp_path: Path) -> None:
     assert (denied.status_code, allowed.status_code) == (401, 404)
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ConfigError, match="empty"):
-        admin_token(Settings(admin_token_file=str(tmp_path / "empty")))
+        admin_token(from_flags(admin_token_file=str(tmp_path / "empty")))
     with pytest.raises(ConfigError, match="cannot read"):
-        admin_token(Settings(admin_token_file=str(tmp_path / "missing")))
+        admin_token(from_flags(admin_token_file=str(tmp_path / "missing")))
 
 
 def test_the_default_listen_address_is_loopback() -> None:
-    assert Settings().listen.startswith("127.0.0.1:")
+    assert from_flags().http.listen.startswith("127.0.0.1:")
 
 
 # --- input that used to crash -----------------------------------------------------

@@ -8,8 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvindex.api.app import create_app
-from kvindex.api.config import Settings
 from kvindex.api.service import Service
+from kvindex.api.settings_load import from_flags
 from kvindex.api.testing import free_port
 from kvindex.events.endpoints import from_source
 from kvindex.events.publisher import EnginePublisher
@@ -26,7 +26,7 @@ WINDOW = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window"
 @pytest.fixture
 def served() -> Iterator[tuple[TestClient, str, Service]]:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    service = Service(Settings(zmq_bind=[endpoint], model="m"))
+    service = Service(from_flags(zmq_bind=[endpoint], model="m"))
     with TestClient(create_app(service)) as client:
         yield client, endpoint, service
 

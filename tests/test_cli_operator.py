@@ -17,9 +17,11 @@ from fastapi.testclient import TestClient
 
 from kvindex.api import cli
 from kvindex.api.app import create_app
-from kvindex.api.config import ConfigError, Settings
+from kvindex.api.config import ConfigError
 from kvindex.api.health import BackendHealthLog
 from kvindex.api.service import Service
+from kvindex.api.settings import SECTIONS
+from kvindex.api.settings_load import from_flags
 from kvindex.api.testing import ServeProcess, free_port
 from kvindex.api.version import VERSION
 from kvindex.indexer.redis_backend import RedisBackend
@@ -102,15 +104,26 @@ def test_the_removed_admin_token_flag_says_what_to_use() -> None:
 
 def test_serve_help_lists_every_setting_as_a_variable() -> None:
     text = run_cli("serve", "--help").stdout
-    for name in Settings.__struct_fields__:
-        assert f"KVINDEX_{name.upper()}" in text, name
+    found = 0
+    for section, cls in SECTIONS.items():
+        prefix = cls.flag_prefix.replace("-", "_").upper()
+        for name in cls.__struct_fields__:
+            if section == "scoring" and name.endswith("_weights"):
+                continue  # tables: the config file only
+            assert f"KVINDEX_{prefix}{name.upper()}" in text, (section, name)
+            found += 1
+    assert found >= 45 and "KVINDEX_MODEL_CONFIG" in text
 
 
 def test_env_settings_reach_serve() -> None:
     args = cli.build_parser().parse_args(["serve"])
     env = {"KVINDEX_ADMIN_TOKEN": "tok", "KVINDEX_BODY_TIMEOUT": "2.5", "KVINDEX_MAX_PODS": "7"}
     settings = cli._settings_from(args, env)
-    assert (settings.admin_token, settings.body_timeout, settings.max_pods) == ("tok", 2.5, 7)
+    assert (settings.http.admin_token, settings.http.body_timeout, settings.http.max_pods) == (
+        "tok",
+        2.5,
+        7,
+    )
     assert cli.unknown_variables({"KVINDEX_ZMQ_BINDS": "x", "KVINDEX_MODEL": "m"}) == [
         "KVINDEX_ZMQ_BINDS"
     ]
@@ -120,7 +133,7 @@ def test_a_missing_tokenizer_directory_fails_at_startup(tmp_path: Path) -> None:
     config = tmp_path / "models.json"
     config.write_text(json.dumps({"models": {"m": {"tokenizer": str(tmp_path / "nowhere")}}}))
     with pytest.raises(ConfigError, match=r"tokenizer\.json"):
-        Service(Settings(model_config=str(config)))
+        Service(from_flags(model_config=str(config)))
     line = one_clear_line(run_cli("serve", "--model-config", str(config)))
     assert "'m'" in line and "nowhere" in line
 
@@ -141,14 +154,14 @@ def test_startup_line_and_unknown_variable_warning() -> None:
 
 
 def test_readyz_without_an_event_source_says_why() -> None:
-    with TestClient(create_app(Service(Settings()))) as client:
+    with TestClient(create_app(Service(from_flags()))) as client:
         answer = client.get("/readyz")
     assert answer.status_code == 503
     assert any("no event source" in p for p in answer.json()["problems"])
 
 
 def test_build_info_and_process_metrics() -> None:
-    with TestClient(create_app(Service(Settings(zmq_bind=["tcp://127.0.0.1:0"])))) as client:
+    with TestClient(create_app(Service(from_flags(zmq_bind=["tcp://127.0.0.1:0"])))) as client:
         text = client.get("/metrics").text
     assert f'kvindex_build_info{{backend="memory",version="{VERSION}"}} 1.0' in text
     assert "process_resident_memory_bytes" in text and "process_open_fds" in text

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from kvindex.api.cli import build_parser
-from kvindex.api.config import load_model_config
+from kvindex.api.settings_load import from_flags
 from kvindex.api.testing import ServeProcess, free_port
 from kvindex.events.identity import parse_topic
 from kvindex.events.k8s_pods import DiscoveryConfig, PodFacts, plan_pod
@@ -297,7 +297,7 @@ def test_model_config_map_is_a_valid_model_config(tmp_path: Path) -> None:
     data = find("ConfigMap", "kvindex-models")["data"]
     path = tmp_path / "models.yaml"
     path.write_text(data["models.yaml"])
-    assert MODEL in load_model_config(str(path)).models
+    assert MODEL in from_flags(model_config=str(path)).models
     assert env_of(container())["KVINDEX_MODEL_CONFIG"].endswith("/models.yaml")
 
 
@@ -578,11 +578,11 @@ def redis_only_series() -> dict[str, set[str]]:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvindex.api.config import Settings
     from kvindex.api.service import Service
+    from kvindex.api.settings_load import from_flags
     from tests.redis_fixtures import REDIS_URL
 
-    service = Service(Settings(backend=REDIS_URL, redis_prefix="kvtest-manifests"))
+    service = Service(from_flags(backend=REDIS_URL, redis_prefix="kvtest-manifests"))
     try:
         text = generate_latest(service.registry).decode()
     finally:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from kvindex.api.config import ConfigError, Settings
+from kvindex.api.config import ConfigError
 from kvindex.api.service import parse_connect, replay_endpoints
+from kvindex.api.settings_load import from_flags
 from kvindex.events import BlockStored, EnginePublisher, StreamId, Subscriber, SubscriberConfig
 from kvindex.events.identity import make_topic
 from kvindex.events.known_pods import KnownPods
@@ -62,7 +63,7 @@ def test_specs_parse_or_say_why() -> None:
 
 
 def test_settings_reach_connect_targets() -> None:
-    settings = Settings(
+    settings = from_flags(
         replay_port=5558, replay_endpoint=["10.0.0.2:8000=tcp://10.0.0.2:6100"], model="m"
     )
     replays = replay_endpoints(settings, None)
@@ -75,7 +76,7 @@ def test_settings_reach_connect_targets() -> None:
     fallback = parse_connect("tcp://10.0.0.3:5557", settings, replays)
     assert fallback.replay_endpoint == "tcp://10.0.0.3:5558"
     with pytest.raises(ConfigError, match="replay-endpoint"):
-        replay_endpoints(Settings(replay_endpoint=["nope"]), None)
+        replay_endpoints(from_flags(replay_endpoint=["nope"]), None)
     with pytest.raises(ConfigError, match="zmq-connect"):
         parse_connect("tcp://h:1;replay=nope", settings)
 

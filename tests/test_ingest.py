@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvindex.api.config import ConfigError, Settings, build_catalog, load_model_config
+from kvindex.api.config import ConfigError, build_catalog
+from kvindex.api.settings_load import from_flags
 from kvindex.events.identity import StreamId
 from kvindex.events.sink import Delivery
 from kvindex.events.wire import (
@@ -284,7 +285,7 @@ def test_report_mode_decides_what_a_root_store_of_held_blocks_is(
 ) -> None:
     config = tmp_path / "models.json"
     config.write_bytes(msgspec.json.encode({"models": {"m": {"kv_cache_report_mode": mode}}}))
-    catalog = build_catalog(Settings(), load_model_config(str(config)))
+    catalog = build_catalog(from_flags(model_config=str(config)))
     h = Harness(catalog)
     h.send(POD_A, stored(1))
     h.send(POD_A, stored(1))  # the same one-block chain from the root, again
@@ -298,4 +299,4 @@ def test_an_unknown_report_mode_is_refused(tmp_path) -> None:
     config = tmp_path / "models.json"
     config.write_text('{"models": {"m": {"kv_cache_report_mode": "sometimes"}}}')
     with pytest.raises(ConfigError, match="kv_cache_report_mode"):
-        load_model_config(str(config))
+        from_flags(model_config=str(config))

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 transformers = pytest.importorskip("transformers")
 
 from kvindex.api.app import create_app  # noqa: E402
-from kvindex.api.config import Settings  # noqa: E402
 from kvindex.api.service import Service  # noqa: E402
+from kvindex.api.settings_load import from_flags  # noqa: E402
 from kvindex.api.testing import free_port  # noqa: E402
 from kvindex.events.publisher import EnginePublisher  # noqa: E402
 from kvindex.events.testing import wait_until  # noqa: E402
@@ -53,7 +53,7 @@ def setup(model_dir: Path, tmp_path: Path) -> Iterator[tuple[TestClient, str, Se
     models = tmp_path / "models.json"
     models.write_text(json.dumps({"models": {"oss": {"tokenizer": str(model_dir)}}}))
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    service = Service(Settings(zmq_bind=[endpoint], model_config=str(models)))
+    service = Service(from_flags(zmq_bind=[endpoint], model_config=str(models)))
     with TestClient(create_app(service)) as client:
         yield client, endpoint, service
 

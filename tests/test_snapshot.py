@@ -362,16 +362,17 @@ def test_snapshot_settings_that_cannot_work_are_refused_before_anything_starts(
     tmp_path: Path,
 ) -> None:
     from kvindex.api.cli import _settings_from, build_parser
-    from kvindex.api.config import ConfigError, Settings
+    from kvindex.api.config import ConfigError
     from kvindex.api.service import Service
+    from kvindex.api.settings_load import from_flags
 
     with pytest.raises(ConfigError, match="memory backend"):
-        Service(Settings(backend="redis://127.0.0.1:6379/0", snapshot=str(tmp_path / "s")))
+        Service(from_flags(backend="redis://127.0.0.1:6379/0", snapshot=str(tmp_path / "s")))
     with pytest.raises(ConfigError, match="does not exist"):
-        Service(Settings(snapshot=str(tmp_path / "no-such-dir" / "s")))
+        Service(from_flags(snapshot=str(tmp_path / "no-such-dir" / "s")))
     args = build_parser().parse_args(["serve"])
     env = {"KVINDEX_SNAPSHOT": str(tmp_path / "s"), "KVINDEX_SNAPSHOT_INTERVAL": "0.5"}
     settings = _settings_from(args, env)
-    assert (settings.snapshot, settings.snapshot_interval) == (str(tmp_path / "s"), 0.5)
+    assert (settings.index.snapshot, settings.index.snapshot_interval) == (str(tmp_path / "s"), 0.5)
     with pytest.raises(ConfigError, match="not a number"):
         _settings_from(args, {"KVINDEX_SNAPSHOT_INTERVAL": "soon"})

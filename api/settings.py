@@ -1,0 +1,298 @@
+"""The settings tree: every ``kvindex serve`` setting, its default and its meaning, once.
+
+``Settings`` has one section per part of the service (``http``, ``log``, ``events``,
+``index``, ``k8s``, ``scoring``) plus the per-model table. Each field's default is
+written here and nowhere else; its ``Meta`` description is the ``--help`` text. The
+command-line flags, the ``KVINDEX_*`` variables and the config file are generated
+from this tree and decoded into it once (:mod:`kvindex.api.settings_load`), so adding
+a setting is adding one field.
+
+Naming: a field's flag is ``--`` + the section's flag prefix + the field name with
+``-`` for ``_`` (``k8s.namespace`` is ``--k8s-namespace``, ``events.zmq_bind`` is
+``--zmq-bind``); its variable is ``KVINDEX_`` + that in upper case. In the config file
+the same field is ``k8s: {namespace: [...]}``. Fields marked ``file_only`` have no flag
+or variable (tables and weights), ``env_only`` ones no flag (the admin token: a flag's
+value is visible in ``/proc/<pid>/cmdline``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+
+from kvindex.indexer.keys import ExtraKeyStyle, HashAlgo
+from kvindex.indexer.models import KeyMode, ReportMode
+from kvindex.scoring.route_cost import CostWeights
+from kvindex.scoring.scorer import TierWeights
+
+
+def doc(text: str, **extra: Any) -> msgspec.Meta:
+    """A field's help text; ``extra`` carries ``metavar``, ``env_only`` or ``file_only``."""
+    return msgspec.Meta(description=text, extra=extra)
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    flag_prefix: ClassVar[str] = ""
+
+
+class HttpSettings(_Section):
+    """The HTTP server and the limits a hostile client meets (issue 14)."""
+
+    listen: Annotated[
+        str,
+        doc("HTTP address HOST:PORT (the container image and the manifests set 0.0.0.0:8080)"),
+    ] = "127.0.0.1:8080"
+    admin_token: Annotated[
+        str | None,
+        doc("bearer token the operator endpoints need; without one they answer 403", env_only=True),
+    ] = None
+    admin_token_file: Annotated[
+        str | None,
+        doc(
+            "file holding the bearer token DELETE /index/pods/{pod} needs (or set "
+            "KVINDEX_ADMIN_TOKEN); without one the operator endpoints answer 403",
+            metavar="FILE",
+        ),
+    ] = None
+    max_body_bytes: Annotated[int, doc("largest HTTP request body")] = 16 * 1024 * 1024
+    max_pods: Annotated[int, doc("most candidate pods in one /score or /route request")] = 4096
+    max_in_flight: Annotated[int, doc("requests handled at once; more get 429")] = 1024
+    header_timeout: Annotated[float, doc("seconds a client may take to send its headers")] = 10.0
+    body_timeout: Annotated[float, doc("seconds a client may take to send a body")] = 30.0
+    keep_alive_timeout: Annotated[
+        float, doc("seconds an idle keep-alive connection stays open")
+    ] = 5.0
+    max_prompt_tokens: Annotated[int, doc("largest prompt /score accepts, in tokens")] = 262_144
+    max_prompt_chars: Annotated[int, doc("largest text prompt /score accepts")] = 4_000_000
+
+
+class LogSettings(_Section):
+    flag_prefix: ClassVar[str] = "log-"
+
+    format: Annotated[Literal["text", "json"], doc("log line format")] = "text"
+    level: Annotated[Literal["debug", "info", "warning", "error"], doc("log level")] = "info"
+
+
+class EventsSettings(_Section):
+    """Where KV events come from and how a stream is kept."""
+
+    zmq_bind: Annotated[
+        list[str],
+        doc(
+            "bind a SUB socket pods' publishers connect to, e.g. tcp://*:5557 "
+            "(pods publish with topic kv@<pod-ip:port>@<model>); repeatable",
+            metavar="ENDPOINT",
+        ),
+    ] = []
+    zmq_connect: Annotated[
+        list[str],
+        doc(
+            "connect to a pod's publisher, e.g. tcp://10.0.0.5:5557; the pod "
+            "and model come from a kv@<pod>@<model> topic, else from POD@MODEL=, "
+            "else from the endpoint host with --serving-port and --model; "
+            "';replay=tcp://HOST:RPORT' names its replay endpoint; repeatable",
+            metavar="[POD[@MODEL]=]ENDPOINT[;replay=REPLAY]",
+        ),
+    ] = []
+    topic_filter: Annotated[str, doc("bind-mode topic prefix to subscribe to")] = "kv@"
+    serving_port: Annotated[
+        int, doc("pods' HTTP serving port, for addresses given without one")
+    ] = 8000
+    model: Annotated[str | None, doc("model name for connect-mode pods whose topic names none")] = (
+        None
+    )
+    replay_port: Annotated[
+        int, doc("pods' replay port (replay_endpoint of --kv-events-config); 0 = no replay")
+    ] = 0
+    stream_queue: Annotated[
+        int,
+        msgspec.Meta(ge=1),
+        doc(
+            "batches waiting per engine stream before the newest is dropped "
+            "(and fetched again by replay); raise it if queue_overflow is counted"
+        ),
+    ] = 4096
+    replay_endpoint: Annotated[
+        list[str],
+        doc(
+            "one pod's own replay endpoint (its rank r uses RPORT + r); beats "
+            "--replay-port, needed when engines share a host; repeatable",
+            metavar="POD=tcp://HOST:RPORT",
+        ),
+    ] = []
+    bind_allow: Annotated[
+        list[str],
+        doc(
+            "bind mode: a pod (or a CIDR of pod hosts) whose topic may come from "
+            "any sender address, e.g. behind NAT; others must send from their own host; "
+            "repeatable",
+            metavar="POD|CIDR",
+        ),
+    ] = []
+    max_streams_per_sender: Annotated[
+        int, doc("bind mode: most streams (pod, DP rank) one sender address may open")
+    ] = 64
+
+
+class IndexSettings(_Section):
+    """The index backend and how the pods' block hashes are reproduced."""
+
+    backend: Annotated[str, doc("memory or redis://HOST:PORT/DB")] = "memory"
+    capacity_blocks: Annotated[
+        int | None,
+        doc("memory backend: most distinct blocks kept; oldest-stored evicted beyond"),
+    ] = None
+    snapshot: Annotated[
+        str | None,
+        doc(
+            "memory backend: save the index to PATH periodically and at shutdown, "
+            "restore it at start and resume every pod's stream from it",
+            metavar="PATH",
+        ),
+    ] = None
+    snapshot_interval: Annotated[float, doc("seconds between snapshots", metavar="SECONDS")] = 60.0
+    hash_algo: Annotated[HashAlgo, doc("pods' --prefix-caching-hash-algo")] = HashAlgo.SHA256
+    hash_seed: Annotated[str | None, doc("pods' PYTHONHASHSEED, if set")] = None
+    block_size: Annotated[int, doc("pods' KV block size in tokens")] = 16
+    extra_key_style: Annotated[
+        ExtraKeyStyle, doc("LoRA/salt hash keys: tagged for vLLM >= 0.31, bare for older")
+    ] = ExtraKeyStyle.TAGGED
+    key_mode: Annotated[
+        KeyMode,
+        doc(
+            "engine: index the pods' own hashes; tokens: kvindex's own chain over token "
+            "ids, for pods whose hashes can't be reproduced"
+        ),
+    ] = KeyMode.ENGINE
+    redis_prefix: Annotated[str, doc("prefix of every Redis key")] = "kvindex"
+    replica_id: Annotated[
+        str | None, doc("redis backend: this replica's name in stream leases (hostname:pid)")
+    ] = None
+    lease_ttl: Annotated[
+        int, doc("redis backend: seconds before a dead replica's streams are taken over")
+    ] = 5
+
+
+class K8sSettings(_Section):
+    """Kubernetes pod discovery."""
+
+    flag_prefix: ClassVar[str] = "k8s-"
+
+    namespace: Annotated[
+        list[str],
+        doc(
+            "discover vLLM pods in this Kubernetes namespace (repeatable); "
+            "needs get/list/watch on pods there",
+            metavar="NAMESPACE",
+        ),
+    ] = []
+    selector: Annotated[str, doc("label selector of the vLLM pods")] = "kvindex.io/enabled=true"
+    mode: Annotated[
+        Literal["connect", "bind"],
+        doc(
+            "connect: connect to each discovered pod; bind: pods connect to --zmq-bind, "
+            "discovery only names and forgets them"
+        ),
+    ] = "connect"
+    grace_seconds: Annotated[int, doc("forget a pod not ready for this long")] = 30
+    resync_seconds: Annotated[int, doc("full relist period")] = 300
+    events_port: Annotated[int, doc("pods' events port without annotation/named port")] = 5557
+    replay_port: Annotated[int, doc("pods' replay port likewise; 0 = none")] = 5558
+
+
+class ScoringSettings(_Section):
+    """/score's tier weights and /route's cost model, load scraping and admission."""
+
+    tier_weights: Annotated[
+        TierWeights, doc("what a cached block is worth per tier", file_only=True)
+    ] = TierWeights()
+    route_weights: Annotated[CostWeights, doc("/route's cost weights", file_only=True)] = (
+        CostWeights()
+    )
+    load_interval: Annotated[
+        float,
+        doc(
+            "/route: seconds between scrapes of every pod's vLLM /metrics; "
+            "a pod not scraped for 3 intervals has unknown load",
+            metavar="SECONDS",
+        ),
+    ] = 1.0
+    load_timeout: Annotated[float, doc("/route: one scrape's timeout", metavar="SECONDS")] = 0.5
+    route_ttl: Annotated[
+        float,
+        doc(
+            "/route: a routed request counts against its pod until "
+            "POST /route/{id}/done or this many seconds",
+            metavar="SECONDS",
+        ),
+    ] = 120.0
+    max_kv_usage: Annotated[
+        float,
+        doc(
+            "/route: never choose a pod whose KV cache usage (fullest engine) is "
+            "above this fraction"
+        ),
+    ] = 0.95
+    max_waiting: Annotated[
+        int, doc("/route: never choose a pod with more requests waiting; 0 = no limit")
+    ] = 0
+
+
+class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One model's settings in the config file; unset fields use the ``index`` ones."""
+
+    block_size: int | None = None
+    hash_algo: HashAlgo | None = None
+    hash_seed: str | msgspec.UnsetType | None = msgspec.UNSET
+    extra_key_style: ExtraKeyStyle | None = None
+    lookahead_tokens: int | None = None
+    key_mode: KeyMode | None = None
+    kv_cache_report_mode: ReportMode = ReportMode.INCREMENTAL
+    tokenizer: str | None = None
+    loras: dict[str, str] = {}
+
+
+class Settings(_Section):
+    """Everything ``kvindex serve`` needs, after flags, environment, file and defaults.
+
+    The config file (``--model-config``; YAML, JSON or TOML) has this shape::
+
+      models:
+        Qwen/Qwen3-32B:
+          block_size: 16
+          hash_algo: sha256
+          tokenizer: /models/qwen3-32b      # directory holding tokenizer.json
+          loras: {sql-adapter: /adapters/sql}
+      scoring:
+        tier_weights: {gpu: 1.0, cpu: 0.8, storage: 0.5}
+        route_weights: {prefix: 2.0, queue: 1.0, kv: 1.0, queue_half: 4.0}
+      http: {max_pods: 1024}
+      k8s: {namespace: [serving]}
+    """
+
+    model_config: Annotated[
+        str | None,
+        doc(
+            "the config file (YAML, JSON or TOML): per-model settings under models:, "
+            "and any setting by section (http, log, events, index, k8s, scoring)",
+            metavar="FILE",
+        ),
+    ] = None
+    http: HttpSettings = msgspec.field(default_factory=HttpSettings)
+    log: LogSettings = msgspec.field(default_factory=LogSettings)
+    events: EventsSettings = msgspec.field(default_factory=EventsSettings)
+    index: IndexSettings = msgspec.field(default_factory=IndexSettings)
+    k8s: K8sSettings = msgspec.field(default_factory=K8sSettings)
+    scoring: ScoringSettings = msgspec.field(default_factory=ScoringSettings)
+    models: Annotated[dict[str, ModelEntry], doc("per-model settings", file_only=True)] = {}
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "http": HttpSettings,
+    "log": LogSettings,
+    "events": EventsSettings,
+    "index": IndexSettings,
+    "k8s": K8sSettings,
+    "scoring": ScoringSettings,
+}

@@ -1,0 +1,96 @@
+"""The settings tree (issue 14): one nested msgspec tree, its defaults written once,
+decoded from flags over ``KVINDEX_*`` variables over the config file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvindex.api import cli
+from kvindex.api.config import ConfigError, discovery_config
+from kvindex.api.service import Service
+from kvindex.api.settings import SECTIONS, Settings
+from kvindex.api.settings_load import LEAVES, decode_settings, from_flags
+from kvindex.scoring.route_cost import CostWeights
+from kvindex.scoring.scorer import TierWeights
+
+
+def config_file(tmp_path: Path, tree: dict) -> str:
+    path = tmp_path / "kvindex.json"
+    path.write_text(json.dumps(tree))
+    return str(path)
+
+
+def serve_settings(argv: list[str], environ: dict[str, str]) -> Settings:
+    return cli._settings_from(cli.build_parser().parse_args(["serve", *argv]), environ)
+
+
+def test_the_tree_has_the_sections_the_issue_names() -> None:
+    settings = Settings()
+    assert {"http", "events", "index", "k8s", "scoring"} <= set(SECTIONS)
+    assert settings.http.max_pods == 4096 and settings.events.stream_queue == 4096
+    assert settings.index.hash_algo.value == "sha256" and settings.k8s.mode == "connect"
+
+
+def test_flag_beats_variable_beats_file_beats_default(tmp_path: Path) -> None:
+    path = config_file(tmp_path, {"http": {"max_pods": 10}, "k8s": {"namespace": ["serving"]}})
+    flag, env = ["--max-pods", "30"], {"KVINDEX_MAX_PODS": "20"}
+    assert serve_settings(["--model-config", path, *flag], env).http.max_pods == 30
+    assert serve_settings(["--model-config", path], env).http.max_pods == 20
+    assert serve_settings(["--model-config", path], {}).http.max_pods == 10
+    assert serve_settings([], {}).http.max_pods == 4096
+    # The file's path itself may come from the environment.
+    settings = serve_settings([], {"KVINDEX_MODEL_CONFIG": path})
+    assert discovery_config(settings).namespaces == ("serving",)
+
+
+def test_tier_weights_have_one_definition(tmp_path: Path) -> None:
+    """The defaults are scoring's own type; the file overrides a field and keeps the rest."""
+    assert Settings().scoring.tier_weights == TierWeights()
+    assert Settings().scoring.route_weights == CostWeights()
+    path = config_file(tmp_path, {"scoring": {"tier_weights": {"cpu": 0.6}}})
+    service = Service(from_flags(model_config=path))
+    try:
+        weights = service.scorer._weights
+        assert isinstance(weights, TierWeights)
+        assert (weights.gpu, weights.cpu, weights.storage) == (1.0, 0.6, TierWeights().storage)
+    finally:
+        service.stop()
+
+
+def test_the_first_spelling_of_the_weights_still_reads(tmp_path: Path) -> None:
+    path = config_file(tmp_path, {"tier_weights": {"storage": 0.25}, "route_weights": {"kv": 3}})
+    scoring = from_flags(model_config=path).scoring
+    assert scoring.tier_weights.storage == 0.25 and scoring.route_weights.kv == 3.0
+
+
+def test_file_mistakes_name_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="max_podz"):
+        from_flags(model_config=config_file(tmp_path, {"http": {"max_podz": 1}}))
+    with pytest.raises(ConfigError, match="--stream-queue or KVINDEX_STREAM_QUEUE"):
+        from_flags(model_config=config_file(tmp_path, {"events": {"stream_queue": 0}}))
+    with pytest.raises(ConfigError, match="route_weights"):
+        from_flags(model_config=config_file(tmp_path, {"scoring": {"route_weights": {"kv": -1}}}))
+    with pytest.raises(ConfigError, match="mapping"):
+        from_flags(model_config=config_file(tmp_path, [1, 2]))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="not a number"):
+        decode_settings({}, {"KVINDEX_K8S_GRACE_SECONDS": "soon"})
+    with pytest.raises(ConfigError, match="no such setting"):
+        from_flags(max_podz=1)
+
+
+def test_help_shows_the_defaults_of_the_tree() -> None:
+    text = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    flat = " ".join(text.split())
+    assert "largest HTTP request body (default 16777216)" in flat
+    assert "--k8s-selector" in flat and "(default kvindex.io/enabled=true)" in flat
+    assert "--tier-weights" not in flat  # a table: the config file only
+
+
+def test_every_leaf_has_a_description_and_a_unique_flag() -> None:
+    flags = [leaf.flag for leaf in LEAVES.values()]
+    assert len(flags) == len(set(flags))
+    for leaf in LEAVES.values():
+        assert leaf.meta.description, leaf.dest

@@ -48,7 +48,9 @@ def _read_tokens(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_score(args: argparse.Namespace) -> int:
-    import httpx
+    import msgspec
+
+    from kvindex.api.client import Client, KvindexClientError, Unreachable
 
     body: dict[str, Any] = {"model": args.model, **_read_tokens(args)}
     if args.pod:
@@ -58,14 +60,14 @@ def run_score(args: argparse.Namespace) -> int:
     if args.cache_salt:
         body["cache_salt"] = args.cache_salt
     try:
-        response = httpx.post(f"{args.url.rstrip('/')}/score", json=body, timeout=args.timeout)
-    except httpx.HTTPError as exc:
+        with Client(args.url, timeout=args.timeout) as client:
+            answer = msgspec.to_builtins(client.score(**body))
+    except Unreachable as exc:
         print(f"kvindex score: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 2
-    if response.status_code != 200:
-        print(f"kvindex score: HTTP {response.status_code}: {response.text}", file=sys.stderr)
+    except KvindexClientError as exc:  # ApiError: the server refused
+        print(f"kvindex score: {exc}", file=sys.stderr)
         return 1
-    answer = response.json()
     if args.json:
         print(json.dumps(answer, indent=2))
         return 0

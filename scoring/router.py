@@ -7,7 +7,9 @@ matches, scraped load, in-flight ledger) and enters the decision in the ledger.
 - Admission: a pod whose fullest engine's KV usage is above ``max_kv_usage``, or whose
   scraped waiting queue is longer than ``max_waiting`` (0: no limit), is not chosen.
   A pod with unknown load is admitted (nothing says it is full) but costed as busy.
-  No admitted pod: no decision (``no_capacity``; the API answers 429).
+  No admitted pod: no decision (``no_capacity``; the API answers 429), or, with
+  ``least_bad``, the cheapest pod of all (``least_bad``): for a gateway that has nowhere
+  else to send the request, a queue on the least loaded pod beats an error.
 - Normal decision: the lowest :func:`pod_cost`; equal costs are broken at random (a
   fixed order would always load the first pod). ``reason`` is ``prefix`` when the chosen
   pod has the longest reusable match among the admitted pods (and a non-empty one),
@@ -37,6 +39,7 @@ class Reason(StrEnum):
     FALLBACK_UNKNOWN_MODEL = "fallback_unknown_model"
     FALLBACK_TOKENIZER_UNAVAILABLE = "fallback_tokenizer_unavailable"
     NO_CAPACITY = "no_capacity"
+    LEAST_BAD = "least_bad"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +77,12 @@ class Router:
         weights: CostWeights | None = None,
         admission: Admission | None = None,
         seed: int | None = None,
+        *,
+        least_bad: bool = False,
     ) -> None:
         self.weights = weights or CostWeights()
         self.admission = admission or Admission()
+        self.least_bad = least_bad
         self._rng = random.Random(seed)
         self._turn = itertools.count()
 
@@ -101,7 +107,13 @@ class Router:
         ]
         admitted = [c for c in candidates if c.refused is None]
         if not admitted:
-            return Decision(None, Reason.NO_CAPACITY, candidates)
+            if not self.least_bad or not candidates:
+                return Decision(None, Reason.NO_CAPACITY, candidates)
+            key = (lambda c: c.terms.load) if load_only else (lambda c: c.terms.total)
+            best = min(key(c) for c in candidates)
+            tied = [c for c in candidates if key(c) <= best + _EPSILON]
+            chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+            return Decision(chosen.inputs.pod, Reason.LEAST_BAD, candidates)
         if load_only:
             best = min(c.terms.load for c in admitted)
             tied = sorted(

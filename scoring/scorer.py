@@ -50,6 +50,10 @@ class PodScore(msgspec.Struct, gc=False):
     cpu_blocks: int
     storage_blocks: int
     score: float
+    # Blocks past ``matched_blocks`` that a recent /route decision sent to this pod and its
+    # events have not confirmed yet (:mod:`kvindex.scoring.speculative`); never counted in
+    # the fields above.
+    speculative_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -60,6 +64,7 @@ class ScoreResult:
     prompt_blocks: int
     pods: list[PodScore] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # the prompt's block keys, block 0 first
 
     @property
     def best_matched_blocks(self) -> int:
@@ -131,7 +136,7 @@ class Scorer:
         keys = self.block_keys(model, tokens, lora_name, cache_salt)
         max_length = len(tokens) if max_hit_tokens is None else max(0, max_hit_tokens)
         block_size = self._catalog.keying(model).hash.block_size
-        result = ScoreResult(model, block_size, len(tokens), len(keys))
+        result = ScoreResult(model, block_size, len(tokens), len(keys), keys=keys)
         layout = None if self._layouts is None else self._layouts.get(model)
         if layout is not None and _is_plain(layout):
             layout = None

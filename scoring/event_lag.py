@@ -1,0 +1,67 @@
+"""How far behind its engine each index member is: the event lag of its last batch.
+
+A pod whose events reach the index seconds late has an index that describes its cache
+as it was seconds ago; comparing prefixes across pods then routes on history. ``/route``
+treats a candidate whose lag is above ``--max-event-lag`` as stale and decides on load
+alone (``fallback_stale_index``), as it does for a gapped stream.
+
+The lag of a batch is the applier's wall clock at apply time minus the engine's batch
+timestamp (clock skew between the hosts included: keep them in NTP sync). Replayed
+batches are left out (they are late by design; the stream's own state covers replay).
+vLLM sends batches only when its scheduler produced events, so a quiet pod's last lag
+would otherwise stand forever: a lag counts only while it is recent (``window_s``), and
+a pod that has sent nothing since is taken as caught up. A backlog keeps delivering late
+batches, so it keeps its lag fresh.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from kvindex.events.identity import member_pod
+
+
+@dataclass(frozen=True, slots=True)
+class Lag:
+    seconds: float
+    at: float  # monotonic clock when the batch was applied
+
+
+class EventLag:
+    """The last applied batch's lag per member; written by the ingest thread only."""
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        if window_s <= 0:
+            raise ValueError("window_s must be positive")
+        self.window_s = window_s
+        self._clock = clock
+        self._lags: dict[str, Lag] = {}
+
+    def record(self, member: str, lag_s: float) -> None:
+        """The ingest path applied a batch of ``member`` that was ``lag_s`` old."""
+        self._lags[member] = Lag(max(0.0, lag_s), self._clock())  # one assignment: atomic
+
+    def forget(self, member: str) -> None:
+        self._lags.pop(member, None)
+
+    def current(self) -> dict[str, float]:
+        """Each member's recent lag (members quiet for ``window_s`` are left out)."""
+        now = self._clock()
+        return {
+            m: lag.seconds for m, lag in list(self._lags.items()) if now - lag.at <= self.window_s
+        }
+
+    def lagging(self, pods: Collection[str], threshold_s: float) -> dict[str, float]:
+        """Of ``pods``, those with a member whose recent lag is above ``threshold_s``
+        (0: never), with the worst lag."""
+        if threshold_s <= 0 or not self._lags:
+            return {}
+        wanted = set(pods)
+        out: dict[str, float] = {}
+        for member, seconds in self.current().items():
+            pod = member_pod(member)
+            if seconds > threshold_s and pod in wanted:
+                out[pod] = max(seconds, out.get(pod, 0.0))
+        return out

@@ -1,0 +1,94 @@
+"""Routing targets: one per engine a request can be sent to, with its cost inputs.
+
+A pod running several data-parallel ranks is one address for a gateway, but each rank
+is its own engine with its own KV cache (its own index member, ``<pod>/dp<rank>``,
+:class:`kvindex.events.identity.StreamId`) and its own scheduler queue (vLLM's
+``engine`` label on ``/metrics``). So each rank is costed on its own prefix and its own
+load, the pod's cost is its best rank's, and the answer names that rank. A pod's ranks
+are those its index entries, speculative entries or metrics page show; rank 0 always.
+
+Speculative blocks (:mod:`kvindex.scoring.speculative`) extend a rank's confirmed prefix
+for the cost, valued as GPU blocks (they were just computed there); the confirmed count
+stays apart in the target for the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from kvindex.events.identity import StreamId, member_pod
+from kvindex.scoring.inflight import InFlight
+from kvindex.scoring.load import PodLoad, Unknown
+from kvindex.scoring.route_cost import PodInputs
+from kvindex.scoring.scorer import PodScore
+
+_DP = "/dp"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One engine of one candidate pod; ``inputs.pod`` is its index member id."""
+
+    pod: str
+    rank: int
+    inputs: PodInputs
+    kv_usage_max: float | None  # the fullest engine the target stands for (admission)
+    confirmed_blocks: int
+    speculative_blocks: int
+    load: PodLoad | Unknown
+
+    @property
+    def member(self) -> str:
+        return self.inputs.pod
+
+
+def member_rank(member: str) -> int:
+    """The data-parallel rank of an index member (0 for the pod itself)."""
+    _, sep, rank = member.partition(_DP)
+    return int(rank) if sep and rank.isdigit() else 0
+
+
+def build_targets(
+    pods: Iterable[str],
+    matches: Mapping[str, PodScore],
+    speculative: Mapping[str, int],
+    loads: Mapping[str, PodLoad | Unknown],
+    in_flight: Mapping[str, InFlight],
+) -> list[Target]:
+    """Every target of ``pods``: each pod's ranks, in pod then rank order."""
+    ranks: dict[str, set[int]] = {}
+    for member in (*matches, *speculative):
+        if _DP in member:
+            ranks.setdefault(member_pod(member), set()).add(member_rank(member))
+    out = []
+    for pod in pods:
+        load = loads[pod]
+        pod_ranks = {0, *ranks.get(pod, ())}
+        per_engine = isinstance(load, PodLoad) and len(load.engines) > 1
+        if per_engine:
+            pod_ranks.update(int(e) for e in load.engines if e.isdigit())
+        for rank in sorted(pod_ranks):
+            member = StreamId(pod, rank).member
+            waiting: int | None = None
+            kv: float | None = None
+            kv_max: float | None = None
+            if isinstance(load, PodLoad):
+                engine = load.engines.get(str(rank)) if per_engine else None
+                if engine is not None:
+                    waiting, kv, kv_max = engine.waiting, engine.kv_usage, engine.kv_usage
+                else:
+                    waiting, kv, kv_max = load.waiting, load.kv_usage, load.kv_usage_max
+            match = matches.get(member)
+            confirmed = match.matched_blocks if match is not None else 0
+            extra = speculative.get(member, 0)
+            inputs = PodInputs(
+                member,
+                confirmed + extra,
+                (match.score if match is not None else 0.0) + extra,
+                waiting,
+                kv,
+                in_flight.get(member, InFlight()).requests,
+            )
+            out.append(Target(pod, rank, inputs, kv_max, confirmed, extra, load))
+    return out

@@ -53,6 +53,7 @@ from kvindex.events.k8s_pods import (
     PodFacts,
     PodPlan,
     plan_pod,
+    pod_role,
 )
 from kvindex.events.known_pods import KnownPods
 from kvindex.events.ratelog import RateLimitedLog
@@ -199,6 +200,7 @@ class PodRoster:
                 if plan is None:
                     continue
                 facts = tracked.facts
+                role, role_problem = pod_role(facts, self._config)
                 if tracked.active is None:
                     state = "waiting"
                 elif tracked.unready_since is not None:
@@ -218,14 +220,15 @@ class PodRoster:
                     "mode": self._config.mode.value,
                     "model": plan.model,
                     "data_parallel_size": plan.data_parallel_size,
+                    "role": role,
                     "endpoints": [e.endpoint for e in plan.endpoints],
                     "replay_endpoints": [e.replay_endpoint for e in plan.endpoints]
                     or ([plan.replay_endpoint] if plan.replay_endpoint else []),
                 }
                 if tracked.unready_since is not None:
                     entry["unready_for_s"] = round(now - tracked.unready_since, 3)
-                if tracked.problem:
-                    entry["problem"] = tracked.problem
+                if tracked.problem or role_problem:
+                    entry["problem"] = tracked.problem or role_problem
                 out[plan.pod_id] = entry
         return out
 

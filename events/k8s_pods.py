@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -28,6 +28,8 @@ from kvindex.events.replay_endpoints import ReplayEndpointError, check_replay_en
 _MAX_DP_SIZE = 64
 #: Phases after which a pod's containers never run again.
 _FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+#: P/D roles a pod can carry (kvindex.scoring.pd.Role: events/ cannot import it).
+ROLES = ("prefill", "decode", "both")
 
 
 class DiscoveryMode(enum.Enum):
@@ -72,6 +74,8 @@ class DiscoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     replay_endpoint_annotation: str = "kvindex.io/replay-endpoint"
     model_annotation: str = "kvindex.io/model"
     data_parallel_annotation: str = "kvindex.io/data-parallel-size"
+    #: The pod label naming its P/D role for /route: prefill, decode or both (absent).
+    role_label: str = "kvindex.io/role"
     serving_port_name: str = "http"
     events_port_name: str = "kv-events"
     replay_port_name: str = "kv-replay"
@@ -116,6 +120,7 @@ class PodFacts:
     annotations: Mapping[str, str]
     #: Named container ports of every container: name -> containerPort.
     ports: Mapping[str, int]
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -155,6 +160,7 @@ class PodFacts:
             node=spec.node_name if spec is not None else None,
             annotations=dict(meta.annotations or {}),
             ports=ports,
+            labels=dict(meta.labels or {}),
         )
 
 
@@ -223,6 +229,17 @@ def plan_pod(facts: PodFacts, config: DiscoveryConfig) -> PodPlan:
             for rank in range(ranks)
         )
     return PodPlan(pod_id, facts.uid, model, ranks, endpoints, own_replay)
+
+
+def pod_role(facts: PodFacts, config: DiscoveryConfig) -> tuple[str, str | None]:
+    """The pod's P/D role from its label (``both`` without one), and a problem line
+    when the label names no role (the pod then counts as ``both``). Read apart from
+    :func:`plan_pod`: a relabelled pod changes role without being resubscribed."""
+    raw = facts.labels.get(config.role_label)
+    role = (raw or "both").strip().lower()
+    if role in ROLES:
+        return role, None
+    return "both", f"label {config.role_label}={raw!r} is not one of {', '.join(ROLES)}"
 
 
 def _rank_replay(own: str | None, host: str, port: int, rank: int) -> str | None:

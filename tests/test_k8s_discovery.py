@@ -25,6 +25,7 @@ from kvindex.events.k8s_pods import (
     PodConfigError,
     PodFacts,
     plan_pod,
+    pod_role,
 )
 from kvindex.events.known_pods import KnownPods
 from kvindex.events.testing import RecordingSink
@@ -502,3 +503,26 @@ def test_config_decodes_from_settings() -> None:
         msgspec.convert({"grace_s": -1}, DiscoveryConfig)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"label_selecter": "x"}, DiscoveryConfig)
+
+
+def test_the_role_label_gives_a_pod_its_pd_role(api, target, start) -> None:
+    labels = {"kvindex.io/enabled": "true", "kvindex.io/role": "prefill"}
+    api.put_pod(vllm_pod("vllm-p", "127.0.0.2", labels=labels))
+    bad = {"kvindex.io/enabled": "true", "kvindex.io/role": "prefil"}
+    api.put_pod(vllm_pod("vllm-x", "127.0.0.3", labels=bad))
+    api.put_pod(vllm_pod("vllm-b", "127.0.0.4"))
+    discovery = start()
+    target.wait(lambda: len(target.connected) == 3, "three pods connected")
+    found = discovery.discovered()
+    assert found["127.0.0.2:8000"]["role"] == "prefill"
+    assert found["127.0.0.4:8000"]["role"] == "both"
+    assert found["127.0.0.3:8000"]["role"] == "both"  # a typo is not a role: the default
+    assert "kvindex.io/role='prefil'" in found["127.0.0.3:8000"]["problem"]
+
+
+def test_pod_role_reads_the_label_apart_from_the_plan() -> None:
+    config = DiscoveryConfig()
+    assert pod_role(facts(labels={"kvindex.io/role": " Decode "}), config) == ("decode", None)
+    assert pod_role(facts(), config) == ("both", None)
+    role, problem = pod_role(facts(labels={"kvindex.io/role": ""}), config)
+    assert role == "both" and problem is None

@@ -46,6 +46,7 @@ from kvindex.events.errors import (
 )
 from kvindex.events.identity import normalize_pod
 from kvindex.indexer.backend import Tier
+from kvindex.scoring.speculative import annotate
 from kvindex.scoring.tokenize import ChatOptions
 
 if TYPE_CHECKING:
@@ -141,6 +142,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
             cache_salt=req.cache_salt,
             candidates=candidates,
         )
+        annotate(result, service.speculative, candidates)  # apart from the confirmed counts
         warnings = [*result.warnings, *service.directory.warnings(req.model, candidates)]
         response = ScoreResponse(
             result.model,

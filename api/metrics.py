@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvindex.indexer.redis_backend import RedisBackend
     from kvindex.indexer.snapshot import SnapshotGate, Snapshotter
     from kvindex.indexer.verify import HashVerifier
-    from kvindex.scoring.load import LoadView
+    from kvindex.scoring.event_lag import EventLag
     from kvindex.scoring.scorer import ScoreResult
 
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -134,10 +134,15 @@ class InstrumentedSink:
     """
 
     def __init__(
-        self, inner: BatchSink, registry: CollectorRegistry, clock: Callable[[], float] = time.time
+        self,
+        inner: BatchSink,
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.time,
+        lag: EventLag | None = None,
     ) -> None:
         self._inner = inner
         self._clock = clock
+        self._last_lag = lag  # each member's latest lag, for /route's staleness check
         self._lag = Histogram(
             "kvindex_event_lag_seconds",
             "Delay from an engine making a batch to kvindex applying it (clock skew included).",
@@ -162,11 +167,15 @@ class InstrumentedSink:
             problem = timestamp_problem(ts, now)
             if problem is None:
                 observe(max(0.0, now - ts))
+                if self._last_lag is not None and not delivery.replayed:
+                    self._last_lag.record(delivery.stream.member, now - ts)
             else:
                 self._bad_ts[problem].inc()
 
     def reset(self, stream: StreamId, reason: str) -> None:
         self._inner.reset(stream, reason)
+        if self._last_lag is not None:
+            self._last_lag.forget(stream.member)
 
 
 class ServiceCollector(Collector):
@@ -428,59 +437,3 @@ class SnapshotCollector(Collector):
             per_pod.add_metric([member, mark.state], 1.0)
         yield unverified
         yield per_pod
-
-
-class RouteMetrics:
-    """What /route records per decision."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.decisions = Counter(
-            "kvindex_route_decisions",
-            "Routing decisions by reason: prefix, load, fallback_stale_index, "
-            "fallback_backend_down, fallback_unknown_model, fallback_tokenizer_unavailable, "
-            "no_capacity (answered 429).",
-            ["reason"],
-            registry=registry,
-        )
-
-    def decided(self, reason: str) -> None:
-        self.decisions.labels(reason).inc()
-
-
-class LoadCollector(Collector):
-    """The load view's scrape failures and staleness and the in-flight ledger, per pod,
-    read at scrape time."""
-
-    def __init__(self, view: LoadView) -> None:
-        self._view = view
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        from kvindex.scoring.load import Unknown
-
-        errors = CounterMetricFamily(
-            "kvindex_load_scrape_errors",
-            "Failed scrapes of a pod's vLLM /metrics, by kind (connect, timeout, "
-            "http_status, too_large, bad_metrics).",
-            labels=["pod", "kind"],
-        )
-        for pod, kinds in sorted(self._view.scrape_errors().items()):
-            for kind, count in sorted(kinds.items()):
-                errors.add_metric([pod, kind], count)
-        yield errors
-        known = GaugeMetricFamily(
-            "kvindex_load_known",
-            "1 when the pod's load comes from a fresh scrape, 0 when it is unknown "
-            "(never scraped, or stale) and /route costs it as busy.",
-            labels=["pod"],
-        )
-        for pod, load in sorted(self._view.snapshot(self._view.pods).items()):
-            known.add_metric([pod], 0.0 if isinstance(load, Unknown) else 1.0)
-        yield known
-        flying = GaugeMetricFamily(
-            "kvindex_route_in_flight",
-            "Requests /route sent to the pod that are not done (nor past --route-ttl).",
-            labels=["pod"],
-        )
-        for pod, count in sorted(self._view.ledger.all().items()):
-            flying.add_metric([pod], count.requests)
-        yield flying

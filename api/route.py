@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -31,17 +32,22 @@ from kvindex.api.schemas import (
     openapi_schema,
 )
 from kvindex.events.errors import ClientError, NotFound, TooManyRequests, Unavailable
+from kvindex.events.identity import member_pod
 from kvindex.indexer.backend import BackendUnavailable
 from kvindex.scoring.load import PodLoad
-from kvindex.scoring.route_cost import PodInputs
-from kvindex.scoring.router import Candidate, Reason
+from kvindex.scoring.pd import Role, decide_pd, disaggregated, of_role
+from kvindex.scoring.router import Candidate, Decision, Reason
 from kvindex.scoring.scorer import PodScore
+from kvindex.scoring.speculative import annotate
+from kvindex.scoring.targets import Target, build_targets
 from kvindex.scoring.tokenize import TokenizerUnavailable
 
 if TYPE_CHECKING:
     from kvindex.api.service import Service
 
 _JSON = JSON
+DOWN = Reason.FALLBACK_BACKEND_DOWN
+_PREFILL = "#prefill"  # the ledger id of a P/D route's prefill share
 
 
 def install_route(app: FastAPI, service: Service) -> dict[str, Any]:
@@ -120,9 +126,10 @@ class NoCapacity(TooManyRequests):
 
 
 def route_request(service: Service, req: RouteRequest) -> RouteResponse:
-    """Decide where ``req`` goes and enter it in the in-flight ledger: ``POST /route``
-    without HTTP, for the gateway running in the same process. Raises NoCapacity (429),
-    ClientError (400) or Unavailable (503, no pods known)."""
+    """Decide where ``req`` goes and enter it in the in-flight ledger (and its prompt in
+    the speculative entries): ``POST /route`` without HTTP, for the gateway running in
+    the same process. Raises NoCapacity (429), ClientError (400) or Unavailable (503, no
+    pods known or none of the asked role)."""
     settings = service.settings
     pods = _candidates(req.pods, settings.events.serving_port, settings.http.max_pods)
     pods = pods or service.known_pods()
@@ -131,114 +138,178 @@ def route_request(service: Service, req: RouteRequest) -> RouteResponse:
             "no pods given and none known (configured, discovered or indexed)", code="no_pods"
         )
     pods = list(dict.fromkeys(pods))
-    tokens, matches, fallback, warnings = _index_view(service, req, pods)
+    view = _index_view(service, req, pods)
     block_size = service.catalog.keying(req.model).hash.block_size
-    loads = service.load.snapshot(pods)
-    inputs, kv_max = [], {}
-    for pod in pods:
-        load = loads[pod]
-        match = matches.get(pod)
-        known = isinstance(load, PodLoad)
-        inputs.append(
-            PodInputs(
-                pod,
-                match.matched_blocks if match else 0,
-                match.score if match else 0.0,
-                load.waiting if known else None,
-                load.kv_usage if known else None,
-                load.in_flight.requests,
-            )
+    targets = build_targets(
+        pods, view.matches, view.speculative, service.load.snapshot(pods),
+        service.load.ledger.all(),
+    )  # fmt: skip
+    roles = service.roles()
+    if req.role is not None:
+        targets = of_role(targets, roles, Role(req.role))
+    if not targets:
+        raise Unavailable(f"no candidate pod has role {req.role} or both", code="no_pods")
+    tokens = len(view.tokens)
+    if req.role is None and disaggregated(roles, pods):
+        pd = decide_pd(
+            service.router, targets, roles, tokens, block_size, view.fallback,
+            settings.scoring.pd_threshold,
+        )  # fmt: skip
+        decision, prefill = pd.decode, pd.prefill
+        if decision.pod is not None:
+            service.route_metrics.prefill.labels("local" if prefill is None else "remote").inc()
+    else:
+        pd, prefill = None, None
+        decision = service.router.decide(
+            [t.inputs for t in targets],
+            {t.member: t.kv_usage_max for t in targets},
+            tokens,
+            block_size,
+            view.fallback,
         )
-        kv_max[pod] = load.kv_usage_max if known else None
-    decision = service.router.decide(inputs, kv_max, len(tokens), block_size, fallback)
     service.route_metrics.decided(decision.reason)
     if decision.pod is None:
         refused = "; ".join(f"{c.inputs.pod}: {c.refused}" for c in decision.candidates)
         raise NoCapacity(
-            f"no pod admissible ({refused})", max(1, math.ceil(settings.scoring.load_interval))
+            f"no pod admissible ({refused or 'no candidate decodes'})",
+            max(1, math.ceil(settings.scoring.load_interval)),
         )
+    by_member = {t.member: t for t in targets}
+    chosen = by_member[decision.pod]
     route_id = req.request_id or uuid.uuid4().hex
     # The blocks the request will hold at its end: its prompt and expected output.
-    held_tokens = len(tokens) + (req.max_tokens or 0)
-    service.load.ledger.begin(
-        decision.pod, route_id, -(-held_tokens // block_size), settings.scoring.route_ttl
+    held = -(-(tokens + (req.max_tokens or 0)) // block_size)
+    ledger = service.load.ledger
+    ledger.begin(chosen.member, route_id, held, settings.scoring.route_ttl)
+    if view.keys:
+        service.speculative.add(req.model, chosen.member, view.keys)
+    answer = RouteResponse(
+        route_id=route_id,
+        pod=chosen.pod,
+        rank=chosen.rank,
+        reason=decision.reason.value,
+        model=req.model,
+        block_size=block_size,
+        prompt_tokens=tokens,
+        prompt_blocks=tokens // block_size,
+        candidates=_candidates_of(decision, prefill, by_member, roles),
+        warnings=view.warnings,
     )
-    return RouteResponse(
-        route_id,
-        decision.pod,
-        decision.reason.value,
-        req.model,
-        block_size,
-        len(tokens),
-        len(tokens) // block_size,
-        [_candidate(c, loads[c.inputs.pod]) for c in decision.candidates],
-        warnings,
-    )
+    if pd is not None:
+        answer.decode_pod = chosen.pod
+        answer.prefill_reason = pd.local_why
+        if prefill is not None and prefill.pod is not None:
+            source = by_member[prefill.pod]
+            answer.prefill_pod, answer.prefill_rank = source.pod, source.rank
+            answer.prefill_reason = prefill.reason.value
+            ledger.begin(source.member, route_id + _PREFILL, held, settings.scoring.route_ttl)
+            if view.keys:
+                service.speculative.add(req.model, source.member, view.keys)
+    return answer
 
 
 def release_route(service: Service, route_id: str) -> RouteDone:
     """``POST /route/{route_id}/done`` without HTTP; NotFound when it is not open."""
-    pod = service.load.ledger.done(route_id)
-    if pod is None:
+    member = service.load.ledger.done(route_id)
+    service.load.ledger.done(route_id + _PREFILL)  # P/D: the prefill pod's share
+    if member is None:
         raise NotFound(
             f"no open route {route_id!r} (never routed, already done, or past --route-ttl)",
             code="unknown_route",
         )
-    return RouteDone(route_id, pod)
+    return RouteDone(route_id, member_pod(member))
 
 
-def _index_view(
-    service: Service, req: RouteRequest, pods: list[str]
-) -> tuple[list[int], dict[str, PodScore], Reason | None, list[str]]:
-    """The prompt's tokens, each pod's match, and the fallback when the index cannot be
-    trusted or asked for this request."""
+@dataclass(slots=True)
+class _IndexView:
+    """What the index says about a request, or why it cannot say (``fallback``)."""
+
+    tokens: list[int]
+    keys: list[int] = field(default_factory=list)
+    matches: dict[str, PodScore] = field(default_factory=dict)
+    speculative: dict[str, int] = field(default_factory=dict)
+    fallback: Reason | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> _IndexView:
+    """The prompt's tokens and keys, each member's match (and speculative blocks past
+    it), and the fallback when the index cannot be trusted or asked for this request."""
     try:
         known_model = service.knows_model(req.model)
     except BackendUnavailable as exc:  # it asks the index for the models it holds
-        return [], {}, Reason.FALLBACK_BACKEND_DOWN, [f"index backend unavailable: {exc}"]
+        return _IndexView([], fallback=DOWN, warnings=[f"index backend unavailable: {exc}"])
     if not known_model:
         given = [n for n in ("token_ids", "prompt", "messages") if getattr(req, n) is not None]
         if len(given) != 1:
             raise ClientError("give exactly one of token_ids, prompt, messages")
-        tokens = req.token_ids or []
-        return tokens, {}, Reason.FALLBACK_UNKNOWN_MODEL, []
+        return _IndexView(req.token_ids or [], fallback=Reason.FALLBACK_UNKNOWN_MODEL)
     settings = service.settings
     try:
         tokens = _tokens_of(
             service, req, settings.http.max_prompt_tokens, settings.http.max_prompt_chars
         )
     except TokenizerUnavailable as exc:
-        return [], {}, Reason.FALLBACK_TOKENIZER_UNAVAILABLE, [exc.detail]
+        return _IndexView([], fallback=Reason.FALLBACK_TOKENIZER_UNAVAILABLE, warnings=[exc.detail])
     try:  # bad keys (an unknown LoRA, token ids out of range) are ClientErrors: 400
+        # No member filter: a pod's data-parallel ranks are members of their own.
         result = service.scorer.score(
-            req.model, tokens, lora_name=req.lora_name, cache_salt=req.cache_salt, candidates=pods
+            req.model, tokens, lora_name=req.lora_name, cache_salt=req.cache_salt
         )
     except BackendUnavailable as exc:
-        return tokens, {}, Reason.FALLBACK_BACKEND_DOWN, [f"index backend unavailable: {exc}"]
-    matches = {p.pod: p for p in result.pods}
+        return _IndexView(tokens, fallback=DOWN, warnings=[f"index backend unavailable: {exc}"])
+    wanted = set(pods)
+    matches = {p.pod: p for p in result.pods if member_pod(p.pod) in wanted}
+    speculative = annotate(result, service.speculative)
+    view = _IndexView(tokens, result.keys, matches, speculative)
     doubts = service.directory.index_doubts(req.model, pods)
+    for pod, lag in service.event_lag.lagging(pods, settings.scoring.max_event_lag).items():
+        doubts.setdefault(
+            pod, f"event lag {lag:.1f} s, above --max-event-lag {settings.scoring.max_event_lag:g}"
+        )
     if doubts:
-        warnings = [f"pod {pod}: {why}" for pod, why in sorted(doubts.items())]
-        return tokens, matches, Reason.FALLBACK_STALE_INDEX, warnings
-    return tokens, matches, None, []
+        view.warnings = [f"pod {pod}: {why}" for pod, why in sorted(doubts.items())]
+        view.fallback = Reason.FALLBACK_STALE_INDEX
+    return view
 
 
-def _candidate(c: Candidate, load: Any) -> RouteCandidate:
+def _candidates_of(
+    decision: Decision,
+    prefill: Decision | None,
+    targets: dict[str, Target],
+    roles: dict[str, Role],
+) -> list[RouteCandidate]:
+    """Every costed target once: the decode (or only) decision's, then the prefill
+    decision's targets that only prefill."""
+    out, seen = [], set()
+    for made in (decision, prefill):
+        for c in made.candidates if made is not None else ():
+            if c.inputs.pod not in seen:
+                seen.add(c.inputs.pod)
+                out.append(_candidate(c, targets[c.inputs.pod], roles))
+    return out
+
+
+def _candidate(c: Candidate, target: Target, roles: dict[str, Role]) -> RouteCandidate:
+    load = target.load
     known = isinstance(load, PodLoad)
     return RouteCandidate(
-        c.inputs.pod,
-        c.inputs.matched_blocks,
-        c.terms.usable_blocks,
-        c.terms.uncached_blocks,
-        "known" if known else load.reason,
-        load.running if known else None,
-        load.waiting if known else None,
-        load.kv_usage if known else None,
-        c.inputs.in_flight,
-        c.terms.prefix,
-        c.terms.queue,
-        c.terms.kv,
-        c.terms.total,
-        c.refused is None,
-        c.refused,
+        pod=target.pod,
+        rank=target.rank,
+        role=roles.get(target.pod, Role.BOTH).value,
+        matched_blocks=target.confirmed_blocks,
+        speculative_blocks=target.speculative_blocks,
+        usable_blocks=c.terms.usable_blocks,
+        uncached_blocks=c.terms.uncached_blocks,
+        load="known" if known else load.reason,
+        running=load.running if known else None,
+        waiting=c.inputs.waiting,
+        kv_usage=c.inputs.kv_usage,
+        in_flight=c.inputs.in_flight,
+        prefix_cost=c.terms.prefix,
+        queue_cost=c.terms.queue,
+        kv_cost=c.terms.kv,
+        cost=c.terms.total,
+        admitted=c.refused is None,
+        refused=c.refused,
     )

@@ -4,7 +4,7 @@ the code that enforces it cannot drift apart."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -105,13 +105,29 @@ class RouteRequest(ScoreRequest, forbid_unknown_fields=True):
         ]
         | None
     ) = None
+    role: Annotated[
+        Literal["prefill", "decode"] | None,
+        _doc(
+            "P/D: choose only among pods of this role (and role both). Absent: when some "
+            "candidate has a role, the answer names a decode_pod and a prefill_pod."
+        ),
+    ] = None
 
 
 class RouteCandidate(msgspec.Struct):
     """One candidate pod: what its index match and its load cost (lower is better)."""
 
     pod: str
+    rank: Annotated[int, _doc("The data-parallel rank (engine) of the pod this row costs.")]
+    role: Annotated[str, _doc("prefill, decode or both (P/D)")]
     matched_blocks: int  # the pod's cached prefix, as /score says
+    speculative_blocks: Annotated[
+        int,
+        _doc(
+            "Blocks past matched_blocks that recent routes sent here and the pod's events "
+            "have not confirmed yet (--speculative-ttl); the cost counts them as cached."
+        ),
+    ]
     usable_blocks: int  # of those, what vLLM can reuse (at most num_tokens - 1 tokens)
     uncached_blocks: float  # blocks to prefill (cached ones weighted by tier)
     load: Annotated[
@@ -129,16 +145,27 @@ class RouteCandidate(msgspec.Struct):
     refused: str | None = None
 
 
-class RouteResponse(msgspec.Struct):
+class RouteResponse(msgspec.Struct, kw_only=True):
     route_id: str
-    pod: str
+    pod: Annotated[str, _doc("Where to send the request (under P/D: the decode pod).")]
+    rank: Annotated[int, _doc("The pod's data-parallel rank (engine) to use; 0 without DP.")]
     reason: Annotated[
         str,
         msgspec.Meta(
-            description="prefix, load, fallback_stale_index, fallback_backend_down, "
-            "fallback_unknown_model or fallback_tokenizer_unavailable"
+            description="prefix, load, least_bad, fallback_stale_index, "
+            "fallback_backend_down, fallback_unknown_model or fallback_tokenizer_unavailable"
         ),
     ]
+    prefill_pod: Annotated[
+        str | None,
+        _doc("P/D: the pod to prefill the prompt on; null when the decode pod prefills it."),
+    ] = None
+    prefill_rank: int | None = None
+    prefill_reason: Annotated[
+        str | None,
+        _doc("P/D: why the prefill pod was chosen (prefix, load, ...), or why none was."),
+    ] = None
+    decode_pod: Annotated[str | None, _doc("P/D: the decode pod (= pod); null without P/D.")] = None
     model: str
     block_size: int
     prompt_tokens: int

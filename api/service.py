@@ -28,13 +28,17 @@ from kvindex.api.config import (
 from kvindex.api.health import BackendHealthLog
 from kvindex.api.metrics import (
     InstrumentedSink,
-    LoadCollector,
     RedisCollector,
-    RouteMetrics,
     ScoreMetrics,
     ServiceCollector,
     SnapshotCollector,
     register_process_metrics,
+)
+from kvindex.api.route_metrics import (
+    EventLagCollector,
+    LoadCollector,
+    RouteMetrics,
+    SpeculativeCollector,
 )
 from kvindex.api.version import VERSION
 from kvindex.events.config import SubscriberConfig
@@ -56,9 +60,12 @@ from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.pods import PodDirectory
 from kvindex.indexer.snapshot import SnapshotGate, Snapshotter
 from kvindex.indexer.verify import HashVerifier
+from kvindex.scoring.event_lag import EventLag
 from kvindex.scoring.load import LoadView
+from kvindex.scoring.pd import Role, parse_role
 from kvindex.scoring.router import Admission, Router
 from kvindex.scoring.scorer import Scorer
+from kvindex.scoring.speculative import SpeculativeIndex
 from kvindex.scoring.tokenize import TokenizerRegistry
 
 if TYPE_CHECKING:
@@ -188,11 +195,40 @@ def make_routing(
         raise ConfigError(f"--max-kv-usage {scoring.max_kv_usage}: must be in (0, 1]")
     if scoring.max_waiting < 0:
         raise ConfigError(f"--max-waiting {scoring.max_waiting}: must be >= 0 (0: no limit)")
+    if scoring.max_event_lag < 0:
+        raise ConfigError(f"--max-event-lag {scoring.max_event_lag}: must be >= 0 (0: off)")
+    if scoring.pd_threshold < 0:
+        raise ConfigError(f"--pd-threshold {scoring.pd_threshold}: must be >= 0")
     view = LoadView(
         interval_s=scoring.load_interval, timeout_s=scoring.load_timeout, pods_source=pods
     )
     admission = Admission(scoring.max_kv_usage, scoring.max_waiting)
-    return view, Router(scoring.route_weights, admission, seed)
+    least_bad = scoring.when_full == "least_bad"
+    return view, Router(scoring.route_weights, admission, seed, least_bad=least_bad)
+
+
+def make_speculative(settings: Settings) -> SpeculativeIndex:
+    scoring = settings.scoring
+    try:
+        return SpeculativeIndex(scoring.speculative_ttl, scoring.speculative_max_blocks)
+    except ValueError:
+        raise ConfigError(
+            "--speculative-ttl must be >= 0 (0: off) and --speculative-max-blocks positive"
+        ) from None
+
+
+def static_roles(settings: Settings) -> dict[str, Role]:
+    """``--pod-role POD=ROLE`` for pods that discovery does not label."""
+    roles = {}
+    for spec in settings.scoring.pod_role:
+        pod, sep, role = spec.rpartition("=")
+        try:
+            if not sep:
+                raise ValueError("give POD=ROLE, e.g. 10.0.0.7:8000=prefill")
+            roles[normalize_pod(pod, settings.events.serving_port)] = parse_role(role)
+        except (ValueError, IdentityError) as exc:
+            raise ConfigError(f"--pod-role {spec!r}: {exc}") from None
+    return roles
 
 
 class Service:
@@ -228,7 +264,8 @@ class Service:
         self.ingestor = Ingestor(self.backend, self.catalog, self.verifier)
         snapshotted = snapshot_backend(settings, self.backend)
         self.snapshot_gate = SnapshotGate() if snapshotted is not None else None
-        sink = InstrumentedSink(self.ingestor, self.registry)
+        self.event_lag = EventLag()
+        sink = InstrumentedSink(self.ingestor, self.registry, lag=self.event_lag)
         try:
             subscriber_config = SubscriberConfig(
                 topic_filter=settings.events.topic_filter,
@@ -291,6 +328,11 @@ class Service:
         self.load, self.router = make_routing(settings, self.known_pods, route_seed)
         self.route_metrics = RouteMetrics(self.registry)
         self.registry.register(LoadCollector(self.load))
+        self.speculative = make_speculative(settings)
+        self.registry.register(SpeculativeCollector(self.speculative))
+        self.registry.register(EventLagCollector(self.event_lag))
+        self._static_roles = static_roles(settings)
+        self._roles_cache: tuple[float, dict[str, Role]] = (float("-inf"), {})
         self.bound: list[str] = []
         self.backend_health = BackendHealthLog(self.backend)
         self.started = False
@@ -414,6 +456,23 @@ class Service:
                 pods.update(self.discovery.discovered())
         pods.update(target.pod for target in self._connect if target.pod)
         return sorted(pods)
+
+    def roles(self) -> dict[str, Role]:
+        """P/D role per pod that has one: discovered pods' ``kvindex.io/role`` label over
+        ``--pod-role``; pods not listed are ``both``. Cached for a second."""
+        if self.discovery is None:
+            return self._static_roles
+        now = time.monotonic()
+        refreshed, roles = self._roles_cache
+        if now - refreshed < 1.0:
+            return roles
+        roles = dict(self._static_roles)
+        for pod, facts in self.discovery.discovered().items():
+            role = facts.get("role")
+            if role:
+                roles[pod] = Role(role)
+        self._roles_cache = (now, roles)
+        return roles
 
     def known_models(self) -> list[str]:
         return sorted(self._models())

@@ -237,6 +237,48 @@ class ScoringSettings(_Section):
     max_waiting: Annotated[
         int, doc("/route: never choose a pod with more requests waiting; 0 = no limit")
     ] = 0
+    when_full: Annotated[
+        Literal["reject", "least_bad"],
+        doc(
+            "/route when no pod is admissible: reject (429 with Retry-After) or least_bad "
+            "(the cheapest pod anyway, reason least_bad)"
+        ),
+    ] = "reject"
+    speculative_ttl: Annotated[
+        float,
+        doc(
+            "/route: a routed prompt's blocks count as held by its pod for this long, or "
+            "until the pod's events confirm them; 0 = off",
+            metavar="SECONDS",
+        ),
+    ] = 2.0
+    speculative_max_blocks: Annotated[
+        int, doc("/route: most speculative blocks held at once; the oldest entries go first")
+    ] = 1_000_000
+    max_event_lag: Annotated[
+        float,
+        doc(
+            "/route: a candidate whose events arrive later than this is stale and the "
+            "decision is load only (fallback_stale_index); 0 = off",
+            metavar="SECONDS",
+        ),
+    ] = 10.0
+    pod_role: Annotated[
+        list[str],
+        doc(
+            "/route P/D role of a static pod: prefill, decode or both (the default); "
+            "discovered pods take it from the label kvindex.io/role; repeatable",
+            metavar="POD=ROLE",
+        ),
+    ] = []
+    pd_threshold: Annotated[
+        int,
+        doc(
+            "/route P/D: the decode pod prefills itself when fewer prompt tokens than this "
+            "are uncached on it",
+            metavar="TOKENS",
+        ),
+    ] = 256
 
 
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -86,6 +86,9 @@ def cluster() -> Iterator[Cluster]:
         "--load-timeout", "2",
         "--max-kv-usage", "0.9",
         "--route-ttl", "60",
+        # The cost model on confirmed entries alone: speculative entries would send a
+        # same-prompt burst to one pod (tests/test_route_live.py covers them).
+        "--speculative-ttl", "0",
         env={**os.environ},
     )  # fmt: skip
     pubs: list[EnginePublisher] = []

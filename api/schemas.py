@@ -145,10 +145,9 @@ class RouteCandidate(msgspec.Struct):
     refused: str | None = None
 
 
-class RouteResponse(msgspec.Struct, kw_only=True):
+class RouteResponse(msgspec.Struct):
     route_id: str
     pod: Annotated[str, _doc("Where to send the request (under P/D: the decode pod).")]
-    rank: Annotated[int, _doc("The pod's data-parallel rank (engine) to use; 0 without DP.")]
     reason: Annotated[
         str,
         msgspec.Meta(
@@ -156,6 +155,13 @@ class RouteResponse(msgspec.Struct, kw_only=True):
             "fallback_backend_down, fallback_unknown_model or fallback_tokenizer_unavailable"
         ),
     ]
+    model: str
+    block_size: int
+    prompt_tokens: int
+    prompt_blocks: int
+    candidates: list[RouteCandidate]
+    warnings: list[str] = []
+    rank: Annotated[int, _doc("The pod's data-parallel rank (engine) to use; 0 without DP.")] = 0
     prefill_pod: Annotated[
         str | None,
         _doc("P/D: the pod to prefill the prompt on; null when the decode pod prefills it."),
@@ -166,12 +172,6 @@ class RouteResponse(msgspec.Struct, kw_only=True):
         _doc("P/D: why the prefill pod was chosen (prefix, load, ...), or why none was."),
     ] = None
     decode_pod: Annotated[str | None, _doc("P/D: the decode pod (= pod); null without P/D.")] = None
-    model: str
-    block_size: int
-    prompt_tokens: int
-    prompt_blocks: int
-    candidates: list[RouteCandidate]
-    warnings: list[str] = []
 
 
 class RouteDone(msgspec.Struct):

@@ -35,7 +35,7 @@ BACKENDS: dict[str, BackendFactory] = {
     "memory": lambda request: MemoryBackend(),
 }
 
-# Redis: the shared test server (KVINDEX_TEST_REDIS_URL) and a 3-master cluster the
+# Redis: the shared test server (KVTEST_REDIS_URL) and a 3-master cluster the
 # session starts on loopback ports (tests/redis_fixtures.py).
 BACKENDS["redis"] = redis_backend_factory
 BACKENDS["redis-cluster"] = cluster_backend_factory

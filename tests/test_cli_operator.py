@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -211,3 +212,17 @@ def test_serve_starts_against_a_down_redis_and_says_so() -> None:
         log = s.log_tail()
     assert "starting with the index backend unavailable" in log
     assert "started: backend=redis://127.0.0.1" in log and "models=m " in log
+
+
+def test_the_repositorys_own_variables_are_not_warned_about() -> None:
+    """Every ``KVINDEX_*`` variable the test suite, CI or a script reads is one kvindex
+    serve knows: a test-only variable under the prefix (it was KVINDEX_VLLM_PYTHON) made
+    ``serve`` warn in every CI run that exported it. Test-only ones are ``KVTEST_*``."""
+    read = re.compile(r"""(?:environ(?:\.get)?\(|environ\[|getenv\(|\$\{?|name: )["']?(KV\w+)""")
+    names = set()
+    for pattern in ("tests/**/*.py", "tests/**/*.sh", "bench/**/*.py", ".ci/*", "deploy/**/*"):
+        for path in ROOT.glob(pattern):
+            if path.is_file():
+                names.update(read.findall(path.read_text(encoding="utf-8", errors="replace")))
+    assert {"KVTEST_VLLM_PYTHON", "KVTEST_REDIS_URL", "KVINDEX_ADMIN_TOKEN"} <= names
+    assert cli.unknown_variables(dict.fromkeys(names, "x")) == []

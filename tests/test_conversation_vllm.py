@@ -1,6 +1,6 @@
 """kvindex rebuilds chat messages exactly as vLLM 0.33 does, checked against vLLM's own
 code: every case here goes through vLLM's ``parse_chat_messages`` and content-format
-detection in a Python that has vLLM (``$KVINDEX_VLLM_PYTHON``, else /tmp/vv/bin/python),
+detection in a Python that has vLLM (``$KVTEST_VLLM_PYTHON``, else /tmp/vv/bin/python),
 and the results must be equal, key order included. Skipped where no vLLM is installed.
 """
 
@@ -19,7 +19,7 @@ from kvindex.scoring.chat_template import ChatTemplateError, load_chat_templates
 from kvindex.scoring.conversation import conversation, detect_content_format
 from tests.chat_models import FAMILIES, FIXTURES
 
-VLLM_PYTHON = os.environ.get("KVINDEX_VLLM_PYTHON", "/tmp/vv/bin/python")
+VLLM_PYTHON = os.environ.get("KVTEST_VLLM_PYTHON", "/tmp/vv/bin/python")
 
 CASES: dict[str, list[dict[str, Any]]] = {
     "plain turns": [
@@ -125,7 +125,7 @@ for family in FAMILIES:
 
 def _vllm_results(tmp_path: Path) -> dict[str, Any]:
     if not Path(VLLM_PYTHON).is_file():
-        pytest.skip(f"no vLLM Python at {VLLM_PYTHON} (set KVINDEX_VLLM_PYTHON)")
+        pytest.skip(f"no vLLM Python at {VLLM_PYTHON} (set KVTEST_VLLM_PYTHON)")
     request = tmp_path / "request.json"
     request.write_text(json.dumps({"templates": TEMPLATES, "cases": CASES}), encoding="utf-8")
     script = Path(__file__).parent / "vllm_side" / "conversation.py"

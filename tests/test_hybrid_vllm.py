@@ -7,7 +7,7 @@ what ``get_computed_blocks`` (and the uncapped ``find_longest_cache_hit``) retur
 probe prompts. Here each batch goes through kvindex's decoder and ingestor into the
 memory backend, and every probe's ``/score`` answer must equal vLLM's hit.
 
-The interpreter is ``KVINDEX_VLLM_PYTHON``, else ``/tmp/vv/bin/python`` when it exists;
+The interpreter is ``KVTEST_VLLM_PYTHON``, else ``/tmp/vv/bin/python`` when it exists;
 without one the tests skip and say why.
 """
 
@@ -38,7 +38,7 @@ POD = StreamId("127.0.0.1:8000")
 
 
 def vllm_python() -> str | None:
-    configured = os.environ.get("KVINDEX_VLLM_PYTHON")
+    configured = os.environ.get("KVTEST_VLLM_PYTHON")
     if configured:
         return configured
     default = Path("/tmp/vv/bin/python")
@@ -53,7 +53,7 @@ def recorded() -> dict:
     """One driver run for every config (importing vLLM costs most of it)."""
     python = vllm_python()
     if python is None:
-        pytest.skip("no vLLM interpreter: set KVINDEX_VLLM_PYTHON to a Python with vllm 0.33")
+        pytest.skip("no vLLM interpreter: set KVTEST_VLLM_PYTHON to a Python with vllm 0.33")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     done = subprocess.run(
         [python, str(DRIVER), "1", "60", *CONFIGS],

@@ -1,7 +1,7 @@
 """Copy counts against real vLLM: the index equals each engine's prefix-cache map.
 
 ``tests/vllm_copies_driver.py`` runs vLLM 0.33's own ``KVCacheManager`` (CPU, no model)
-in an interpreter that has vLLM (``KVINDEX_VLLM_PYTHON``, default
+in an interpreter that has vLLM (``KVTEST_VLLM_PYTHON``, default
 ``/tmp/vv/bin/python``) and prints each step's event batch, encoded by vLLM's own
 encoder, with the hashes its ``cached_block_hash_to_block`` holds afterwards. Here
 every batch goes through kvindex's decoder and Ingestor into each backend, and after
@@ -32,7 +32,7 @@ from kvindex.indexer.models import ModelCatalog, ModelKeying, ReportMode
 from tests.redis_fixtures import redis_backend_factory
 
 DRIVER = Path(__file__).with_name("vllm_copies_driver.py")
-VLLM_PYTHON = os.environ.get("KVINDEX_VLLM_PYTHON", "/tmp/vv/bin/python")
+VLLM_PYTHON = os.environ.get("KVTEST_VLLM_PYTHON", "/tmp/vv/bin/python")
 MODEL = "m"
 POD = StreamId("127.0.0.1:8000")
 
@@ -41,7 +41,7 @@ POD = StreamId("127.0.0.1:8000")
 def steps() -> list[dict]:
     """The driver's output (one run for every backend: importing vLLM takes a while)."""
     if not Path(VLLM_PYTHON).exists():
-        pytest.skip(f"no vLLM interpreter at {VLLM_PYTHON} (set KVINDEX_VLLM_PYTHON)")
+        pytest.skip(f"no vLLM interpreter at {VLLM_PYTHON} (set KVTEST_VLLM_PYTHON)")
     try:
         done = subprocess.run(
             [VLLM_PYTHON, str(DRIVER), "--rounds", "250"],

@@ -1,6 +1,6 @@
 """Runs real vLLM KVCacheManagers and prints their KV events with the truth after each step.
 
-Run by the interpreter of a venv holding vLLM (``KVINDEX_VLLM_PYTHON``, default
+Run by the interpreter of a venv holding vLLM (``KVTEST_VLLM_PYTHON``, default
 ``/tmp/vv/bin/python``), never imported by kvindex: ``tests/test_vllm_copies.py``
 starts it and replays its output into the index. No model and no GPU: only the
 engine core's ``KVCacheManager`` (prefix caching and KV events on, a small block pool

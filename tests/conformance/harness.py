@@ -40,9 +40,9 @@ GROUP_SEPARATOR = "#kv-group-"
 
 
 def vllm_python() -> str | None:
-    """The vLLM venv's interpreter: ``$KVINDEX_VLLM_PYTHON``, else ``.venv-vllm`` in the
+    """The vLLM venv's interpreter: ``$KVTEST_VLLM_PYTHON``, else ``.venv-vllm`` in the
     repository (what ``tests/conformance/vllm_env.sh`` makes), else None."""
-    configured = os.environ.get("KVINDEX_VLLM_PYTHON")
+    configured = os.environ.get("KVTEST_VLLM_PYTHON")
     if configured:
         return configured
     return str(DEFAULT_VLLM_PYTHON) if DEFAULT_VLLM_PYTHON.exists() else None

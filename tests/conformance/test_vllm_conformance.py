@@ -114,7 +114,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     if python is None:
         reason = (
             "no vLLM interpreter: run `bash tests/conformance/vllm_env.sh` (makes .venv-vllm) "
-            "or set KVINDEX_VLLM_PYTHON to a Python with vllm 0.33.0"
+            "or set KVTEST_VLLM_PYTHON to a Python with vllm 0.33.0"
         )
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"CI=true but {reason}")

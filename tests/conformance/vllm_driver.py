@@ -1,6 +1,6 @@
 """vLLM engines without a model: real KVCacheManagers publishing through real ZmqEventPublishers.
 
-Runs under the interpreter of the vLLM venv (``KVINDEX_VLLM_PYTHON``, made by
+Runs under the interpreter of the vLLM venv (``KVTEST_VLLM_PYTHON``, made by
 ``tests/conformance/vllm_env.sh``), never under kvindex's: the conformance tests start
 it as a child process and talk to it in JSON lines (one command on stdin, one answer on
 stdout). It holds several "pods", each one engine core as vLLM 0.33 builds it:

@@ -7,9 +7,9 @@
 # Cached and idempotent: the venv lives outside the checkout, under
 # ${XDG_CACHE_HOME:-~/.cache}/kvindex/, named by a digest of this script and the
 # requirements, so every clone on the machine (CI's fresh ones too) reuses it at once;
-# .venv-vllm in the checkout links to it (git-ignored). $KVINDEX_VLLM_VENV puts the venv
+# .venv-vllm in the checkout links to it (git-ignored). $KVTEST_VLLM_VENV puts the venv
 # somewhere else. A venv that is incomplete or was made from other requirements is never
-# reused. Prints the interpreter's path on its last line (KVINDEX_VLLM_PYTHON).
+# reused. Prints the interpreter's path on its last line (KVTEST_VLLM_PYTHON).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -17,7 +17,7 @@ vllm_version=0.33.0
 torch_version=2.13.0  # this machine kind carries its CPU build in the local wheel dir
 requirements=tests/conformance/vllm-requirements.txt
 digest="$(cat "$requirements" "$0" | sha256sum | cut -c1-12)"
-venv="${KVINDEX_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvindex/venv-vllm-$vllm_version-$digest}"
+venv="${KVTEST_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvindex/venv-vllm-$vllm_version-$digest}"
 stamp="$venv/.kvindex-vllm-env"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ]; then
@@ -43,7 +43,7 @@ assert vllm.__version__ == sys.argv[1], vllm.__version__
 PY
   echo "$digest" > "$stamp"
 fi
-if [ -z "${KVINDEX_VLLM_VENV:-}" ] && { [ -L .venv-vllm ] || [ ! -e .venv-vllm ]; }; then
+if [ -z "${KVTEST_VLLM_VENV:-}" ] && { [ -L .venv-vllm ] || [ ! -e .venv-vllm ]; }; then
   ln -sfn "$venv" .venv-vllm
 fi
 echo "$(cd "$venv" && pwd)/bin/python"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.api.docs import mount_offline_docs
@@ -34,6 +34,7 @@ from kvindex.api.schemas import (
     ScoreResponse,
     openapi_schema,
 )
+from kvindex.api.schemas_pods import Health, PodBlocks, PodList, PodReport, Readiness
 from kvindex.api.version import VERSION
 from kvindex.events.errors import (
     ClientError,
@@ -93,9 +94,13 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
         redoc_url=None,
     )
     mount_offline_docs(app)
-    (request_schema, response_schema, error_schema, purge_schema), components = openapi_schema(
-        ScoreRequest, ScoreResponse, ErrorBody, PurgeResponse
-    )
+    (
+        (
+            (request_schema, response_schema, error_schema, purge_schema),
+            (pods_schema, pod_schema, blocks_schema, health_schema, ready_schema),
+        ),
+        components,
+    ) = _schemas()
     limits = service.settings.http
     serving_port = service.settings.events.serving_port
     admin_token = service.admin_token
@@ -158,7 +163,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
     @app.get(
         "/index/pods",
         summary="Every pod: blocks by tier, stream state, hash check",
-        responses=errors(503),
+        responses={"200": ok("Every pod", pods_schema), **errors(503)},
     )
     def list_pods() -> Response:
         return _json({"pods": service.directory.reports()})
@@ -166,7 +171,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
     @app.get(
         "/index/pods/{pod}",
         summary="One pod's index and stream state",
-        responses=errors(400, 404, 503),
+        responses={"200": ok("The pod", pod_schema), **errors(400, 404, 503)},
     )
     def get_pod(pod: str) -> Response:
         pod_id = _pod_id(pod, serving_port)
@@ -178,7 +183,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
     @app.get(
         "/index/pods/{pod}/blocks",
         summary="The block keys a pod holds for one model (for debugging and consistency checks)",
-        responses=errors(400, 404, 503),
+        responses={"200": ok("The pod's block keys", blocks_schema), **errors(400, 404, 503)},
     )
     def pod_blocks(
         pod: str,
@@ -228,14 +233,21 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
             raise _unknown_pod(pod_id)
         return _json(PurgeResponse(pod_id, members, removed))
 
-    @app.get("/healthz", summary="Liveness: the process answers")
+    @app.get(
+        "/healthz",
+        summary="Liveness: the process answers",
+        responses={"200": ok("Alive", health_schema)},
+    )
     def healthz() -> Response:
         return _json({"status": "ok"})
 
     @app.get(
         "/readyz",
         summary="Readiness: backend answers, the subscriber runs, an event source exists",
-        responses={"503": {"description": "Not ready; `problems` says why"}},
+        responses={
+            "200": ok("Ready", ready_schema),
+            "503": ok("Not ready; `problems` says why", ready_schema),
+        },
     )
     def readyz() -> Response:
         problems = service.readiness_problems()
@@ -244,7 +256,17 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
         notes = service.readiness_notes()
         return _json({"status": "ready", "notes": notes} if notes else {"status": "ready"})
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics",
+        response_class=PlainTextResponse,
+        responses={
+            "200": {
+                "description": "The Prometheus text exposition format",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+    )
     def metrics() -> Response:
         return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -264,6 +286,28 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def ok(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAPI response whose JSON body has ``schema``."""
+    return {"description": description, "content": {JSON: {"schema": schema}}}
+
+
+def _schemas() -> tuple[tuple[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Any]]:
+    """The JSON schemas of the bodies in and out of this module's routes, and their
+    shared components."""
+    schemas, components = openapi_schema(
+        ScoreRequest,
+        ScoreResponse,
+        ErrorBody,
+        PurgeResponse,
+        PodList,
+        PodReport,
+        PodBlocks,
+        Health,
+        Readiness,
+    )
+    return (schemas[:4], schemas[4:]), components
 
 
 def _unknown_pod(pod_id: str) -> NotFound:

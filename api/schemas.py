@@ -66,11 +66,14 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
 class ScoreResponse(msgspec.Struct):
     """Each pod's longest consecutive cached prefix of the prompt, best first."""
 
-    model: str
+    model: Annotated[str, _doc("The model scored for, as asked.")]
     block_size: Annotated[int, _doc("The model's KV block size in tokens.")]
-    prompt_tokens: int
+    prompt_tokens: Annotated[int, _doc("Tokens in the prompt (after rendering and tokenizing).")]
     prompt_blocks: Annotated[int, _doc("Full blocks in the prompt (the most a pod can match).")]
-    pods: list[PodScore]
+    pods: Annotated[
+        list[PodScore],
+        _doc("Pods holding a prefix of the prompt, best first; with `pods` given, exactly those."),
+    ]
     warnings: Annotated[
         list[str],
         msgspec.Meta(
@@ -117,10 +120,10 @@ class RouteRequest(ScoreRequest, forbid_unknown_fields=True):
 class RouteCandidate(msgspec.Struct):
     """One candidate pod: what its index match and its load cost (lower is better)."""
 
-    pod: str
+    pod: Annotated[str, _doc("The pod id (ip:port).")]
     rank: Annotated[int, _doc("The data-parallel rank (engine) of the pod this row costs.")]
     role: Annotated[str, _doc("prefill, decode or both (P/D)")]
-    matched_blocks: int  # the pod's cached prefix, as /score says
+    matched_blocks: Annotated[int, _doc("The pod's cached prefix in blocks, as /score says.")]
     speculative_blocks: Annotated[
         int,
         _doc(
@@ -128,25 +131,35 @@ class RouteCandidate(msgspec.Struct):
             "have not confirmed yet (--speculative-ttl); the cost counts them as cached."
         ),
     ]
-    usable_blocks: int  # of those, what vLLM can reuse (at most num_tokens - 1 tokens)
-    uncached_blocks: float  # blocks to prefill (cached ones weighted by tier)
+    usable_blocks: Annotated[
+        int, _doc("Of those, what vLLM can reuse (at most prompt_tokens - 1 tokens).")
+    ]
+    uncached_blocks: Annotated[
+        float, _doc("Blocks to prefill, the cached ones weighted by their tier.")
+    ]
     load: Annotated[
         str, msgspec.Meta(description="known, stale or not_scraped (unknown is costed busy)")
     ]
-    running: int | None
-    waiting: int | None
-    kv_usage: float | None
-    in_flight: int  # routed here by kvindex and not done
-    prefix_cost: float
-    queue_cost: float
-    kv_cost: float
-    cost: float
-    admitted: bool
-    refused: str | None = None
+    running: Annotated[int | None, _doc("Requests running on the pod (scraped; null: unknown).")]
+    waiting: Annotated[int | None, _doc("Requests waiting on the pod (scraped; null: unknown).")]
+    kv_usage: Annotated[
+        float | None, _doc("The pod's KV-cache usage 0..1, mean over its engines (null: unknown).")
+    ]
+    in_flight: Annotated[int, _doc("Requests kvindex routed here that are not done yet.")]
+    prefix_cost: Annotated[float, _doc("Weighted uncached-prefill term of the cost.")]
+    queue_cost: Annotated[float, _doc("Weighted queue term of the cost.")]
+    kv_cost: Annotated[float, _doc("Weighted KV-usage term of the cost.")]
+    cost: Annotated[float, _doc("The sum of the three terms; lower is better.")]
+    admitted: Annotated[bool, _doc("False when the pod is over --max-kv-usage or --max-waiting.")]
+    refused: Annotated[str | None, _doc("Why the pod was not admitted.")] = None
 
 
 class RouteResponse(msgspec.Struct):
-    route_id: str
+    """The chosen pod, why, and every candidate's cost."""
+
+    route_id: Annotated[
+        str, _doc("Names the routed request: POST /route/{route_id}/done when it finishes.")
+    ]
     pod: Annotated[str, _doc("Where to send the request (under P/D: the decode pod).")]
     reason: Annotated[
         str,
@@ -155,12 +168,16 @@ class RouteResponse(msgspec.Struct):
             "fallback_backend_down, fallback_unknown_model or fallback_tokenizer_unavailable"
         ),
     ]
-    model: str
-    block_size: int
-    prompt_tokens: int
-    prompt_blocks: int
-    candidates: list[RouteCandidate]
-    warnings: list[str] = []
+    model: Annotated[str, _doc("The model routed for, as asked.")]
+    block_size: Annotated[int, _doc("The model's KV block size in tokens.")]
+    prompt_tokens: Annotated[int, _doc("Tokens in the prompt.")]
+    prompt_blocks: Annotated[int, _doc("Full blocks in the prompt.")]
+    candidates: Annotated[
+        list[RouteCandidate], _doc("Every candidate pod, in the order considered, with its cost.")
+    ]
+    warnings: Annotated[
+        list[str], _doc("Pods whose index entries are not known to be exact, and why.")
+    ] = []
     rank: Annotated[int, _doc("The pod's data-parallel rank (engine) to use; 0 without DP.")] = 0
     prefill_pod: Annotated[
         str | None,
@@ -175,8 +192,10 @@ class RouteResponse(msgspec.Struct):
 
 
 class RouteDone(msgspec.Struct):
-    route_id: str
-    pod: str
+    """A released route."""
+
+    route_id: Annotated[str, _doc("The route released.")]
+    pod: Annotated[str, _doc("The pod it no longer counts against.")]
 
 
 class ErrorBody(msgspec.Struct):
@@ -191,9 +210,9 @@ class ErrorBody(msgspec.Struct):
 class PurgeResponse(msgspec.Struct):
     """What an operator purge removed."""
 
-    pod: str
+    pod: Annotated[str, _doc("The pod purged.")]
     members: Annotated[list[str], _doc("The pod and its data-parallel ranks.")]
-    entries_removed: int
+    entries_removed: Annotated[int, _doc("Index entries (block, member) removed.")]
 
 
 def openapi_schema(*types: type) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import msgspec
 
@@ -43,17 +44,25 @@ class TierWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PodScore(msgspec.Struct, gc=False):
     """One pod's answer; also the element of /score's JSON answer, as is."""
 
-    pod: str
-    matched_blocks: int
-    matched_tokens: int
-    gpu_blocks: int
-    cpu_blocks: int
-    storage_blocks: int
-    score: float
-    # Blocks past ``matched_blocks`` that a recent /route decision sent to this pod and its
-    # events have not confirmed yet (:mod:`kvindex.scoring.speculative`); never counted in
-    # the fields above.
-    speculative_blocks: int = 0
+    pod: Annotated[str, msgspec.Meta(description="The pod id (ip:port).")]
+    matched_blocks: Annotated[
+        int, msgspec.Meta(description="Leading blocks of the prompt the pod holds.")
+    ]
+    matched_tokens: Annotated[int, msgspec.Meta(description="matched_blocks times block_size.")]
+    gpu_blocks: Annotated[int, msgspec.Meta(description="Of those, blocks in GPU memory.")]
+    cpu_blocks: Annotated[int, msgspec.Meta(description="Of those, blocks in CPU memory.")]
+    storage_blocks: Annotated[int, msgspec.Meta(description="Of those, blocks in storage.")]
+    score: Annotated[
+        float, msgspec.Meta(description="The matched blocks weighted by tier (tier_weights).")
+    ]
+    # (:mod:`kvindex.scoring.speculative`)
+    speculative_blocks: Annotated[
+        int,
+        msgspec.Meta(
+            description="Blocks past matched_blocks that a recent /route sent to this pod "
+            "and its events have not confirmed yet; never counted in the fields above."
+        ),
+    ] = 0
 
 
 @dataclass(slots=True)

@@ -183,7 +183,9 @@ class RouteResponse(msgspec.Struct):
         str | None,
         _doc("P/D: the pod to prefill the prompt on; null when the decode pod prefills it."),
     ] = None
-    prefill_rank: int | None = None
+    prefill_rank: Annotated[
+        int | None, _doc("P/D: the prefill pod's data-parallel rank; null without P/D.")
+    ] = None
     prefill_reason: Annotated[
         str | None,
         _doc("P/D: why the prefill pod was chosen (prefix, load, ...), or why none was."),

@@ -54,6 +54,7 @@ from kvindex.events.replay_endpoints import (
 )
 from kvindex.events.subscriber import Subscriber
 from kvindex.indexer.backend import BackendError, IndexBackend
+from kvindex.indexer.compiled import implementation
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.kv_groups import is_group_namespace
 from kvindex.indexer.memory import MemoryBackend
@@ -388,7 +389,8 @@ class Service:
                 f"({self.settings.k8s.selector})"
             )
         return (
-            f"kvindex {VERSION} started: backend={backend} hash_algo={keying.hash.algo.value} "
+            f"kvindex {VERSION} started: backend={backend} ({implementation()} table) "
+            f"hash_algo={keying.hash.algo.value} "
             f"block_size={keying.hash.block_size} key_mode={keying.key_mode.value} "
             f"models={','.join(self._configured_models()) or '(from events)'} "
             f"listen={self.settings.http.listen} events={'; '.join(events) or 'none'}"

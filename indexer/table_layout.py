@@ -52,6 +52,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from kvindex.indexer import compiled
+
 if TYPE_CHECKING:
     from kvindex.indexer.table_members import _SlotLog
 
@@ -209,10 +211,21 @@ def _layout(keys: U64s, cap: int, seed: np.uint64) -> tuple[Slots, int]:
     """Slots for distinct keys in an empty table of ``cap``, and the largest displacement,
     without probing rounds; raises TableFull past ``MAX_DISPLACEMENT``.
 
-    Sorted by home slot, key ``i`` lands at ``max(home_i, slot_{i-1} + 1)``, which
+    Compiled: each key in turn goes to the first empty slot from its home. numpy:
+    sorted by home slot, key ``i`` lands at ``max(home_i, slot_{i-1} + 1)``, which
     unrolls to ``i + max_{j<=i}(home_j - j)``: one sort and one running maximum.
     """
     out = np.empty(keys.size, np.intp)
+    probe = compiled.probe
+    if probe is not None:
+        scratch = np.zeros(cap + PAD + 1, np.uint64)
+        shift = int(_shift_for(cap))
+        disp = probe.layout(
+            scratch, np.ascontiguousarray(keys), int(seed), shift, MAX_DISPLACEMENT, cap + PAD, out
+        )
+        if disp < 0:
+            raise TableFull
+        return out, disp
     zero = keys == 0
     out[zero] = cap + PAD  # the reserved slot of key 0
     rows = np.flatnonzero(~zero)

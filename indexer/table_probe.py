@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvindex.indexer import compiled
 from kvindex.indexer.table_layout import (
     _OFFSETS,
     _WIDE_OFFSETS,
@@ -47,9 +48,27 @@ class _Probing:
         absent non-zero key should be inserted: its first empty slot, or where probing
         stopped.
 
-        Most keys sit in their home slot (about 3 in 4 at load 0.5), so one gather
-        settles them; only the others read windows of ``WINDOW`` slots.
+        Compiled (:mod:`kvindex.indexer.compiled`): one probing loop per key, always
+        exact. numpy: most keys sit in their home slot (about 3 in 4 at load 0.5), so
+        one gather settles them; only the others read windows of ``WINDOW`` slots.
         """
+        probe = compiled.probe
+        if probe is not None:
+            slots = np.empty(keys.size, np.intp)
+            status = probe.find(
+                self.keys,
+                np.ascontiguousarray(keys),
+                int(self.seed),
+                int(self.shift),
+                self.max_disp,
+                MAX_DISPLACEMENT,
+                self.zero_slot if self.zero_used else -1,
+                slots,
+                cursors,
+            )
+            if status < 0:
+                raise TableFull
+            return slots
         home = self._home(keys)
         at = self.keys[home]
         at_home = at == keys
@@ -125,8 +144,28 @@ class _Probing:
         it (with its repeats), the others continue after it. Raises TableFull past
         ``MAX_DISPLACEMENT`` (keys already placed are then dead slots, which the rebuild
         that follows drops).
+
+        Compiled: the keys are placed one after another, which settles every race.
         """
         out = np.empty(keys.size, np.intp)
+        probe = compiled.probe
+        if probe is not None:
+            worst = probe.insert(
+                self.keys,
+                np.ascontiguousarray(keys),
+                np.ascontiguousarray(cursor),
+                int(self.seed),
+                int(self.shift),
+                MAX_DISPLACEMENT,
+                self.zero_slot,
+                out,
+            )
+            if worst < 0:
+                raise TableFull
+            if not keys.all():
+                self.zero_used = True
+            self.max_disp = max(self.max_disp, worst)
+            return out
         if keys.all():
             rows = np.arange(keys.size)
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvindex.indexer import compiled
 from kvindex.indexer.backend import Tier
 from kvindex.indexer.table_layout import _BIT, _SMALL, Bools, Counts, Ops, Slots, U64s
 
@@ -94,10 +95,15 @@ class _Updates:
         they are), which of them start a slot (None when every kept element has its own
         slot), and the folded ``(delta, floor)`` arrays of the kept elements.
 
-        Small batches without repeated slots (one 32-block event) skip the sort.
+        Batches without repeated slots skip the sort (compiled: any size, checked in
+        one pass; numpy: small ones, such as one 32-block event).
         """
         n = slots.size
-        if n <= _SMALL and len(set(slots.tolist())) == n:
+        probe = compiled.probe
+        if probe is not None:
+            if probe.distinct(np.ascontiguousarray(slots)):
+                return None, None, (delta, floor)
+        elif n <= _SMALL and len(set(slots.tolist())) == n:
             return None, None, (delta, floor)
         single = isinstance(mid, int)
         pair = slots if single else (slots << (64 * self.width - 1).bit_length()) | mid

@@ -1,0 +1,146 @@
+"""The compiled probing kernels (indexer/_probe.c) against the pure-numpy path.
+
+Both paths must keep the table's invariants (every key within ``max_disp`` slots after
+its home slot, no empty slot in between) and give the same answers for the same
+changes, even though the slots they pick for a batch of racing keys may differ. The
+differential test drives two MemoryBackends, one per path, through the same random
+stores, removals, announcements and clears (key 0, colliding keys, table growth and
+rebuilds included) and compares every lookup and every member's keys after each step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvindex.indexer import compiled, memory_table
+from kvindex.indexer.backend import Change, Op, Tier
+from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.table_layout import MAX_DISPLACEMENT, PAD, _shift_for
+
+pytestmark = pytest.mark.skipif(
+    compiled.probe is None, reason="kvindex.indexer._probe was not built (no C compiler)"
+)
+
+M = "model-a"
+MEMBERS = [f"127.0.0.{i}:8000" for i in range(1, 6)]
+SEED = 99
+_MULT = int(memory_table._MULT)
+_MULT_INV = pow(_MULT, -1, 2**64)
+
+
+def colliding(count: int, rng: random.Random) -> list[int]:
+    """Keys whose home slots crowd a few places in any table size (top bits equal)."""
+    tops = [rng.getrandbits(6) << 58 for _ in range(3)]
+    mixed = [rng.choice(tops) | rng.getrandbits(20) for _ in range(count)]
+    return [(x * _MULT_INV % 2**64) ^ SEED for x in mixed]
+
+
+def valid(table: memory_table.BlockTable) -> None:
+    """Every stored key lies within max_disp after its home, with no empty slot between."""
+    keys = table.keys[: table.zero_slot]
+    used = np.flatnonzero(keys)
+    home = memory_table._home(keys[used], table.seed, table.shift)
+    disp = used - home
+    assert (disp >= 0).all() and disp.max(initial=0) <= table.max_disp
+    occupied = np.concatenate(([0], np.cumsum(keys != 0)))
+    # slots home..slot all occupied: the count of occupied slots in [home, slot] is disp+1
+    assert ((occupied[used + 1] - occupied[home]) == disp + 1).all()
+
+
+def random_changes(rng: random.Random, pool: list[int]) -> list[Change]:
+    changes = []
+    for _ in range(rng.randint(1, 6)):
+        member = rng.choice(MEMBERS)
+        kind = rng.random()
+        if kind < 0.04:
+            changes.append(Change(Op.CLEAR, member, M, None, []))
+            continue
+        keys = rng.sample(pool, rng.randint(1, 300))
+        if rng.random() < 0.3:
+            keys = keys + keys[: rng.randint(1, len(keys))]  # repeats within a change
+        op = Op.STORE if kind < 0.6 else Op.REMOVE if kind < 0.9 else Op.ANNOUNCE
+        tier = Tier.GPU if rng.random() < 0.85 else Tier.CPU
+        changes.append(Change(op, member, M, tier, keys))
+    return changes
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compiled_and_numpy_paths_answer_alike(seed: int, monkeypatch) -> None:
+    rng = random.Random(seed)
+    pool = [0] + [rng.getrandbits(64) for _ in range(6000)] + colliding(600, rng)
+    fast = MemoryBackend(hash_seed=SEED)
+    with monkeypatch.context() as numpy_only:
+        numpy_only.setattr(compiled, "probe", None)
+        slow = MemoryBackend(hash_seed=SEED)
+    probes = [rng.sample(pool, 40) for _ in range(20)]
+    for step in range(120):
+        changes = random_changes(rng, pool)
+        fast.apply(changes)
+        with monkeypatch.context() as numpy_only:
+            numpy_only.setattr(compiled, "probe", None)
+            slow.apply(changes)
+            expected = [slow.lookup(M, keys) for keys in probes]
+            expected_keys = {m: sorted(slow.member_keys(m, M)) for m in MEMBERS}
+        assert [fast.lookup(M, keys) for keys in probes] == expected, f"step {step}"
+        assert {m: sorted(fast.member_keys(m, M)) for m in MEMBERS} == expected_keys
+    table = fast._tables[M]
+    valid(table)
+    assert table.rebuilds > 0  # the run grew the table through the compiled layout
+
+
+def test_layout_kernel_keeps_the_invariants() -> None:
+    rng = np.random.default_rng(5)
+    distinct = np.unique(rng.integers(1, 2**63, 50_000, dtype=np.uint64))
+    keys = np.concatenate((np.zeros(1, np.uint64), distinct))
+    cap = 1 << 17
+    table = memory_table.BlockTable(1, seed=SEED, stamped=False)
+    slots = np.empty(keys.size, np.intp)
+    scratch = np.zeros(cap + PAD + 1, np.uint64)
+    shift = int(_shift_for(cap))
+    disp = compiled.probe.layout(scratch, keys, SEED, shift, MAX_DISPLACEMENT, cap + PAD, slots)
+    assert disp >= 0
+    assert slots[0] == cap + PAD
+    assert (scratch[slots] == keys).all()
+    table.keys, table.cap, table.shift, table.max_disp = scratch, cap, np.uint64(shift), disp
+    table.zero_slot = cap + PAD
+    valid(table)
+
+
+def test_kernels_report_a_full_table_instead_of_overflowing() -> None:
+    cap = 1024
+    shift = int(_shift_for(cap))
+    # every key has the same home slot: only MAX_DISPLACEMENT + 1 of them fit
+    top = 7 << 58
+    keys = np.array([((top | i) * _MULT_INV % 2**64) ^ SEED for i in range(1, 2000)], np.uint64)
+    slots = np.empty(keys.size, np.intp)
+    scratch = np.zeros(cap + PAD + 1, np.uint64)
+    assert compiled.probe.layout(scratch, keys, SEED, shift, MAX_DISPLACEMENT, -1, slots) == -1
+    table = np.zeros(cap + PAD + 1, np.uint64)
+    cursors = np.full(keys.size, top >> shift, np.intp)
+    full = compiled.probe.insert(table, keys, cursors, SEED, shift, MAX_DISPLACEMENT, -1, slots)
+    assert full == -1
+    assert np.count_nonzero(table) == MAX_DISPLACEMENT + 1
+    with pytest.raises(TypeError):
+        compiled.probe.find(table, keys.astype(np.uint32), SEED, shift, 0, 0, -1, slots, None)
+    with pytest.raises(ValueError):
+        compiled.probe.find(table, keys, SEED, shift, 0, 0, -1, slots[:3], None)
+    # an absent key past max_disp with no gap within MAX_DISPLACEMENT: no cursor
+    status = compiled.probe.find(
+        table, keys[-3:], SEED, shift, MAX_DISPLACEMENT, MAX_DISPLACEMENT, -1, slots[:3], slots[3:6]
+    )
+    assert status == -1
+
+
+def test_distinct_kernel_finds_any_repeat() -> None:
+    rng = np.random.default_rng(9)
+    for n in (0, 1, 2, 17, 64, 65, 4096):
+        values = rng.permutation(10 * n + 1)[:n].astype(np.intp)
+        assert compiled.probe.distinct(values)
+        if n >= 2:
+            values[-1] = values[rng.integers(n - 1)]
+            assert not compiled.probe.distinct(values)
+    assert not compiled.probe.distinct(np.array([0, 5, 0], np.intp))  # 0 is a value too
+    assert compiled.probe.distinct(np.array([0, 1, 2**62], np.intp))

@@ -186,7 +186,7 @@ class Ingestor:
                         self._verifier.observe(member, model, event)
                 if keys:
                     counts.blocks_stored += len(keys)
-                    changes.append(Change(op, member, target, tier, keys))
+                    _add(changes, op, member, target, tier, keys)
             elif isinstance(event, BlockRemoved):
                 counts.events["BlockRemoved"] += 1
                 if event.locality == _REMOTE:
@@ -201,7 +201,7 @@ class Ingestor:
                     keys = self._engine_map.forget(member, tier, keys)
                 if keys:
                     counts.blocks_removed += len(keys)
-                    changes.append(Change(Op.REMOVE, member, target, tier, keys))
+                    _add(changes, Op.REMOVE, member, target, tier, keys)
             elif isinstance(event, AllBlocksCleared):
                 counts.events["AllBlocksCleared"] += 1
                 self._engine_map.clear(member)
@@ -296,6 +296,22 @@ class Ingestor:
         own = own[: len(engine_keys)]
         self._engine_map.learn(member, tier, engine_keys, own, add_copy=add_copy)
         return own
+
+
+def _add(
+    changes: list[Change], op: Op, member: str, model: str, tier: Tier, keys: list[int]
+) -> None:
+    """Append a change, or extend the last one when it has the same op, member, model
+    and tier: applying the two in a row is the same as applying their keys as one, and
+    an engine's batch is mostly a run of such events (fewer, longer changes are what
+    the backends batch best)."""
+    if changes:
+        last = changes[-1]
+        if last.op is op and last.tier is tier and last.member == member and last.model == model:
+            last.keys.extend(keys)  # type: ignore[attr-defined]  # made a list below
+            return
+    # A copy: the event's own list must not grow when a later event extends this change
+    changes.append(Change(op, member, model, tier, list(keys)))
 
 
 def _content_extras(event: BlockStored) -> BlockExtras:

@@ -232,3 +232,37 @@ def compare_pod(kvindex: Kvindex, spec: PodSpec, truth: dict[str, Any]) -> list[
             + "; ".join(wrong[:3])
         )
     return problems
+
+
+def hash_check_problems(kvindex: Kvindex, pod: str) -> list[str]:
+    """kvindex's ingest hash check (indexer/verify.py) for one pod, as problems.
+
+    Every pod hashes exactly as its model is configured, so the check must have passed
+    on the pod's events and never failed: a failure is a false alarm in kvindex, or
+    a pod of the driver hashing as no real engine would (an earlier false alarm was the
+    driver hashing a request with another pod's NONE_HASH).
+    """
+    report = kvindex.pod_report(pod) or {}
+    checks = report.get("hash_check") or {}
+    if not checks:
+        return [f"{pod}: kvindex reports no hash check (report: {report})"]
+    return [
+        f"{pod}: hash check {member} is {check['state']} with {check['failed_events']} "
+        f"failed of {check['checked_events']} events: {check['diagnosis']}"
+        for member, check in sorted(checks.items())
+        if check["state"] != "ok" or check["failed_events"]
+    ]
+
+
+#: What kvindex logs when a pod's block hashes do not match its own (indexer/verify.py).
+HASH_ALARM = "do not match kvindex's"
+
+
+def hash_alarms(log_path: Path, start: int) -> tuple[list[str], int]:
+    """Hash-mismatch lines kvindex logged past byte ``start`` of its log, and where the
+    log ends now (the next call's ``start``)."""
+    with open(log_path, "rb") as log:
+        log.seek(start)
+        text = log.read()
+    lines = text.decode(errors="replace").splitlines()
+    return [line for line in lines if HASH_ALARM in line], start + len(text)

@@ -38,6 +38,8 @@ from tests.conformance.harness import (
     PodSpec,
     compare_pod,
     eventually,
+    hash_alarms,
+    hash_check_problems,
     vllm_python,
 )
 
@@ -148,7 +150,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         server = ServeProcess(*flags, log_path=tmp / "kvindex.log")
         server.wait_ready(60.0)
         kvindex = Kvindex(server.url)
-        yield {"driver": driver, "kvindex": kvindex, "server": server}
+        yield {"driver": driver, "kvindex": kvindex, "server": server, "log_seen": 0}
     finally:
         if kvindex is not None:
             kvindex.close()
@@ -161,8 +163,9 @@ def run_phase(
     suite: dict, workloads: list[tuple[str, str]], check: list[str] | None = None, probes: int = 12
 ) -> dict:
     """Run ``(pod, workload)`` items, wait until kvindex applied every published batch,
-    and check each pod involved (or ``check``). Returns vLLM's truth per pod; raises
-    :class:`Divergence` listing every difference."""
+    and check each pod involved (or ``check``): blocks and scores equal vLLM's, kvindex's
+    hash check passed, and kvindex logged no hash alarm during the phase. Returns vLLM's
+    truth per pod; raises :class:`Divergence` listing every difference."""
     driver: DriverProcess = suite["driver"]
     kvindex: Kvindex = suite["kvindex"]
     published = driver.call(
@@ -178,6 +181,9 @@ def run_phase(
         )
     truth = driver.call("truth", pods=pods, probes=probes)["truth"]
     problems = [line for pod in pods for line in compare_pod(kvindex, BY_ID[pod], truth[pod])]
+    problems += [line for pod in pods for line in hash_check_problems(kvindex, pod)]
+    alarms, suite["log_seen"] = hash_alarms(suite["server"].log_path, suite["log_seen"])
+    problems += [f"kvindex logged a hash alarm: {line}" for line in alarms]
     if problems:
         raise Divergence("kvindex differs from vLLM:\n" + "\n".join(problems))
     return truth

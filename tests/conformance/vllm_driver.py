@@ -33,6 +33,9 @@ preempts every running request first (``reset_running_requests=True``).
 NONE_HASH is a process global in vLLM (one engine per process); pods with different
 hash settings share this process, so every pod operation first calls ``init_none_hash``
 with that pod's function and ``PYTHONHASHSEED`` - what that pod's engine did at start.
+That includes making a ``Request``: its constructor hashes the prompt's full blocks at
+once (an inactive pod's NONE_HASH there made the first blocks of each workload hash as no
+real engine would; kvindex's hash check rightly flagged them).
 """
 
 from __future__ import annotations
@@ -332,6 +335,7 @@ class Pod:
         lora_request = None
         if lora is not None:
             lora_request = LoRARequest(lora, LORAS[lora][0], LORAS[lora][1])
+        self.activate()  # Request() hashes the prompt now, with the global NONE_HASH
         request = Request(
             f"{self.config.pod}-{self.incarnation}-{self.next_request}",
             list(prompt),

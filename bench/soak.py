@@ -1,12 +1,15 @@
-"""Soak: ``kvindex serve`` under engine churn and /score load, then an exactness check.
+"""Soak: ``kvindex serve`` under engine churn and /score and /route load, then an
+exactness check.
 
 Simulated pods (real EnginePublishers, each on its own loopback address with a replay
 endpoint) publish to kvindex's bound socket: prefix stores, removals and evictions past
 a per-pod capacity, AllBlocksCleared, engine restarts (seq back to 0) and partitions
 (a run of batches buffered for replay but never sent, so kvindex sees a gap and replays
-it). Client threads call /score meanwhile. Every ``--report-every`` seconds one line:
-the server's RSS, /score p50/p99 over the interval, operations, and kvindex's own
-gap/replay/missed/restart counters. At the end every pod's index entries are compared
+it). Client threads call /score, and /route then /route/{id}/done, meanwhile; each pod
+serves a vLLM-style /metrics page (its KV usage from the blocks it holds) on its own
+address, so /route's load scraping runs too. Every ``--report-every`` seconds one line:
+the server's RSS, /score and /route p50/p99 over the interval, operations, and kvindex's
+own gap/replay/missed/restart counters. At the end every pod's index entries are compared
 with what the pod holds (the ground truth kept here): the index must be exact.
 
 Bounded (``--seconds``) and loopback only. Figures: bench/README.md, "Soak".
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import http.server
 import json
 import os
 import random
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvindex.api.testing import ServeProcess, free_port
+from kvindex.events.endpoints import from_source
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -137,8 +142,16 @@ class Latencies:
 
 
 def client_loop(
-    port: int, prompts: list[Prompt], stop: threading.Event, lat: Latencies, seed: int
+    port: int,
+    prompts: list[Prompt],
+    stop: threading.Event,
+    lat: Latencies,
+    seed: int,
+    path: str = "/score",
 ) -> None:
+    """Call ``path`` with random prompts until ``stop``; a /route is released with
+    /route/{id}/done at once (its latency is not counted), as a gateway does when the
+    response ends."""
     rng = random.Random(seed)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     headers = {"content-type": "application/json"}
@@ -147,18 +160,62 @@ def client_loop(
         body = json.dumps({"model": MODEL, "token_ids": prompt.tokens})
         started = time.perf_counter()
         try:
-            conn.request("POST", "/score", body, headers)
+            conn.request("POST", path, body, headers)
             response = conn.getresponse()
-            response.read()
+            answer = response.read()
+            elapsed = time.perf_counter() - started
             if response.status != 200:
                 lat.errors += 1
-        except (OSError, http.client.HTTPException):
+            elif path == "/route":
+                route_id = json.loads(answer)["route_id"]
+                conn.request("POST", f"/route/{route_id}/done", b"", headers)
+                done = conn.getresponse()
+                done.read()
+                if done.status != 200:
+                    lat.errors += 1
+        except (OSError, http.client.HTTPException, ValueError, KeyError):
             lat.errors += 1
             conn.close()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
             continue
-        lat.add(time.perf_counter() - started)
+        lat.add(elapsed)
     conn.close()
+
+
+class _MetricsHandler(http.server.BaseHTTPRequestHandler):
+    """A pod's vLLM /metrics page: the three gauges /route scrapes."""
+
+    pod: SoakPod | None = None  # set once the pod exists
+
+    def do_GET(self) -> None:
+        if self.pod is None:
+            self.send_error(503)
+            return
+        usage = len(self.pod.held) / self.pod.capacity
+        labels = f'{{model_name="{MODEL}",engine="0"}}'
+        page = (
+            f"vllm:num_requests_running{labels} 0.0\n"
+            f"vllm:num_requests_waiting{labels} 0.0\n"
+            f"vllm:kv_cache_usage_perc{labels} {usage}\n"
+        ).encode()
+        self.send_response(200)
+        self.send_header("content-type", "text/plain; version=0.0.4")
+        self.send_header("content-length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def serve_metrics(host: str) -> http.server.ThreadingHTTPServer:
+    """A pod's /metrics on its own address and a free port, in a thread: the pod id is
+    ``host:port`` (kvindex scrapes ``http://<pod id>/metrics``). Free ports, not 8000, so
+    that two soaks (or a soak and the test suite) never collide."""
+    handler = type("Handler", (_MetricsHandler,), {})
+    server = http.server.ThreadingHTTPServer((host, 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 def rss_mb(pid: int) -> float:
@@ -179,6 +236,7 @@ _COUNTERS = {
     "missed": r"^kvindex_missed_batches_total (\S+)",
     "restarts_seen": r"^kvindex_pod_restarts_total (\S+)",
     "event_errors": r"^kvindex_event_errors_total\{[^}]*\} (\S+)",
+    "pods_with_known_load": r"^kvindex_load_known\{[^}]*\} (\S+)",
 }
 
 
@@ -270,7 +328,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=600.0)
     parser.add_argument("--report-every", type=float, default=30.0)
     parser.add_argument("--pods", type=int, default=8)
-    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=2, help="/score clients")
+    parser.add_argument("--route-clients", type=int, default=1, help="/route clients")
     parser.add_argument("--rate", type=float, default=1000.0, help="engine batches per second")
     parser.add_argument("--capacity", type=int, default=4096, help="blocks per pod")
     parser.add_argument("--prompts", type=int, default=256)
@@ -296,19 +355,24 @@ def main() -> int:
     stop = threading.Event()
     threads: list[threading.Thread] = []
     ops: Counter = Counter()
-    lat = Latencies()
+    lat, route_lat = Latencies(), Latencies()
+    metrics_servers: list[http.server.ThreadingHTTPServer] = []
     try:
         server.wait_ready(60.0)
         for i in range(args.pods):
             host = f"127.0.0.{10 + i}"
+            metrics_servers.append(serve_metrics(host))
+            pod_id = f"{host}:{metrics_servers[-1].server_address[1]}"
+            # Sent from the pod's own address: bind mode checks the sender's host.
             publisher = EnginePublisher(
-                f"tcp://127.0.0.1:{bind}",
-                topic=f"kv@{host}:8000@{MODEL}",
+                from_source(f"tcp://127.0.0.1:{bind}", host),
+                topic=f"kv@{pod_id}@{MODEL}",
                 replay_endpoint=f"tcp://{host}:{replay}",
             )
             if not publisher.wait_for_subscribers(1, 10.0):
                 raise RuntimeError(f"kvindex never subscribed to pod {host}")
-            pods.append(SoakPod(f"{host}:8000", publisher, args.capacity))
+            pods.append(SoakPod(pod_id, publisher, args.capacity))
+            metrics_servers[-1].RequestHandlerClass.pod = pods[-1]  # type: ignore[attr-defined]
         driver = threading.Thread(target=drive, args=(pods, prompts, args, stop, ops))
         threads.append(driver)
         for c in range(args.clients):
@@ -317,15 +381,24 @@ def main() -> int:
                     target=client_loop, args=(server.port, prompts, stop, lat, args.seed + c)
                 )
             )
+        for c in range(args.route_clients):
+            threads.append(
+                threading.Thread(
+                    target=client_loop,
+                    args=(server.port, prompts, stop, route_lat, args.seed + 100 + c, "/route"),
+                )
+            )
         for thread in threads:
             thread.start()
         print(
-            f"soak: {args.pods} pods, {args.clients} /score clients, {args.rate:g} batches/s, "
+            f"soak: {args.pods} pods, {args.clients} /score clients, "
+            f"{args.route_clients} /route clients, {args.rate:g} batches/s, "
             f"{args.seconds:g} s; kvindex pid {server.process.pid}",
             flush=True,
         )
         print(
             f"{'t_s':>5} {'rss_mb':>7} {'score_p50_ms':>12} {'score_p99_ms':>12} {'scores':>7} "
+            f"{'route_p50_ms':>12} {'route_p99_ms':>12} {'routes':>6} "
             f"{'batches':>8} {'blocks_st':>9} {'restarts':>8} {'partitions':>10} {'gaps':>5} "
             f"{'replays':>7} {'failed':>6} {'missed':>6}",
             flush=True,
@@ -334,12 +407,14 @@ def main() -> int:
         end = started + args.seconds
         while time.monotonic() < end:
             time.sleep(min(args.report_every, max(0.0, end - time.monotonic())))
-            samples = lat.take()
+            samples, routes = lat.take(), route_lat.take()
             seen = counters(server.url)
             print(
                 f"{time.monotonic() - started:5.0f} {rss_mb(server.process.pid):7.1f} "
                 f"{1000 * percentile(samples, 0.5):12.2f} {1000 * percentile(samples, 0.99):12.2f} "
-                f"{len(samples):7d} {ops['batches']:8d} {ops['blocks_stored']:9d} "
+                f"{len(samples):7d} {1000 * percentile(routes, 0.5):12.2f} "
+                f"{1000 * percentile(routes, 0.99):12.2f} {len(routes):6d} "
+                f"{ops['batches']:8d} {ops['blocks_stored']:9d} "
                 f"{ops['restarts']:8d} {ops['partitions']:10d} {seen['gaps']:5d} "
                 f"{seen['replays_ok']:7d} {seen['replays_failed']:6d} {seen['missed']:6d}",
                 flush=True,
@@ -351,20 +426,27 @@ def main() -> int:
         exact, problems = exactness(server.url, pods)
         seen = counters(server.url)
         print(f"operations: {dict(sorted(ops.items()))}")
-        print(f"kvindex counters: {seen}; /score errors: {lat.errors}")
+        print(
+            f"kvindex counters: {seen}; /score errors: {lat.errors}; "
+            f"/route errors: {route_lat.errors}"
+        )
         print(
             f"exactness: {exact}/{len(pods)} pods exact"
             + ("" if settled else " (not every pod's last batch was applied in 60 s)")
         )
         for problem in problems:
             print(f"  {problem}")
-        return 0 if exact == len(pods) and settled else 1
+        failed = lat.errors or route_lat.errors
+        return 0 if exact == len(pods) and settled and not failed else 1
     finally:
         stop.set()
         for thread in threads:
             thread.join(timeout=30)
         for pod in pods:
             pod.publisher.close()
+        for metrics_server in metrics_servers:
+            metrics_server.shutdown()
+            metrics_server.server_close()
         server.stop()
         print(f"server log: {server.log_path}", file=sys.stderr)
 

@@ -481,6 +481,17 @@ def test_dashboard_structure_and_coverage() -> None:
         "kvindex_event_lag_seconds_bucket",
         "kvindex_redis_errors_total",
         "process_resident_memory_bytes",
+        # /route (issue 11): decisions by reason, speculative lifecycle, scrape errors and
+        # staleness per pod, in-flight per pod, event lag per pod
+        "kvindex_route_decisions_total",
+        "kvindex_route_prefill_decisions_total",
+        "kvindex_route_speculative_entries_total",
+        "kvindex_route_speculative_live",
+        "kvindex_route_in_flight",
+        "kvindex_load_scrape_errors_total",
+        "kvindex_load_age_seconds",
+        "kvindex_load_known",
+        "kvindex_event_lag_last_seconds",
     ):
         assert metric in text, f"the dashboard does not show {metric}"
     # Every kvindex series is scoped to the chosen namespace(s), per-model ones to models.
@@ -541,35 +552,57 @@ def referenced_metrics() -> tuple[dict[str, set[str]], list[tuple[str, set[str]]
 
 @pytest.fixture
 def running_kvindex() -> Iterator[str]:
+    from tests.test_load import DP1_IDLE, MetricsServer
+
     bind = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVINDEX_")}
-    with ServeProcess(
-        "--zmq-bind", f"tcp://127.0.0.1:{bind}", "--log-level", "warning", env=env
-    ) as server:
-        server.wait_ready(30.0)
-        url = server.url
-        tokens = list(range(100, 100 + 64))
-        keys = BlockHasher(HashConfig()).keys(tokens)
-        with EnginePublisher(
-            f"tcp://127.0.0.1:{bind}", topic=f"kv@127.0.0.1:8000@{MODEL}"
-        ) as publisher:
-            assert publisher.wait_for_subscribers(1, 10)
-            publisher.publish([BlockStored(keys, None, tokens, 16)])
-            publisher.publish([BlockRemoved(keys[-1:])])
-            # One bad frame, so the per-reason error series exists too.
-            publisher.send_frames([f"kv@127.0.0.1:8000@{MODEL}".encode(), b"short", b""])
-            deadline = time.monotonic() + 10
-            while (
-                'kvindex_pod_blocks{pod="127.0.0.1:8000"'
-                not in httpx.get(f"{url}/metrics", timeout=5).text
-            ):
-                assert time.monotonic() < deadline, "events never reached the index"
-                time.sleep(0.05)
-            answer = httpx.post(
-                f"{url}/score", json={"model": MODEL, "token_ids": tokens}, timeout=5
-            )
-            assert answer.status_code == 200, answer.text
-            yield url
+    # A second pod serving vLLM /metrics, a P/D decode pod, so /route's series exist
+    # (127.0.0.1:8000 serves none: its scrape errors are series too).
+    vllm = MetricsServer(DP1_IDLE)
+    try:
+        with ServeProcess(
+            "--zmq-bind", f"tcp://127.0.0.1:{bind}", "--log-level", "warning",
+            "--load-interval", "0.1", "--pod-role", f"{vllm.pod}=decode",
+            env=env,
+        ) as server:  # fmt: skip
+            server.wait_ready(30.0)
+            url = server.url
+            tokens = list(range(100, 100 + 64))
+            keys = BlockHasher(HashConfig()).keys(tokens)
+            with EnginePublisher(
+                f"tcp://127.0.0.1:{bind}", topic=f"kv@127.0.0.1:8000@{MODEL}"
+            ) as publisher:
+                assert publisher.wait_for_subscribers(1, 10)
+                publisher.publish([BlockStored(keys, None, tokens, 16)])
+                publisher.publish([BlockRemoved(keys[-1:])])
+                # One bad frame, so the per-reason error series exists too.
+                publisher.send_frames([f"kv@127.0.0.1:8000@{MODEL}".encode(), b"short", b""])
+                deadline = time.monotonic() + 10
+                while (
+                    'kvindex_pod_blocks{pod="127.0.0.1:8000"'
+                    not in httpx.get(f"{url}/metrics", timeout=5).text
+                ):
+                    assert time.monotonic() < deadline, "events never reached the index"
+                    time.sleep(0.05)
+                answer = httpx.post(
+                    f"{url}/score", json={"model": MODEL, "token_ids": tokens}, timeout=5
+                )
+                assert answer.status_code == 200, answer.text
+                with EnginePublisher(
+                    f"tcp://127.0.0.1:{bind}", topic=f"kv@{vllm.pod}@{MODEL}"
+                ) as second:
+                    assert second.wait_for_subscribers(1, 10)
+                    second.publish([BlockStored(keys[:1], None, tokens[:16], 16)])
+                    while "kvindex_load_age_seconds{" not in httpx.get(f"{url}/metrics").text:
+                        assert time.monotonic() < deadline + 10, "the vLLM pod was never scraped"
+                        time.sleep(0.05)
+                    answer = httpx.post(
+                        f"{url}/route", json={"model": MODEL, "token_ids": tokens}, timeout=5
+                    )
+                    assert answer.status_code == 200, answer.text
+                    yield url
+    finally:
+        vllm.close()
 
 
 def redis_only_series() -> dict[str, set[str]]:

@@ -36,7 +36,7 @@ from kvindex.events.identity import member_pod
 from kvindex.indexer.backend import BackendUnavailable
 from kvindex.scoring.load import PodLoad
 from kvindex.scoring.pd import Role, decide_pd, disaggregated, of_role
-from kvindex.scoring.router import Candidate, Decision, Reason
+from kvindex.scoring.router import Decision, Reason
 from kvindex.scoring.scorer import PodScore
 from kvindex.scoring.speculative import annotate
 from kvindex.scoring.targets import Target, build_targets
@@ -132,7 +132,7 @@ def route_request(service: Service, req: RouteRequest) -> RouteResponse:
     pods known or none of the asked role)."""
     settings = service.settings
     pods = _candidates(req.pods, settings.events.serving_port, settings.http.max_pods)
-    pods = pods or service.known_pods()
+    pods = pods or service.route_view.pods()
     if not pods:
         raise Unavailable(
             "no pods given and none known (configured, discovered or indexed)", code="no_pods"
@@ -181,8 +181,9 @@ def route_request(service: Service, req: RouteRequest) -> RouteResponse:
     held = -(-(tokens + (req.max_tokens or 0)) // block_size)
     ledger = service.load.ledger
     ledger.begin(chosen.member, route_id, held, settings.scoring.route_ttl)
-    if view.keys:
-        service.speculative.add(req.model, chosen.member, view.keys)
+    # Speculative: the blocks past what the chosen engine's index entries already hold.
+    if len(view.keys) > chosen.confirmed_blocks:
+        service.speculative.add(req.model, chosen.member, view.keys, chosen.confirmed_blocks)
     answer = RouteResponse(
         route_id=route_id,
         pod=chosen.pod,
@@ -203,8 +204,10 @@ def route_request(service: Service, req: RouteRequest) -> RouteResponse:
             answer.prefill_pod, answer.prefill_rank = source.pod, source.rank
             answer.prefill_reason = prefill.reason.value
             ledger.begin(source.member, route_id + _PREFILL, held, settings.scoring.route_ttl)
-            if view.keys:
-                service.speculative.add(req.model, source.member, view.keys)
+            if len(view.keys) > source.confirmed_blocks:
+                service.speculative.add(
+                    req.model, source.member, view.keys, source.confirmed_blocks
+                )
     return answer
 
 
@@ -259,10 +262,10 @@ def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> _IndexV
     except BackendUnavailable as exc:
         return _IndexView(tokens, fallback=DOWN, warnings=[f"index backend unavailable: {exc}"])
     wanted = set(pods)
-    matches = {p.pod: p for p in result.pods if member_pod(p.pod) in wanted}
+    matches = {p.pod: p for p in result.pods if p.pod in wanted or member_pod(p.pod) in wanted}
     speculative = annotate(result, service.speculative)
     view = _IndexView(tokens, result.keys, matches, speculative)
-    doubts = service.directory.index_doubts(req.model, pods)
+    doubts = service.route_view.doubts(req.model, pods)
     for pod, lag in service.event_lag.lagging(pods, settings.scoring.max_event_lag).items():
         doubts.setdefault(
             pod, f"event lag {lag:.1f} s, above --max-event-lag {settings.scoring.max_event_lag:g}"
@@ -280,36 +283,42 @@ def _candidates_of(
     roles: dict[str, Role],
 ) -> list[RouteCandidate]:
     """Every costed target once: the decode (or only) decision's, then the prefill
-    decision's targets that only prefill."""
-    out, seen = [], set()
+    decision's targets that only prefill. One row per candidate of every request:
+    positional construction, no per-row lookups beyond the target's."""
+    out: list[RouteCandidate] = []
+    seen: set[str] = set()
+    both = Role.BOTH.value
+    role_of = {pod: role.value for pod, role in roles.items()}
     for made in (decision, prefill):
         for c in made.candidates if made is not None else ():
-            if c.inputs.pod not in seen:
-                seen.add(c.inputs.pod)
-                out.append(_candidate(c, targets[c.inputs.pod], roles))
+            member = c.inputs.pod
+            if member in seen:
+                continue
+            seen.add(member)
+            target = targets[member]
+            load = target.load
+            known = type(load) is PodLoad
+            terms, inputs = c.terms, c.inputs
+            out.append(
+                RouteCandidate(
+                    target.pod,
+                    target.rank,
+                    role_of.get(target.pod, both),
+                    target.confirmed_blocks,
+                    target.speculative_blocks,
+                    terms.usable_blocks,
+                    terms.uncached_blocks,
+                    "known" if known else load.reason,
+                    load.running if known else None,
+                    inputs.waiting,
+                    inputs.kv_usage,
+                    inputs.in_flight,
+                    terms.prefix,
+                    terms.queue,
+                    terms.kv,
+                    terms.total,
+                    c.refused is None,
+                    c.refused,
+                )
+            )
     return out
-
-
-def _candidate(c: Candidate, target: Target, roles: dict[str, Role]) -> RouteCandidate:
-    load = target.load
-    known = isinstance(load, PodLoad)
-    return RouteCandidate(
-        pod=target.pod,
-        rank=target.rank,
-        role=roles.get(target.pod, Role.BOTH).value,
-        matched_blocks=target.confirmed_blocks,
-        speculative_blocks=target.speculative_blocks,
-        usable_blocks=c.terms.usable_blocks,
-        uncached_blocks=c.terms.uncached_blocks,
-        load="known" if known else load.reason,
-        running=load.running if known else None,
-        waiting=c.inputs.waiting,
-        kv_usage=c.inputs.kv_usage,
-        in_flight=c.inputs.in_flight,
-        prefix_cost=c.terms.prefix,
-        queue_cost=c.terms.queue,
-        kv_cost=c.terms.kv,
-        cost=c.terms.total,
-        admitted=c.refused is None,
-        refused=c.refused,
-    )

@@ -40,6 +40,7 @@ from kvindex.api.route_metrics import (
     RouteMetrics,
     SpeculativeCollector,
 )
+from kvindex.api.route_view import RouteView
 from kvindex.api.version import VERSION
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.discovery import KubernetesDiscovery
@@ -332,6 +333,7 @@ class Service:
         self.speculative = make_speculative(settings)
         self.registry.register(SpeculativeCollector(self.speculative))
         self.registry.register(EventLagCollector(self.event_lag))
+        self.route_view = RouteView(self.known_pods, self.directory.index_doubts)
         self._static_roles = static_roles(settings)
         self._roles_cache: tuple[float, dict[str, Role]] = (float("-inf"), {})
         self.bound: list[str] = []

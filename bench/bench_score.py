@@ -11,9 +11,12 @@ Each is run with the same prompt repeated (the block-hash memo is warm: a gatewa
 re-scoring a conversation) and with a fresh prompt per request sharing the first
 half (only the new half is hashed). The load generator is a separate process with a
 minimal asyncio HTTP/1.1 client so it costs the server as little CPU as possible on a
-2-core machine. Prints figures; asserts nothing.
+2-core machine. Then ``/route`` against ``/score`` with the same prompt, side by side,
+one client alternating them request by request: the issue-11 target is that ``/route``
+adds at most 0.2 ms at p50; the verdict is printed (PASS / FAIL) and is the exit status.
 
     python bench/bench_score.py [--requests 2000] [--seconds 10] [--backend memory]
+    python bench/bench_score.py --route-only        # only /route vs /score
 """
 
 from __future__ import annotations
@@ -73,11 +76,16 @@ def _fill(zmq_endpoint: str, url: str, prompt: list[int]) -> None:
 
 
 async def _client(
-    port: int, bodies: list[bytes], stop_at: float | None, count: int | None, latencies: list[float]
+    port: int,
+    bodies: list[bytes],
+    stop_at: float | None,
+    count: int | None,
+    latencies: list[float],
+    path: str = "/score",
 ) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     head = (
-        "POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         "Content-Length: {}\r\n\r\n"
     )
     sent = 0
@@ -103,7 +111,13 @@ async def _client(
 
 
 def _load(
-    port: int, bodies: list[bytes], clients: int, seconds: float | None, count: int | None, out
+    port: int,
+    bodies: list[bytes],
+    clients: int,
+    seconds: float | None,
+    count: int | None,
+    out,
+    path: str = "/score",
 ) -> None:
     async def run() -> tuple[list[float], float]:
         latencies: list[float] = []
@@ -111,7 +125,7 @@ def _load(
         stop_at = None if seconds is None else started + seconds
         per_client = None if count is None else count // clients
         await asyncio.gather(
-            *(_client(port, bodies, stop_at, per_client, latencies) for _ in range(clients))
+            *(_client(port, bodies, stop_at, per_client, latencies, path) for _ in range(clients))
         )
         return latencies, time.perf_counter() - started
 
@@ -125,15 +139,32 @@ def _measure(
     clients: int,
     seconds: float | None = None,
     count: int | None = None,
+    path: str = "/score",
 ) -> dict[str, float]:
+    latencies, elapsed = _run(port, bodies, clients, seconds, count, path)
+    return _figures(latencies, elapsed)
+
+
+def _run(
+    port: int,
+    bodies: list[bytes],
+    clients: int,
+    seconds: float | None,
+    count: int | None,
+    path: str,
+) -> tuple[list[float], float]:
     queue: multiprocessing.Queue = multiprocessing.Queue()
     proc = multiprocessing.Process(
-        target=_load, args=(port, bodies, clients, seconds, count, queue)
+        target=_load, args=(port, bodies, clients, seconds, count, queue, path)
     )
     proc.start()
     latencies, elapsed = queue.get(timeout=600)
     proc.join(30)
-    latencies.sort()
+    return latencies, elapsed
+
+
+def _figures(latencies: list[float], elapsed: float) -> dict[str, float]:
+    latencies = sorted(latencies)
     return {
         "requests": len(latencies),
         "rps": len(latencies) / elapsed,
@@ -141,6 +172,68 @@ def _measure(
         "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
         "mean_ms": 1000 * statistics.fmean(latencies),
     }
+
+
+ROUTE_BUDGET_MS = 0.2  # issue 11: /route adds at most this to /score's p50
+
+
+async def _alternate(port: int, bodies: dict[str, bytes], pairs: int) -> dict[str, list[float]]:
+    """One keep-alive connection, /score and /route request by request, in turn: a burst
+    of machine noise hits both alike."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    samples: dict[str, list[float]] = {path: [] for path in bodies}
+    try:
+        for _ in range(pairs):
+            for path, body in bodies.items():
+                head = (
+                    f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                )
+                started = time.perf_counter()
+                writer.write(head.encode() + body)
+                await writer.drain()
+                headers = await reader.readuntil(b"\r\n\r\n")
+                if not headers.startswith(b"HTTP/1.1 200"):
+                    raise RuntimeError(headers.decode(errors="replace"))
+                length = int(headers.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                samples[path].append(time.perf_counter() - started)
+    finally:
+        writer.close()
+    return samples
+
+
+def _alternate_in_child(port: int, bodies: dict[str, bytes], pairs: int, out) -> None:
+    out.put(asyncio.run(_alternate(port, bodies, pairs)))
+
+
+def _route_vs_score(port: int, prompt: list[int], pairs: int) -> bool:
+    """/score and /route with the same prompt (no pod list: every known pod is a
+    candidate), one client alternating request by request. /route's body adds a request
+    id, the same each time: routing an open id again moves it, so one request stays in
+    flight, as with a gateway that reports each one done."""
+    prompt_body = {"model": MODEL, "token_ids": prompt}
+    bodies = {
+        "/score": json.dumps(prompt_body).encode(),
+        "/route": json.dumps({**prompt_body, "request_id": "bench"}).encode(),
+    }
+    queue: multiprocessing.Queue = multiprocessing.Queue()
+    for count in (200, pairs):  # a warm-up, then the measured run
+        proc = multiprocessing.Process(
+            target=_alternate_in_child, args=(port, bodies, count, queue)
+        )
+        proc.start()
+        samples = queue.get(timeout=600)
+        proc.join(30)
+    score, route = (_figures(samples[p], 1.0) for p in ("/score", "/route"))
+    added = route["p50_ms"] - score["p50_ms"]
+    verdict = "PASS" if added <= ROUTE_BUDGET_MS else "FAIL"
+    print(f"/route vs /score, same prompt, 1 client alternating them, {pairs} of each:")
+    for name, f in (("/score", score), ("/route", route)):
+        print(f"    {name:7}: p50 {f['p50_ms']:.3f} ms  p99 {f['p99_ms']:.3f} ms")
+    budget = ROUTE_BUDGET_MS * 1000
+    print(f"    /route adds {added * 1000:.0f} µs at p50 (target <= {budget:.0f} µs): {verdict}")
+    return added <= ROUTE_BUDGET_MS
 
 
 def main() -> None:
@@ -151,6 +244,10 @@ def main() -> None:
     )
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--backend", default="memory")
+    parser.add_argument(
+        "--route-only", action="store_true", help="only the /route vs /score comparison"
+    )
+    parser.add_argument("--pairs", type=int, default=2000, help="/route vs /score requests")
     args = parser.parse_args()
 
     zport = free_port()
@@ -181,7 +278,8 @@ def main() -> None:
             f"/score over HTTP, {args.backend} backend: {PROMPT_TOKENS}-token prompt "
             f"(token_ids), {PODS} pods holding 8..512-block prefixes"
         )
-        for name, bodies in (("same prompt repeated", repeated), ("new 2nd half each time", fresh)):
+        cases = (("same prompt repeated", repeated), ("new 2nd half each time", fresh))
+        for name, bodies in () if args.route_only else cases:
             _measure(http, bodies, 1, count=200)  # warm up
             one = _measure(http, bodies, 1, count=args.requests)
             many = _measure(http, bodies, args.clients, seconds=args.seconds)
@@ -195,8 +293,10 @@ def main() -> None:
                 f"p50 {many['p50_ms']:.2f} ms  p99 {many['p99_ms']:.2f} ms  "
                 f"({many['requests']} requests)"
             )
+        passed = _route_vs_score(http, prompt, args.pairs)
     finally:
         server.stop()
+    raise SystemExit(0 if passed else 1)
 
 
 if __name__ == "__main__":

@@ -232,20 +232,23 @@ class PodDirectory:
         pods.update(self._discovered())
         return pods
 
-    def index_doubts(self, model: str, pods: Collection[str]) -> dict[str, str]:
+    def index_doubts(self, model: str, pods: Collection[str] | None = None) -> dict[str, str]:
         """Of ``pods``, those whose entries for ``model`` may differ from their engine's
         cache right now, with the reason: a stream not in step (catching up, being
         verified, gapped, incomplete, resyncing), a restored snapshot not heard since, or
-        block hashes that do not match. A router must not compare prefixes then."""
-        wanted = set(pods)
+        block hashes that do not match. A router must not compare prefixes then.
+        ``pods`` None: every pod."""
+        wanted = None if pods is None else set(pods)
         doubts: dict[str, str] = {}
         marks = self._marks()
         for mark in marks.values():
             pod = member_pod(mark.member)
-            if pod in wanted and mark.model == model:
+            if (wanted is None or pod in wanted) and mark.model == model:
                 doubts.setdefault(pod, f"stream {mark.member} {mark.state} ({mark.reason})")
         for stream in self._streams():
-            if stream.pod not in wanted or stream.model != model or stream.pod in doubts:
+            if wanted is not None and stream.pod not in wanted:
+                continue
+            if stream.model != model or stream.pod in doubts:
                 continue
             if stream.state in _NOT_IN_STEP and stream.member not in marks:
                 doubts[stream.pod] = f"stream {stream.member} {stream.state}"

@@ -58,10 +58,18 @@ class EventLag:
         (0: never), with the worst lag."""
         if threshold_s <= 0 or not self._lags:
             return {}
+        oldest = self._clock() - self.window_s
+        late = [
+            (m, lag.seconds)
+            for m, lag in list(self._lags.items())
+            if lag.seconds > threshold_s and lag.at >= oldest
+        ]
+        if not late:  # the usual case: one pass, no set of the candidates
+            return {}
         wanted = set(pods)
         out: dict[str, float] = {}
-        for member, seconds in self.current().items():
+        for member, seconds in late:
             pod = member_pod(member)
-            if seconds > threshold_s and pod in wanted:
+            if pod in wanted:
                 out[pod] = max(seconds, out.get(pod, 0.0))
         return out

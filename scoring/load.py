@@ -40,16 +40,23 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvindex.scoring.inflight import InFlight, InFlightLedger
-from kvindex.scoring.load_metrics import EngineLoad, MetricsError, parse_engine_loads, totals
+from kvindex.scoring.load_metrics import (
+    EngineLoad,
+    MetricsError,
+    Totals,
+    parse_engine_loads,
+    totals,
+)
 
 log = logging.getLogger(__name__)
 
 _MAX_BODY_BYTES = 8 * 1024 * 1024  # a vLLM metrics page is ~100 KB
 
 
-@dataclass(frozen=True, slots=True)
-class PodLoad:
+class PodLoad(msgspec.Struct, frozen=True, gc=False):
     """A pod's load as of its last good scrape, plus kvindex's own in-flight count."""
 
     pod: str
@@ -62,8 +69,7 @@ class PodLoad:
     age_s: float  # since the scrape that produced these figures
 
 
-@dataclass(frozen=True, slots=True)
-class Unknown:
+class Unknown(msgspec.Struct, frozen=True, gc=False):
     """A pod whose load kvindex cannot see now; route to it as a last resort only."""
 
     pod: str
@@ -77,6 +83,7 @@ class Unknown:
 class _Scrape:
     engines: Mapping[str, EngineLoad]
     at: float
+    total: Totals  # over the engines, summed once per scrape rather than per request
 
 
 @dataclass(slots=True)
@@ -84,6 +91,9 @@ class _PodState:
     good: _Scrape | None = None
     last_error: str | None = None
     failures_by_kind: dict[str, int] = field(default_factory=dict)
+
+
+_NOTHING = InFlight()
 
 
 def default_metrics_url(pod: str) -> str:
@@ -179,9 +189,10 @@ class LoadView:
         now = self._clock()
         in_flight = self.ledger.all()
         out: dict[str, PodLoad | Unknown] = {}
+        states = self._states
         for pod in pods:
-            state = self._states.get(pod)
-            flying = in_flight.get(pod, InFlight())
+            state = states.get(pod)
+            flying = in_flight.get(pod, _NOTHING)
             good = state.good if state is not None else None
             error = state.last_error if state is not None else None
             if good is None:
@@ -191,7 +202,7 @@ class LoadView:
             if age > self.stale_after_s:
                 out[pod] = Unknown(pod, "stale", error, age, flying)
                 continue
-            total = totals(good.engines)
+            total = good.total
             out[pod] = PodLoad(
                 pod,
                 total.running,
@@ -263,4 +274,4 @@ class LoadView:
             return ("connect", f"GET {url}: {type(exc).__name__}: {exc}")
         except MetricsError as exc:
             return ("bad_metrics", f"GET {url}: {exc}")
-        return _Scrape(engines, self._clock())
+        return _Scrape(engines, self._clock(), totals(engines))

@@ -52,6 +52,8 @@ class PdDecision:
 
 def disaggregated(roles: Mapping[str, Role], pods: Sequence[str]) -> bool:
     """P/D applies when some candidate is not ``both``."""
+    if not roles:
+        return False
     return any(roles.get(pod, Role.BOTH) is not Role.BOTH for pod in pods)
 
 

@@ -34,8 +34,6 @@ see is chosen only for a strong prefix match or when every known pod is busy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import msgspec
 
 
@@ -57,8 +55,7 @@ class CostWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("queue_half must be positive")
 
 
-@dataclass(frozen=True, slots=True)
-class PodInputs:
+class PodInputs(msgspec.Struct, frozen=True, gc=False):
     """What the cost of one pod is computed from."""
 
     pod: str
@@ -69,8 +66,7 @@ class PodInputs:
     in_flight: int  # requests kvindex routed to the pod that have not finished
 
 
-@dataclass(frozen=True, slots=True)
-class CostTerms:
+class CostTerms(msgspec.Struct, frozen=True, gc=False):
     """One pod's cost and the terms it is made of (shown in /route's answer)."""
 
     usable_blocks: int  # cached blocks vLLM can reuse for this prompt
@@ -98,33 +94,30 @@ def pod_cost(
     prompt_tokens: int,
     block_size: int,
     weights: CostWeights,
-    *,
     load_only: bool = False,
 ) -> CostTerms:
     """The cost of serving a ``prompt_tokens``-token prompt on one pod. With
     ``load_only`` the prefix term is 0 for every pod (the index is not trusted)."""
-    total_blocks = -(-prompt_tokens // block_size) if prompt_tokens > 0 else 0
-    usable = usable_blocks(inputs.matched_blocks, prompt_tokens, block_size)
-    # Tier weights scale the reusable part only: the blocks past the cap are not reused.
-    hit = 0.0
-    if inputs.matched_blocks > 0:
-        hit = inputs.tier_weighted_blocks * usable / inputs.matched_blocks
-    uncached = max(0.0, total_blocks - hit)
-    prefix = 0.0
-    if not load_only and total_blocks:
-        prefix = weights.prefix * uncached / total_blocks
-    if inputs.waiting is None:  # unknown load: never idle
-        pending = inputs.in_flight + weights.queue_half
+    # Runs for every candidate of every /route request: plain arithmetic, no calls.
+    if prompt_tokens > 0:
+        total_blocks = -(-prompt_tokens // block_size)
+        usable = min(inputs.matched_blocks, (prompt_tokens - 1) // block_size)
     else:
-        pending = inputs.waiting + inputs.in_flight
-    queue = weights.queue * pending / (pending + weights.queue_half)
-    usage = 1.0 if inputs.kv_usage is None else min(max(inputs.kv_usage, 0.0), 1.0)
+        total_blocks = usable = 0
+    matched = inputs.matched_blocks
+    # Tier weights scale the reusable part only: the blocks past the cap are not reused.
+    hit = inputs.tier_weighted_blocks * usable / matched if matched > 0 and usable > 0 else 0.0
+    uncached = total_blocks - hit if total_blocks > hit else 0.0
+    prefix = weights.prefix * uncached / total_blocks if total_blocks and not load_only else 0.0
+    waiting = inputs.waiting
+    half = weights.queue_half
+    pending = inputs.in_flight + (half if waiting is None else waiting)  # unknown: never idle
+    queue = weights.queue * pending / (pending + half)
+    usage = inputs.kv_usage
+    if usage is None:
+        usage = 1.0
+    elif usage < 0.0 or usage > 1.0:
+        usage = 0.0 if usage < 0.0 else 1.0
     kv = weights.kv * usage
-    return CostTerms(
-        usable,
-        round(uncached, 6),
-        round(prefix, 6),
-        round(queue, 6),
-        round(kv, 6),
-        round(prefix + queue + kv, 6),
-    )
+    # Not rounded: 64 candidates per request, and the answer's floats encode exactly.
+    return CostTerms(max(usable, 0), uncached, prefix, queue, kv, prefix + queue + kv)

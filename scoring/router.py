@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
 from enum import StrEnum
+
+import msgspec
 
 from kvindex.scoring.route_cost import CostTerms, CostWeights, PodInputs, pod_cost
 
@@ -42,22 +43,19 @@ class Reason(StrEnum):
     LEAST_BAD = "least_bad"
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(msgspec.Struct, frozen=True, gc=False):
     inputs: PodInputs
     terms: CostTerms
     refused: str | None  # why admission refused the pod; None when admitted
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(msgspec.Struct, frozen=True):
     pod: str | None  # None with NO_CAPACITY
     reason: Reason
     candidates: list[Candidate]
 
 
-@dataclass(frozen=True, slots=True)
-class Admission:
+class Admission(msgspec.Struct, frozen=True):
     max_kv_usage: float = 0.95
     max_waiting: int = 0  # 0: no limit
 
@@ -97,14 +95,20 @@ class Router:
         """Choose among ``pods``; ``kv_usage_max`` is each pod's fullest engine (for
         admission); ``fallback`` set means load only, and is the decision's reason."""
         load_only = fallback is not None
-        candidates = [
-            Candidate(
-                p,
-                pod_cost(p, prompt_tokens, block_size, self.weights, load_only=load_only),
-                self.admission.refusal(kv_usage_max.get(p.pod), p.waiting),
+        weights, admission = self.weights, self.admission
+        max_kv, max_waiting = admission.max_kv_usage, admission.max_waiting
+        candidates = []
+        append = candidates.append
+        for p in pods:  # every candidate of every request: the refusal text only if refused
+            usage, waiting = kv_usage_max.get(p.pod), p.waiting
+            refused = None
+            if (usage is not None and usage > max_kv) or (
+                max_waiting and waiting is not None and waiting > max_waiting
+            ):
+                refused = admission.refusal(usage, waiting)
+            append(
+                Candidate(p, pod_cost(p, prompt_tokens, block_size, weights, load_only), refused)
             )
-            for p in pods
-        ]
         admitted = [c for c in candidates if c.refused is None]
         if not admitted:
             if not self.least_bad or not candidates:

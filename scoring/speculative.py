@@ -9,11 +9,14 @@ routed, the prompt's blocks count as present on the chosen pod for a short TTL.
 They are kept here, apart from the index backends (which hold only what engines
 reported), so that ``/score`` can show them separately and a confirmed count never
 includes a guess. Layout, per (model, member): ``key -> deadline``, the latest deadline
-of any live entry holding the key. Every entry is a prompt's chain of block keys from
-block 0, so for any chain the keys with a live deadline form a prefix of it (a key's
-entry holds every earlier key of the chain, and a key's deadline is at least that of
-any later key): the speculative prefix of a chain is found by binary search, O(log n)
-probes per member that has entries at all.
+of any live entry holding the key. An entry is a prompt's chain of block keys from the
+end of the member's confirmed prefix at routing time to the prompt's last full block,
+so along a chain, from the member's confirmed prefix on, the keys with a live deadline
+form a run (a key's entry holds every earlier key of the chain past that point, and a
+key's deadline is at least that of any later key): the speculative run is found by
+binary search, O(log n) probes per member that has entries at all. (Were a member's
+confirmed prefix to shrink below where an entry starts, by evictions, the run from the
+new point is taken as empty: conservative, and rare within a TTL of seconds.)
 
 Confirmation is checked at query time, where it costs nothing extra: the caller passes
 each member's confirmed prefix (from the index, already looked up for the same chain).
@@ -74,11 +77,13 @@ class SpeculativeIndex:
         self._blocks = 0  # keys over the entries in the FIFO
         self.counts = dict.fromkeys(OUTCOMES, 0)
 
-    def add(self, model: str, member: str, keys: Sequence[int]) -> None:
-        """``member`` will hold the chain ``keys`` (block 0 first) for ``ttl_s``."""
-        if not keys or not self.ttl_s:
+    def add(self, model: str, member: str, keys: Sequence[int], confirmed: int = 0) -> None:
+        """``member`` will hold the chain ``keys`` (block 0 first) for ``ttl_s``; its
+        first ``confirmed`` blocks are in the index already and are not entered (a hot
+        prefix routed again costs nothing here)."""
+        if len(keys) <= confirmed or not self.ttl_s:
             return
-        keys = tuple(keys[: self.max_blocks])
+        keys = tuple(keys[confirmed : confirmed + self.max_blocks])
         with self._lock:
             now = self._clock()
             self._expire(now)

@@ -15,9 +15,10 @@ stays apart in the target for the answer.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
-from kvindex.events.identity import StreamId, member_pod
+import msgspec
+
+from kvindex.events.identity import member_pod
 from kvindex.scoring.inflight import InFlight
 from kvindex.scoring.load import PodLoad, Unknown
 from kvindex.scoring.route_cost import PodInputs
@@ -26,8 +27,7 @@ from kvindex.scoring.scorer import PodScore
 _DP = "/dp"
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
+class Target(msgspec.Struct, frozen=True, gc=False):
     """One engine of one candidate pod; ``inputs.pod`` is its index member id."""
 
     pod: str
@@ -56,39 +56,50 @@ def build_targets(
     loads: Mapping[str, PodLoad | Unknown],
     in_flight: Mapping[str, InFlight],
 ) -> list[Target]:
-    """Every target of ``pods``: each pod's ranks, in pod then rank order."""
+    """Every target of ``pods``: each pod's ranks, in pod then rank order. Runs for
+    every candidate of every /route request: kept to plain lookups."""
     ranks: dict[str, set[int]] = {}
     for member in (*matches, *speculative):
         if _DP in member:
             ranks.setdefault(member_pod(member), set()).add(member_rank(member))
     out = []
+    append = out.append
     for pod in pods:
         load = loads[pod]
-        pod_ranks = {0, *ranks.get(pod, ())}
-        per_engine = isinstance(load, PodLoad) and len(load.engines) > 1
-        if per_engine:
-            pod_ranks.update(int(e) for e in load.engines if e.isdigit())
-        for rank in sorted(pod_ranks):
-            member = StreamId(pod, rank).member
-            waiting: int | None = None
-            kv: float | None = None
-            kv_max: float | None = None
-            if isinstance(load, PodLoad):
-                engine = load.engines.get(str(rank)) if per_engine else None
-                if engine is not None:
-                    waiting, kv, kv_max = engine.waiting, engine.kv_usage, engine.kv_usage
-                else:
-                    waiting, kv, kv_max = load.waiting, load.kv_usage, load.kv_usage_max
+        known = type(load) is PodLoad
+        per_engine = known and len(load.engines) > 1
+        if per_engine or pod in ranks:
+            pod_ranks = {0, *ranks.get(pod, ())}
+            if per_engine:
+                pod_ranks.update(int(e) for e in load.engines if e.isdigit())
+            rank_list = sorted(pod_ranks)
+        else:
+            rank_list = _RANK_0
+        for rank in rank_list:
+            member = pod if rank == 0 else f"{pod}{_DP}{rank}"
+            if not known:
+                waiting = kv = kv_max = None
+            elif per_engine and (engine := load.engines.get(str(rank))) is not None:
+                waiting, kv, kv_max = engine.waiting, engine.kv_usage, engine.kv_usage
+            else:
+                waiting, kv, kv_max = load.waiting, load.kv_usage, load.kv_usage_max
             match = matches.get(member)
-            confirmed = match.matched_blocks if match is not None else 0
             extra = speculative.get(member, 0)
+            flying = in_flight.get(member)
+            if match is None:
+                confirmed, weighted = 0, 0.0
+            else:
+                confirmed, weighted = match.matched_blocks, match.score
             inputs = PodInputs(
                 member,
                 confirmed + extra,
-                (match.score if match is not None else 0.0) + extra,
+                weighted + extra,
                 waiting,
                 kv,
-                in_flight.get(member, InFlight()).requests,
+                flying.requests if flying is not None else 0,
             )
-            out.append(Target(pod, rank, inputs, kv_max, confirmed, extra, load))
+            append(Target(pod, rank, inputs, kv_max, confirmed, extra, load))
     return out
+
+
+_RANK_0 = (0,)

@@ -1,0 +1,70 @@
+"""What ``/route`` reads about the cluster on every request, read at most every 0.5 s.
+
+Which pods exist (the candidates when a request names none) and which pods' streams are
+not in step with their engines (the stale-index check) come from the subscriber and
+the index: a snapshot of every stream is a few µs per stream, so at 64 pods reading them
+per request cost more than the whole routing decision. A pod that appeared, or a stream
+that gapped, in the last half second is seen at the next refresh: as late as the load
+figures (scraped every second), and a stream's gap is itself detected only when the
+next batch arrives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Mapping
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class _Recent(Generic[T]):
+    """``read()``'s value, read again once it is older than ``max_age_s``."""
+
+    def __init__(self, read: Callable[[], T], max_age_s: float, clock: Callable[[], float]):
+        self._read, self._max_age, self._clock = read, max_age_s, clock
+        self._value: tuple[float, T] | None = None
+
+    def get(self) -> T:
+        now = self._clock()
+        cached = self._value
+        if cached is not None and now - cached[0] < self._max_age:
+            return cached[1]
+        value = self._read()
+        self._value = (now, value)  # one assignment: a racing reader sees either
+        return value
+
+
+class RouteView:
+    """Known pods, and per model the pods whose index entries are in doubt, each
+    refreshed at most every ``max_age_s``."""
+
+    def __init__(
+        self,
+        known_pods: Callable[[], list[str]],
+        doubts: Callable[[str], Mapping[str, str]],
+        max_age_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._pods = _Recent(known_pods, max_age_s, clock)
+        self._doubts_of = doubts
+        self._max_age, self._clock = max_age_s, clock
+        self._doubts: dict[str, _Recent[Mapping[str, str]]] = {}
+
+    def pods(self) -> list[str]:
+        return self._pods.get()
+
+    def doubts(self, model: str, pods: Collection[str]) -> dict[str, str]:
+        """Of ``pods``, those whose entries for ``model`` are in doubt, with why."""
+        recent = self._doubts.get(model)
+        if recent is None:
+            if len(self._doubts) >= _MAX_MODELS:  # unknown model names are not hoarded
+                self._doubts.clear()
+            recent = self._doubts[model] = _Recent(
+                lambda: self._doubts_of(model), self._max_age, self._clock
+            )
+        found = recent.get()
+        return {pod: found[pod] for pod in pods if pod in found} if found else {}
+
+
+_MAX_MODELS = 1024

@@ -46,6 +46,7 @@ from kvindex.events.wire import (
     BatchDecoder,
     BlockRemoved,
     BlockStored,
+    DecodedBatch,
     DecodeError,
 )
 
@@ -360,12 +361,15 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
         received_at: float,
         replayed: bool,
         pending: list[Delivery],
+        decoded: DecodedBatch | None = None,
     ) -> None:
-        """Decode one batch and queue its delivery; an undecodable batch is consumed."""
+        """Decode one batch (unless the receiver did) and queue its delivery; an
+        undecodable batch is consumed."""
         stream.tracker.applied(seq)
         stream.recovery.pending_anchor = (seq, payload)
         try:
-            decoded = self._decoder.decode(payload, stream.layout)
+            if decoded is None:
+                decoded = self._decoder.decode(payload, stream.layout)
         except DecodeError as exc:
             # Consumed: the seq is accounted for; the content was unusable.
             stream.decode_errors += 1
@@ -404,6 +408,7 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
             arrival.received_at,
             False,
             pending,
+            arrival.decoded,
         )
 
     def _flush(self, stream: Stream, pending: list[Delivery]) -> bool:

@@ -49,7 +49,14 @@ from kvindex.events.identity import IdentityError, StreamId, normalize_pod, pars
 from kvindex.events.known_pods import KnownPods
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.status import ReasonCounts
-from kvindex.events.wire import EnvelopeDecoder
+from kvindex.events.wire import (
+    MAX_DP_RANK,
+    BatchDecoder,
+    DecodedBatch,
+    DecodeError,
+    EnvelopeDecoder,
+    Layout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +86,8 @@ class Arrival:
     topic: bytes | None = None
     #: Received on a connect-mode socket: the pod is configured, not just claimed.
     connected: bool = False
+    #: The payload, decoded here to read its rank (None: the applier decodes it).
+    decoded: DecodedBatch | None = None
 
 
 @dataclass(slots=True)
@@ -124,6 +133,8 @@ class Receiver:
         self._ratelog = ratelog
         self._clock = clock
         self._envelope = EnvelopeDecoder()
+        self._batches = BatchDecoder()
+        self._layout = Layout.ARRAY  # what the last payload was: the first guess
         self._sources: dict[zmq.Socket, _Source] = {}
         self._poller = zmq.Poller()
         wake = f"inproc://kvindex-receiver-wake-{next(_wake_ids)}"
@@ -376,8 +387,17 @@ class Receiver:
             if problem is not None:
                 return self._skip(problem, source, "topic %r from %s", topic[:200], peer)
         seq = int.from_bytes(seq_frame, "big")
+        # The rank routes the payload to its stream. Decoding the whole batch here, once,
+        # costs less than skipping over its events to read the rank and decoding them
+        # again in the applier (a batch's token ids are most of its bytes). A batch that
+        # does not decode whole takes the envelope path, which counts why.
+        decoded = self._decode(payload)
         try:
-            rank = self._envelope.decode(payload).data_parallel_rank
+            rank = (
+                decoded.batch.data_parallel_rank
+                if decoded is not None
+                else self._envelope.decode(payload).data_parallel_rank
+            )
         except msgspec.DecodeError as exc:
             reason = (
                 "invalid_batch" if isinstance(exc, msgspec.ValidationError) else "malformed_msgpack"
@@ -413,8 +433,21 @@ class Receiver:
             replay = None
         return Arrival(
             StreamId(pod, rank), model, seq, payload, self._clock(), replay,
-            topic=topic, connected=target is not None,
+            topic=topic, connected=target is not None, decoded=decoded,
         )  # fmt: skip
+
+    def _decode(self, payload: bytes) -> DecodedBatch | None:
+        """The whole batch, or None when it is not a usable batch with a valid rank."""
+        try:
+            decoded = self._batches.decode(payload, self._layout)
+        except DecodeError:
+            return None
+        rank = decoded.batch.data_parallel_rank
+        if rank is not None and rank > MAX_DP_RANK:
+            return None  # the envelope decoder rejects it, and counts it
+        if decoded.batch.events:
+            self._layout = decoded.layout
+        return decoded
 
     def _sender_problem(self, pod: str, peer: str | None) -> str | None:
         """:func:`~kvindex.events.admission.sender_problem`, with the address part (fixed

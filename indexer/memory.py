@@ -1,9 +1,10 @@
 """The in-process backend (the embedded default): block keys -> members, per model.
 
 The data structure, a compact numpy hash table per model, is in
-:mod:`kvindex.indexer.memory_table`; this module is the backend around it: batching a
-call's changes into vectorised steps, interning members to bit positions, the capacity
-bound, locking, and answering lookups and stats.
+:mod:`kvindex.indexer.memory_table`; this module is the backend around it: running a
+call's changes as vectorised steps (planned in :mod:`kvindex.indexer.memory_plan`),
+interning members to bit positions, the capacity bound, locking, and answering lookups
+(decoded in :mod:`kvindex.indexer.memory_answer`) and stats.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import heapq
 import secrets
 import threading
 from collections.abc import Collection, Sequence
-from itertools import chain
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -25,64 +25,26 @@ from kvindex.indexer.backend import (
     MemberMatch,
     MemberPresence,
     MemberStats,
-    Op,
     Tier,
 )
+from kvindex.indexer.memory_answer import answer, member_mask
+from kvindex.indexer.memory_plan import NO_KEYS, Clear, Group, plan
 from kvindex.indexer.memory_table import (
-    ANNOUNCE,
-    CHUNK_KEYS,
     DEAD_FRACTION,
     EVICT_FRACTION,
     MAX_MEMBERS,
     MIN_CAP,
     REMOVE,
     STAMP_MAX,
-    STORE,
     WORD,
     BlockTable,
-    ChainMatch,
     NeedRoom,
     Ops,
     Slots,
     TableFull,
     U64s,
     as_keys,
-    bit_positions,
 )
-
-
-class _Group:
-    """STORE/REMOVE/ANNOUNCE changes of one (model, tier) gathered for one vectorised
-    update.
-
-    A group may mix members and operations: :meth:`BlockTable.update` folds the
-    operations on each (key, member) pair in order.
-    """
-
-    __slots__ = ("keys", "members", "ops", "pieces", "sizes")
-
-    def __init__(self) -> None:
-        self.pieces: list[Sequence[int] | np.ndarray] = []  # the changes' keys, as given
-        self.members: list[str] = []
-        self.ops: list[int] = []  # STORE, REMOVE or ANNOUNCE per change
-        self.sizes: list[int] = []
-        self.keys: U64s = _NO_KEYS  # all pieces' keys, once converted
-
-    def op_codes(self) -> int | Ops:
-        """The op per key; a scalar when uniform."""
-        first = self.ops[0]
-        if all(o == first for o in self.ops):
-            return first
-        return np.repeat(np.array(self.ops, np.int8), self.sizes)
-
-
-class _Clear(NamedTuple):
-    member: str
-    tier: Tier | None
-
-
-#: What one lock hold applies: gathered STORE/REMOVE groups, or one CLEAR.
-_Step = dict[tuple[str, Tier], _Group] | _Clear
 
 
 class MemoryBackend:
@@ -145,15 +107,15 @@ class MemoryBackend:
         without a tier, or a key outside ``[0, 2**64)`` raises ValueError and applies
         nothing from this call.
         """
-        steps = _plan(changes)
+        steps = plan(changes)
         with self._writer:
             for step in steps:
-                if isinstance(step, _Clear):
+                if isinstance(step, Clear):
                     self._run_clear(step)
                 else:
                     self._run_groups(step)
 
-    def _run_clear(self, step: _Clear) -> None:
+    def _run_clear(self, step: Clear) -> None:
         with self._lock:
             mid = self._ids.get(step.member)
             if mid is None:
@@ -161,7 +123,7 @@ class MemoryBackend:
             self._clear(mid, TIERS if step.tier is None else (step.tier,))
         self._maintain({mid})
 
-    def _run_groups(self, groups: dict[tuple[str, Tier], _Group]) -> None:
+    def _run_groups(self, groups: dict[tuple[str, Tier], Group]) -> None:
         pending = list(groups.items())
         pending.reverse()  # popped from the end, in order
         touched: set[int] = set()
@@ -176,7 +138,7 @@ class MemoryBackend:
         self._maintain(touched)
 
     def _apply_groups(
-        self, pending: list[tuple[tuple[str, Tier], _Group]], touched: set[int]
+        self, pending: list[tuple[tuple[str, Tier], Group]], touched: set[int]
     ) -> tuple[BlockTable, int] | None:
         """Apply groups from the end of ``pending``, each as one vectorised update,
         adding the member ids to ``touched``. Stops at a group whose table must grow
@@ -208,7 +170,7 @@ class MemoryBackend:
             table.install(layout)
 
     def _member_ids(
-        self, group: _Group, op: int | Ops, touched: set[int]
+        self, group: Group, op: int | Ops, touched: set[int]
     ) -> tuple[U64s, int | Slots, int | Ops]:
         """The group's keys, member id per key and op per key (scalars when uniform),
         adding the ids to ``touched``. Stores and announcements intern their member;
@@ -222,7 +184,7 @@ class MemoryBackend:
         touched.discard(-1)
         keys, first = group.keys, mids[0]
         if all(m == first for m in mids):
-            return (keys, first, op) if first >= 0 else (_NO_KEYS, first, op)
+            return (keys, first, op) if first >= 0 else (NO_KEYS, first, op)
         mid = np.repeat(np.array(mids, np.intp), group.sizes)
         if first < 0 or min(mids) < 0:
             known = mid >= 0
@@ -436,18 +398,14 @@ class MemoryBackend:
         (and, with ``members``, members not listed) are left out."""
         chain = as_keys(keys)
         with self._lock:
-            table = self._tables.get(model)
-            if table is None or not chain.size:
+            target = self._read_target(model, chain, members)
+            if target is None:
                 return []
-            allowed = None
-            if members is not None:
-                allowed = self._member_mask(members)
-                if allowed is None:
-                    return []
+            table, allowed = target
             found = table.match(chain, allowed)
             if found is None:
                 return []
-            return self._answer(found)
+            return answer(found, self._names)
 
     def presence(
         self, model: str, keys: Sequence[int], members: Collection[str] | None = None
@@ -456,65 +414,29 @@ class MemoryBackend:
         :meth:`IndexBackend.presence`); one vectorised probe of every key."""
         wanted = as_keys(keys)
         with self._lock:
-            table = self._tables.get(model)
-            if table is None or not wanted.size:
+            target = self._read_target(model, wanted, members)
+            if target is None:
                 return []
-            allowed = None
-            if members is not None:
-                allowed = self._member_mask(members)
-                if allowed is None:
-                    return []
+            table, allowed = target
             found = table.presence(wanted, allowed)
             names = self._names
             out = [MemberPresence(names[mid], tuple(masks)) for mid, masks in found.items()]  # type: ignore[arg-type]
         out.sort(key=lambda p: p.member)
         return out
 
-    def _answer(self, found: ChainMatch) -> list[MemberMatch]:
-        """MemberMatch objects, best first. Per-member Python work is kept to building
-        the object: it is most of a lookup's cost when many members match."""
-        names = self._names
-        out: list[MemberMatch] = []
-        append, match = out.append, MemberMatch  # locals: this loop is hot
-        if found.off_gpu is None:  # GPU only: by length, then member id
-            after = 0
-            for n, value in zip(reversed(found.ends), reversed(found.values), strict=True):
-                mask = value & ~after  # the members whose prefix is n blocks
-                after = value
-                if not mask & (mask - 1):  # one member (the common case)
-                    append(match(names[mask.bit_length() - 1], n, (n, 0, 0)))  # type: ignore[arg-type]
-                else:
-                    group = sorted([names[m] for m in bit_positions(mask)])  # type: ignore[type-var]
-                    by_tier = (n, 0, 0)
-                    out += [match(name, n, by_tier) for name in group]  # type: ignore[arg-type]
-            return out
-        off_gpu, cpu = found.off_gpu, found.cpu
-        assert cpu is not None
-        after = 0
-        for n, value in zip(reversed(found.ends), reversed(found.values), strict=True):
-            mask = value & ~after  # by length, then GPU blocks, then member id
-            after = value
-            if not mask & (mask - 1):
-                m = mask.bit_length() - 1
-                off, c = off_gpu[m], cpu[m]
-                append(match(names[m], n, (n - off, c, off - c)))  # type: ignore[arg-type]
-                continue
-            for off, name, m in sorted((off_gpu[m], names[m], m) for m in bit_positions(mask)):
-                append(match(name, n, (n - off, cpu[m], off - cpu[m])))  # type: ignore[arg-type]
-        return out
-
-    def _member_mask(self, members: Collection[str]) -> np.ndarray | np.uint64 | None:
-        """Bitmask row of the listed members that hold anything; None when none do."""
-        mask = 0
-        for member in members:
-            mid = self._ids.get(member)
-            if mid is not None:
-                mask |= 1 << mid
-        if not mask:
+    def _read_target(
+        self, model: str, keys: U64s, members: Collection[str] | None
+    ) -> tuple[BlockTable, np.ndarray | np.uint64 | None] | None:
+        """The model's table and the member filter for a read (lock held), or None when
+        the answer is empty: no such model, no keys, or none of ``members`` holds
+        anything. The filter is None when every member counts."""
+        table = self._tables.get(model)
+        if table is None or not keys.size:
             return None
-        if self._width == 1:
-            return np.uint64(mask)
-        return np.array([(mask >> (64 * w)) & WORD for w in range(self._width)], np.uint64)
+        if members is None:
+            return table, None
+        allowed = member_mask(self._ids, self._width, members)
+        return None if allowed is None else (table, allowed)
 
     def member_stats(self, member: str) -> MemberStats | None:
         with self._lock:
@@ -578,78 +500,3 @@ class MemoryBackend:
             self._names.clear()
             self._free_ids.clear()
             self._width = 1
-
-
-def _plan(changes: Sequence[Change]) -> list[_Step]:
-    """Validate every change, gather them into steps of at most about ``CHUNK_KEYS``
-    keys (a CLEAR is a step of its own, so nothing moves across it) and convert all
-    keys.
-
-    Key lists (Python ints, as the event decoder makes them) are converted in one go:
-    one conversion of 4096 keys costs about a third of 128 conversions of 32.
-    """
-    steps: list[_Step] = []
-    groups: dict[tuple[str, Tier], _Group] = {}
-    budget = CHUNK_KEYS
-    for change in changes:
-        op, tier = change.op, change.tier
-        if op is Op.CLEAR:
-            if tier is not None and not isinstance(tier, Tier):
-                raise ValueError(f"CLEAR tier must be a Tier or None, got {tier!r}")
-            if groups:
-                steps.append(groups)
-                groups, budget = {}, CHUNK_KEYS
-            steps.append(_Clear(change.member, tier))
-            continue
-        code = _OP_CODES.get(op)
-        if code is None:
-            raise ValueError(f"unknown op {op!r}")
-        if not isinstance(tier, Tier):
-            raise ValueError(f"{op.name} needs a tier, got {tier!r}")
-        keys = change.keys
-        size = len(keys)
-        if size <= CHUNK_KEYS:
-            pieces: Sequence[tuple[Sequence[int] | np.ndarray, int]] = ((keys, size),)
-        else:  # a huge change goes in pieces
-            pieces = [
-                (keys[i : i + CHUNK_KEYS], len(keys[i : i + CHUNK_KEYS]))
-                for i in range(0, size, CHUNK_KEYS)
-            ]
-        for piece, n in pieces:
-            if not n:
-                continue
-            group = groups.get((change.model, tier))
-            if group is None:
-                group = groups[(change.model, tier)] = _Group()
-            group.pieces.append(piece)  # this loop runs per change: kept flat
-            group.members.append(change.member)
-            group.ops.append(code)
-            group.sizes.append(n)
-            budget -= n
-            if budget <= 0:
-                steps.append(groups)
-                groups, budget = {}, CHUNK_KEYS
-    if groups:
-        steps.append(groups)
-    _convert([g for step in steps if not isinstance(step, _Clear) for g in step.values()])
-    return steps
-
-
-def _convert(groups: list[_Group]) -> None:
-    """Set each group's ``keys``: lists of ints of all groups in one conversion."""
-    lists = [g for g in groups if not any(isinstance(p, np.ndarray) for p in g.pieces)]
-    for g in groups:
-        if g not in lists:
-            g.keys = np.concatenate([as_keys(p) for p in g.pieces])
-    if not lists:
-        return
-    flat = as_keys(list(chain.from_iterable(p for g in lists for p in g.pieces)))
-    start = 0
-    for g in lists:
-        size = sum(g.sizes)
-        g.keys = flat[start : start + size]
-        start += size
-
-
-_NO_KEYS = np.zeros(0, np.uint64)
-_OP_CODES = {Op.STORE: STORE, Op.REMOVE: REMOVE, Op.ANNOUNCE: ANNOUNCE}

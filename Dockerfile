@@ -1,15 +1,18 @@
 # syntax=docker/dockerfile:1
 # kvindex service image. Build: docker build -t kvindex:0.1.0 .
-# Stage 1 builds kvindex's wheel and every dependency's wheel; stage 2 installs them
-# offline from that stage, so no compiler, build backend or download reaches the image.
+# Stage 1 builds kvindex's wheel (with its compiled table kernels, indexer/_probe.c) and
+# every dependency's wheel on the full Python image, which has a C compiler; stage 2
+# installs them offline on the slim image of the same Python and Debian release, so no
+# compiler, build backend or download reaches the image.
 # tests/test_dockerfile.py runs these exact RUN and ENTRYPOINT commands.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG BUILD_IMAGE=python:3.11-bookworm
 
-FROM ${PYTHON_IMAGE} AS build
+FROM ${BUILD_IMAGE} AS build
 ARG EXTRAS=k8s,redis
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY events/ events/
 COPY indexer/ indexer/
 COPY scoring/ scoring/

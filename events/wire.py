@@ -285,7 +285,8 @@ class BatchDecoder:
                 batch = self._decoders[layout, as_map].decode(payload)
             except msgspec.DecodeError:
                 return self._decode_event_by_event(payload, as_map)
-        oversized = _count_oversized(batch.events)
+        # Each hash takes at least one byte: a smaller payload cannot hold an oversized event
+        oversized = len(payload) > MAX_HASHES_PER_EVENT and _count_oversized(batch.events)
         if oversized:
             batch.events = [e for e in batch.events if _size_ok(e)]
             return DecodedBatch(_as_batch(batch), layout, {"too_many_hashes": oversized})

@@ -1,15 +1,17 @@
-"""``python -m bench.sim``: the standard routing comparison (or any part of it).
+"""``python -m bench.sim``: routing policies on a simulated vLLM cluster, under load.
 
-    python -m bench.sim                          # every scenario x every policy
-    python -m bench.sim --scenarios chat,docqa   # some scenarios
-    python -m bench.sim --scale 0.25             # a quarter of the population, quicker
-    python -m bench.sim --chat-users 100 --chat-turns 12 --blocks-per-pod 4096
+    python -m bench.sim                          # the whole comparison (see bench/README.md)
+    python -m bench.sim --quick                  # a small version of everything, < 1 min
+    python -m bench.sim --scenarios chat,docqa --sweep none   # some standard scenarios
+    python -m bench.sim --loads 0.5,1,2 --seeds 3 # the load sweep with CIs
     python -m bench.sim --list                   # scenarios and their parameters
 
-Every workload parameter is a flag ``--<kind>-<field>`` (kinds: chat, shared, docqa,
-agent) that applies to every scenario of that kind; cluster and cost flags apply to
-every scenario. Results go to the terminal and to ``--out`` (routing.md, routing.json,
-routing.png). Precise runs start their own ``kvindex serve`` on free loopback ports.
+Four studies (``bench.sim.plan``): the standard table, the load sweep, the gateway
+replica study and the fault study. Every workload parameter is a flag
+``--<kind>-<field>`` (kinds: chat, shared, docqa, agent) that applies to every scenario
+of that kind. Results go to the terminal and to ``--out`` (routing.md, routing.json,
+PNGs). Runs through kvindex share one ``kvindex serve`` on free loopback ports, each run
+with its own pod ids.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import shlex
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,74 +28,73 @@ from typing import Any
 from bench.sim.claims import evaluate
 from bench.sim.cluster import ClusterSpec
 from bench.sim.costs import CostModel
-from bench.sim.policies import POLICY_NAMES, PickRule, parse_policy
+from bench.sim.faults import FaultSpec
+from bench.sim.lag import LagModel
+from bench.sim.plan import Cell, PlanSpec, cells
+from bench.sim.policies import POLICY_NAMES, PickRule, parse_policy, uses_index
 from bench.sim.progress import progress
-from bench.sim.report import ScenarioRuns, table, write
+from bench.sim.report import write
+from bench.sim.results import RunResult, Slo
 from bench.sim.runner import RunSpec, run
-from bench.sim.scenarios import Scenario, by_name, scaled, standard
-from bench.sim.workloads import SPECS, DocQASpec, WorkloadSpec, prepare, spec_fields
+from bench.sim.scenarios import Scenario, by_name, load_study, loaded, scaled, standard
+from bench.sim.service import KvindexProcess
+from bench.sim.workloads import SPECS, PreparedWorkload, WorkloadSpec, prepare, spec_fields
 from kvindex.indexer.keys import BlockHasher, HashConfig
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "out"
+DEFAULT_LOADS = "0.25,0.5,0.75,1,1.25,1.5,2"
+DEFAULT_POLICIES = ",".join(POLICY_NAMES)
+QUICK_SKIPS = ("random", "session-sticky", "dynamo")
+DEFAULT_FAULTS = "restarts:4,resets:4,direct:0.2"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(
         prog="python -m bench.sim",
-        description="Compare routing policies on a simulated vLLM cluster; precise routing "
-        "goes through a real kvindex.",
+        description="Compare routing policies on a simulated vLLM cluster under load; "
+        "kvindex policies go through a real kvindex serve.",
     )
-    parser.add_argument("--scenarios", help="comma-separated (default: all; see --list)")
-    parser.add_argument(
-        "--policies",
-        default=",".join(POLICY_NAMES),
-        help="comma-separated; approximate:R sizes its LRU at R x the pod (default: all)",
+    p.add_argument("--quick", action="store_true", help="small sizes: every study in < 1 min")
+    p.add_argument("--scenarios", help="standard table scenarios (default: all; 'none')")
+    p.add_argument("--sweep", help="load-sweep scenarios (default: all load studies; 'none')")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated")
+    p.add_argument("--loads", default=DEFAULT_LOADS, help="sweep load factors")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per sweep point (CIs from 2)")
+    p.add_argument("--replicas", type=int, default=2, help="gateway replicas in the sweep")
+    p.add_argument("--replica-counts", default="1,2,4", help="replica study ('' = skip)")
+    p.add_argument("--study-scenario", default="chat-load", help="replica and fault studies")
+    p.add_argument("--study-load", type=float, default=1.0)
+    p.add_argument(
+        "--faults", default=DEFAULT_FAULTS, help="fault study: restarts:N,resets:N,direct:F"
     )
-    parser.add_argument("--scale", type=float, default=1.0, help="population factor")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
-    parser.add_argument("--no-png", action="store_true")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--list", action="store_true", help="show the scenarios and exit")
-    cluster = parser.add_argument_group("cluster and cost model (every scenario)")
-    cluster.add_argument("--pods", type=int)
-    cluster.add_argument("--blocks-per-pod", type=int)
-    cluster.add_argument("--block-size", type=int, default=16)
-    cluster.add_argument("--prefill-tps", type=float, help="prefill tokens/s (10000)")
-    cluster.add_argument("--decode-ms", type=float, help="ms per output token (20)")
-    cluster.add_argument("--batch-limit", type=int, help="max running requests per pod (256)")
-    cluster.add_argument("--max-waiting", type=int, help="queue bound per pod (256)")
-    routing = parser.add_argument_group("routing")
-    routing.add_argument(
-        "--load-tokens",
-        type=int,
-        default=PickRule().load_tokens,
-        help="cache-aware policies price each request already on a pod at this many "
-        "prefill tokens (default %(default)s)",
-    )
-    routing.add_argument(
-        "--overload-margin",
-        type=int,
-        default=PickRule().margin,
-        help="cache-aware policies skip a pod running more than this many requests ahead "
-        "of the least loaded one (default %(default)s)",
-    )
-    routing.add_argument(
-        "--approx-ratio",
-        type=float,
-        default=0.5,
-        help="approximate's LRU size as a fraction of a pod's blocks (default %(default)s)",
-    )
-    routing.add_argument("--vllm-version", default="0.33", help="event wire layout")
-    routing.add_argument(
-        "--max-probes",
-        type=int,
-        default=2000,
-        help="agreement check: most cached chains probed per precise run (default "
-        "%(default)s; 0 = all)",
-    )
+    p.add_argument("--scale", type=float, default=1.0, help="population factor")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    p.add_argument("--no-png", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--list", action="store_true", help="show the scenarios and exit")
+    c = p.add_argument_group("cluster and engine model (every scenario; see sim/costs.py)")
+    c.add_argument("--pods", type=int)
+    c.add_argument("--blocks-per-pod", type=int)
+    c.add_argument("--block-size", type=int, default=16)
+    base = CostModel()
+    c.add_argument("--max-batched-tokens", type=int, default=base.max_num_batched_tokens)
+    c.add_argument("--max-seqs", type=int, default=base.max_num_seqs)
+    c.add_argument("--max-waiting", type=int, default=base.max_waiting)
+    c.add_argument("--step-overhead-ms", type=float, default=base.overhead_s * 1e3)
+    c.add_argument("--token-us", type=float, default=base.token_s * 1e6)
+    c.add_argument("--kv-token-ns", type=float, default=base.kv_token_s * 1e9)
+    c.add_argument("--lag-ms", type=float, default=LagModel().median_ms, help="median lag")
+    c.add_argument("--lag-sigma", type=float, default=LagModel().sigma)
+    c.add_argument("--slo-ttft", type=float, default=Slo().ttft_s, help="seconds")
+    c.add_argument("--slo-itl", type=float, default=Slo().itl_s, help="seconds")
+    r = p.add_argument_group("routing")
+    r.add_argument("--load-tokens", type=int, default=PickRule().load_tokens)
+    r.add_argument("--overload-margin", type=int, default=PickRule().margin)
+    r.add_argument("--approx-ratio", type=float, default=1.0, help="LRU size / pod blocks")
+    r.add_argument("--vllm-version", default="0.33", help="event wire layout")
+    r.add_argument("--max-probes", type=int, default=500, help="agreement probes (0 = all)")
     for kind, spec in SPECS.items():
-        group = parser.add_argument_group(f"{kind} workload ({spec.help})")
+        group = p.add_argument_group(f"{kind} workload ({spec.help})")
         for name, kind_type, default in spec_fields(spec):
             group.add_argument(
                 f"--{kind}-{name.replace('_', '-')}",
@@ -101,34 +103,89 @@ def build_parser() -> argparse.ArgumentParser:
                 metavar=kind_type.__name__.upper(),
                 help=f"default {default} (scenarios may set their own)",
             )
-    return parser
+    return p
 
 
-def configure(args: argparse.Namespace) -> list[Scenario]:
-    """The chosen scenarios with every command-line override applied."""
-    names = args.scenarios.split(",") if args.scenarios else None
-    scenarios = []
-    for scenario in by_name(names):
-        scenario = scaled(scenario, args.scale)
-        overrides = {
-            name: value
-            for name, _, _ in spec_fields(type(scenario.spec))
-            if (value := getattr(args, f"{scenario.spec.kind}__{name}")) is not None
-        }
-        spec: WorkloadSpec = replace(scenario.spec, **overrides)  # type: ignore[type-var]
-        scenarios.append(replace(scenario, spec=spec, cluster=_cluster(scenario.cluster, args)))
-    return scenarios
+def _names(text: str | None, default: list[Scenario]) -> list[str]:
+    if text is None:
+        return [s.name for s in default]
+    return [] if text in ("", "none") else text.split(",")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def parse_faults(text: str) -> list[FaultSpec]:
+    out = []
+    for item in filter(None, text.split(",")):
+        kind, _, value = item.partition(":")
+        if kind not in ("restarts", "resets", "direct") or not value:
+            raise ValueError(f"bad fault {item!r}: use restarts:N, resets:N or direct:F")
+        number = float(value) if kind == "direct" else int(value)
+        out.append(FaultSpec(**{kind: number}))  # type: ignore[arg-type]
+    return out
+
+
+def plan_spec(args: argparse.Namespace) -> PlanSpec:
+    policies = [p for p in args.policies.split(",") if p]
+    for policy in policies:
+        parse_policy(policy)
+    if args.quick:
+        if args.policies == DEFAULT_POLICIES:  # fewer runs; dynamo adds a kvindex per request
+            policies = [p for p in policies if p not in QUICK_SKIPS]
+        return PlanSpec(
+            standard=_names(args.scenarios, [s for s in standard() if s.name == "docqa"]),
+            sweep=_names(args.sweep, load_study()),
+            policies=policies,
+            loads=[0.25, 1.5] if args.loads == DEFAULT_LOADS else _floats(args.loads),
+            seeds=args.seeds,
+            sweep_replicas=args.replicas,
+            replica_counts=[1, 2],
+            study_scenario=args.study_scenario,
+            study_load=args.study_load / 2,
+            study_policies=[p for p in policies if p in ("approximate", "precise")] or policies,
+            faults=parse_faults("restarts:2,direct:0.2"),
+        )
+    counts = [int(x) for x in args.replica_counts.split(",") if x]
+    return PlanSpec(
+        standard=_names(args.scenarios, standard()),
+        sweep=_names(args.sweep, load_study()),
+        policies=policies,
+        loads=_floats(args.loads),
+        seeds=args.seeds,
+        sweep_replicas=args.replicas,
+        replica_counts=counts,
+        study_scenario=args.study_scenario,
+        study_load=args.study_load,
+        faults=parse_faults(args.faults),
+    )
+
+
+def scenario_for(cell: Cell, args: argparse.Namespace) -> Scenario:
+    (scenario,) = by_name([cell.scenario])
+    scenario = loaded(scaled(scenario, _scale(args)), cell.load)
+    overrides = {
+        name: value
+        for name, _, _ in spec_fields(type(scenario.spec))
+        if (value := getattr(args, f"{scenario.spec.kind}__{name}")) is not None
+    }
+    spec: WorkloadSpec = replace(scenario.spec, **overrides)  # type: ignore[type-var]
+    return replace(scenario, spec=spec, cluster=_cluster(scenario.cluster, args))
+
+
+def _scale(args: argparse.Namespace) -> float:
+    return args.scale * (0.15 if args.quick else 1.0)
 
 
 def _cluster(base: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
-    costs = base.costs
     costs = CostModel(
-        prefill_tokens_per_s=args.prefill_tps or costs.prefill_tokens_per_s,
-        decode_s_per_token=(
-            args.decode_ms / 1000 if args.decode_ms is not None else costs.decode_s_per_token
-        ),
-        batch_limit=args.batch_limit or costs.batch_limit,
-        max_waiting=args.max_waiting if args.max_waiting is not None else costs.max_waiting,
+        max_num_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_seqs,
+        max_waiting=args.max_waiting,
+        overhead_s=args.step_overhead_ms / 1e3,
+        token_s=args.token_us / 1e6,
+        kv_token_s=args.kv_token_ns / 1e9,
     )
     return replace(
         base,
@@ -141,7 +198,7 @@ def _cluster(base: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
 
 def list_scenarios() -> str:
     lines = []
-    for s in standard():
+    for s in [*standard(), *load_study()]:
         params = ", ".join(f"{k}={v}" for k, v in s.spec.params().items())
         lines.append(f"{s.name} ({s.spec.kind}): {s.about}\n    {params}")
         lines.append(f"    {s.cluster.pods} pods x {s.cluster.blocks_per_pod} blocks")
@@ -154,71 +211,78 @@ def main(argv: list[str] | None = None) -> int:
         print(list_scenarios())
         return 0
     try:
-        scenarios = configure(args)
-        policies = [p for p in args.policies.split(",") if p]
-        for policy in policies:
-            parse_policy(policy)
+        plan = cells(plan_spec(args))
+        scenarios = {c: scenario_for(c, args) for c in plan}
+        lag = LagModel(args.lag_ms, args.lag_sigma)
+        slo = Slo(args.slo_ttft, args.slo_itl)
     except ValueError as exc:
         print(f"bench.sim: {exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     hasher = BlockHasher(HashConfig(block_size=args.block_size))
-    prepared = []
-    for scenario in scenarios:
-        workload = scenario.spec.build(args.seed, scenario.name)
-        prepared.append(prepare(workload, hasher))
-    plan = [
-        (i, policy)
-        for i, scenario in enumerate(scenarios)
-        for policy in [*policies, *(p for p in scenario.extra_policies if p not in policies)]
-    ]
-    bar = progress(sum(len(prepared[i].requests) for i, _ in plan), enabled=not args.no_progress)
-    results = [
-        ScenarioRuns(s, [], len(p.requests), p.ideal_prefill_tokens)
-        for s, p in zip(scenarios, prepared, strict=True)
-    ]
-    try:
-        for i, policy in plan:
-            scenario = scenarios[i]
-            bar.describe(f"{scenario.name} / {policy}")
+    prepared: dict[tuple[str, float, int], PreparedWorkload] = {}
+    for cell in plan:
+        key = (cell.scenario, cell.load, cell.seed)
+        if key not in prepared:
+            s = scenarios[cell]
+            prepared[key] = prepare(s.spec.build(cell.seed, s.name), hasher)
+    total = sum(len(prepared[(c.scenario, c.load, c.seed)].requests) for c in plan)
+    bar = progress(total, enabled=not args.no_progress)
+    results: dict[Cell, RunResult] = {}
+    with ExitStack() as stack:
+        service: KvindexProcess | None = None
+        stack.callback(bar.close)
+        done: dict[Cell, RunResult] = {}  # the same run in two studies is made once
+        for n, cell in enumerate(plan):
+            same = replace(cell, study="")
+            if same in done:
+                results[cell] = done[same]
+                bar.update(len(prepared[(cell.scenario, cell.load, cell.seed)].requests))
+                continue
+            scenario = scenarios[cell]
+            if uses_index(cell.policy) and service is None:
+                service = stack.enter_context(KvindexProcess(block_size=args.block_size))
+            bar.describe(cell.label())
+            cluster = replace(scenario.cluster, first_port=10_000 + n * 16)
             spec = RunSpec(
                 scenario.name,
-                policy,
-                scenario.cluster,
-                seed=args.seed,
+                cell.policy,
+                cluster,
+                seed=cell.seed,
                 rule=PickRule(load_tokens=args.load_tokens, margin=args.overload_margin),
                 approx_ratio=args.approx_ratio,
+                replicas=cell.replicas,
+                lag=lag,
+                faults=cell.faults,
+                slo=slo,
                 vllm_version=args.vllm_version,
-                max_probes=args.max_probes or None,
+                max_probes=(min(args.max_probes, 100) if args.quick else args.max_probes) or None,
+                load=cell.load,
             )
-            results[i].runs.append(run(prepared[i], spec, bar))
-    finally:
-        bar.close()
-    runs = {(r.scenario, r.policy): r for s in results for r in s.runs}
-    doc_tokens = {s.name: s.spec.doc_tokens for s in scenarios if isinstance(s.spec, DocQASpec)}
-    claims = evaluate(runs, doc_tokens)
-    meta = _meta(args, argv, time.perf_counter() - started)
-    print(table(results))
-    print("\n".join(c.line() for c in claims))
-    for path in write(args.out, results, claims, meta, png=not args.no_png):
+            workload = prepared[(cell.scenario, cell.load, cell.seed)]
+            results[cell] = done[same] = run(workload, spec, bar, service=service)
+    meta = _meta(args, argv, time.perf_counter() - started, lag, slo)
+    abouts = {c.scenario: scenarios[c] for c in plan}
+    claims = evaluate(results, abouts, slo.ttft_s)
+    for path in write(args.out, results, abouts, claims, meta, png=not args.no_png):
         print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
-def _meta(args: argparse.Namespace, argv: list[str] | None, wall_s: float) -> dict[str, Any]:
+def _meta(
+    args: argparse.Namespace, argv: list[str] | None, wall_s: float, lag: LagModel, slo: Slo
+) -> dict[str, Any]:
     words = sys.argv[1:] if argv is None else argv
     costs = _cluster(ClusterSpec(), args).costs
     return {
         "command": shlex.join(["python", "-m", "bench.sim", *words]),
-        "seed": args.seed,
-        "scale": args.scale,
+        "quick": args.quick,
+        "scale": _scale(args),
         "block_size": args.block_size,
-        "costs": {
-            "prefill_tokens_per_s": costs.prefill_tokens_per_s,
-            "decode_s_per_token": costs.decode_s_per_token,
-            "batch_limit": costs.batch_limit,
-            "max_waiting": costs.max_waiting,
-        },
+        "engine": costs.as_dict(),
+        "lag": lag.describe(),
+        "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
+        "sweep_replicas": args.replicas,
         "load_tokens": args.load_tokens,
         "overload_margin": args.overload_margin,
         "approx_ratio": args.approx_ratio,

@@ -3,23 +3,26 @@
 Every pod publishes through a real :class:`~kvindex.events.EnginePublisher` (a PUB
 socket that connects to kvindex's bound SUB socket, topic ``kv@<pod>@<model>``, one
 seq per batch, a replay ROUTER on a free loopback port) when the run goes through
-kvindex. Runs whose policy never asks the index drop the events instead of publishing
+kvindex. Runs whose policies never ask the index drop the events instead of publishing
 them: the pods, their pools and their events are the same code either way; only the
 socket is skipped, which keeps those runs fast.
 
-A *step* is one instant of virtual time: everything a pod's pool emitted at that time
-is published as one batch, as vLLM publishes once per scheduler step that produced
-events.
+A pod's step emits one batch (everything its pool recorded while scheduling the step),
+which leaves the pod when the step ends and reaches the index after the run's event
+lag (:mod:`bench.sim.lag`): :meth:`Cluster.emit` queues it, :meth:`Cluster.release`
+publishes what is due, :meth:`Cluster.sync` waits until kvindex applied it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bench.sim.costs import CostModel
+from bench.sim.lag import LagModel
 from bench.sim.pod import SimPod
-from bench.sim.pool import BlockPool
+from bench.sim.pool import BlockPool, Event
 from bench.sim.service import IndexClient, ServiceError
 from kvindex.events.identity import make_topic
 from kvindex.events.publisher import EnginePublisher
@@ -50,6 +53,8 @@ class Cluster:
         model: str = "sim-model",
         zmq_endpoint: str | None = None,
         vllm_version: str = "0.33",
+        lag: LagModel | None = None,
+        seed: int = 0,
         subscribe_timeout_s: float = 10.0,
     ) -> None:
         self.spec = spec
@@ -58,12 +63,17 @@ class Cluster:
             SimPod(pod_id, i, BlockPool(spec.blocks_per_pod, spec.block_size), spec.costs)
             for i, pod_id in enumerate(spec.pod_ids())
         ]
+        self._lag = (lag or LagModel(0.0)).sampler(seed)
         self.publishers: list[EnginePublisher] = []
+        self._pending: list[deque[tuple[float, list[Event]]]] = [deque() for _ in self.pods]
         self._published: dict[str, int] = {}  # pod id -> last seq sent
         self._synced: dict[str, int] = {}  # pod id -> last seq the index was seen to apply
         self.batches = 0
         self.events = 0
         self.syncs = 0
+        self.restarts = 0
+        self.resets = 0
+        self.resets_refused = 0
         if zmq_endpoint is not None:
             try:
                 for pod in self.pods:
@@ -83,23 +93,33 @@ class Cluster:
                 self.close()
                 raise
 
-    def flush(self) -> None:
-        """End the step: each pod's pending events become one batch."""
-        publishers = self.publishers
-        for pod in self.pods:
-            if not pod.pool.events:
-                continue
-            events = pod.pool.drain_events()
-            self.events += len(events)
-            self.batches += 1
-            if publishers:
-                self._published[pod.pod_id] = publishers[pod.index].publish(events)
+    def emit(self, index: int, now: float) -> None:
+        """Pod ``index``'s step ended at ``now``: its pending events become one batch,
+        due at the index after the lag (and after the pod's earlier batches)."""
+        pool = self.pods[index].pool
+        if not pool.events:
+            return
+        events = pool.drain_events()
+        self.events += len(events)
+        self.batches += 1
+        if not self.publishers:
+            return
+        queue = self._pending[index]
+        due = now + self._lag.delay_s()
+        if queue and queue[-1][0] > due:
+            due = queue[-1][0]
+        queue.append((due, events))
+
+    def release(self, now: float) -> None:
+        """Publish every batch due by ``now``."""
+        for pod, queue in zip(self.pods, self._pending, strict=True):
+            while queue and queue[0][0] <= now:
+                _, events = queue.popleft()
+                self._published[pod.pod_id] = self.publishers[pod.index].publish(events)
 
     def sync(self, client: IndexClient, timeout_s: float) -> bool:
         """Wait until the index applied every batch published so far (no-op if it did)."""
-        behind = {
-            pod: seq for pod, seq in self._published.items() if self._synced.get(pod, -1) < seq
-        }
+        behind = {pod: seq for pod, seq in self._published.items() if self._synced.get(pod) != seq}
         if not behind:
             return True
         self.syncs += 1
@@ -108,10 +128,28 @@ class Cluster:
         self._synced.update(behind)
         return True
 
-    def reset_pod(self, index: int) -> None:
-        """vLLM's reset_prefix_cache on one idle pod (publishes AllBlocksCleared)."""
-        self.pods[index].pool.reset()
-        self.flush()
+    def restart_pod(self, index: int) -> list:
+        """The pod's engine restarts: cache lost, seq back to 0, batches in flight lost.
+        Returns the requests that were on it."""
+        pod = self.pods[index]
+        lost = pod.restart()
+        self.restarts += 1
+        self._pending[index].clear()
+        if self.publishers:
+            self.publishers[index].restart()
+            self._synced.pop(pod.pod_id, None)
+        return lost
+
+    def reset_pod(self, index: int, now: float = 0.0) -> bool:
+        """vLLM's reset_prefix_cache on one pod; refused (False) while blocks are in use."""
+        pool = self.pods[index].pool
+        if pool.used_blocks:
+            self.resets_refused += 1
+            return False
+        pool.reset()
+        self.resets += 1
+        self.emit(index, now)
+        return True
 
     def ids(self) -> Sequence[str]:
         return [p.pod_id for p in self.pods]

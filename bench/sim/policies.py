@@ -1,62 +1,59 @@
-"""Routing policies: which pod gets the next request.
+"""Routing policies: which pod gets the next request, and the registry that builds them.
 
-Load-only policies (what "fair" balancing means in practice):
+A policy is one gateway replica's router: it keeps its own state (turn counters, LRUs,
+predicted in-flight work), and the runner builds one instance per replica. Pods' live
+load (running, waiting, KV usage) is what every replica can scrape; cache knowledge is
+what distinguishes the policies.
 
-* ``round-robin`` - the next pod in turn;
+Index-free baselines, here:
+
+* ``round-robin`` - the next pod in turn (per replica);
 * ``random`` - a seeded uniform choice;
 * ``least-loaded`` - fewest requests running + waiting;
 * ``session-sticky`` - a hash of the session id (a conversation, a document, an agent
-  task) picks the pod, as a gateway's consistent-hash affinity does.
+  task) picks the pod, as a gateway's consistent-hash affinity does;
+* ``prefix-hash[:N]`` - consistent hashing with bounded loads (Mirrokni, Thorup and
+  Zadimoghaddam 2018, capacity factor 1.25) keyed by the prompt's first N blocks
+  (default 16 = 256 tokens): the same leading content goes to the same pod unless
+  that pod holds more than 1.25 x its share of the requests in the system.
 
-Cache-aware policies differ only in where their prefix scores come from; the pick is
-shared (:meth:`CacheAware.pick`) so the comparison measures the scores:
-
-* ``approximate`` - remembers the prompt blocks it routed to each pod in a bounded LRU
-  (``approximate:R`` sizes it at R x the pod's real capacity; the default is smaller
-  than the pod, as estimating routers are configured by guess) and never learns what a
-  pod evicted or what it generated;
-* ``precise`` - asks the real kvindex (``POST /score``), fed by the pods' ZMQ events;
-* ``oracle`` - reads every pod's block pool directly.
+Cache-aware policies are in :mod:`bench.sim.cache_policies`.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import random
 import zlib
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from bench.sim.pod import SimPod
+from bench.sim.pod import Job, SimPod
 from bench.sim.service import IndexClient
 from bench.sim.workloads import KeyedRequest
-
-POLICY_NAMES = (
-    "round-robin",
-    "random",
-    "least-loaded",
-    "session-sticky",
-    "approximate",
-    "precise",
-    "oracle",
-)
 
 
 class Policy:
     """Picks a pod index for a request, looking at the pods as a gateway can."""
 
     name: str = "policy"
-    uses_index = False
 
     def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
         raise NotImplementedError
+
+    def first_token(self, job: Job) -> None:
+        """A request this replica routed produced its first token (the response began)."""
+
+    def finished(self, job: Job) -> None:
+        """A request this replica routed is complete (or was rejected)."""
 
 
 class RoundRobin(Policy):
     name = "round-robin"
 
-    def __init__(self) -> None:
-        self._next = 0
+    def __init__(self, start: int = 0) -> None:
+        self._next = start
 
     def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
         choice = self._next % len(pods)
@@ -95,173 +92,137 @@ class SessionSticky(Policy):
         return zlib.crc32(str(k.request.session).encode()) % len(pods)
 
 
+class PrefixHash(Policy):
+    """Consistent hashing with bounded loads over the prompt's first ``blocks`` blocks."""
+
+    VNODES = 100
+    CAPACITY = 1.25
+
+    def __init__(self, pods: int, blocks: int = 16) -> None:
+        self.blocks = blocks
+        self.name = "prefix-hash" if blocks == 16 else f"prefix-hash:{blocks}"
+        ring = sorted(
+            (_h64(f"pod{p}#{v}".encode()), p) for p in range(pods) for v in range(self.VNODES)
+        )
+        self._points = [h for h, _ in ring]
+        self._owners = [p for _, p in ring]
+
+    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+        n = len(pods)
+        keys = k.keys[: min(self.blocks, k.prompt_blocks)] or [k.request.rid]
+        point = _h64(b"".join(key.to_bytes(8, "little") for key in keys))
+        total = sum(p.load for p in pods) + 1
+        bound = max(1, -(-self.CAPACITY * total // n))
+        start = bisect.bisect(self._points, point)
+        seen = set()
+        for step in range(len(self._points)):
+            owner = self._owners[(start + step) % len(self._points)]
+            if owner in seen:
+                continue
+            seen.add(owner)
+            if pods[owner].load + 1 <= bound:
+                return owner
+        return min(range(n), key=lambda i: pods[i].load)
+
+
+def _h64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
 @dataclass(frozen=True, slots=True)
 class PickRule:
-    """How cache-aware policies trade cache hits against load.
+    """How the ``precise`` and ``greedy-perfect`` policies trade cache hits against load.
 
     A pod is *overloaded* when it is saturated (a new request would wait for a batch
     slot) or runs more than ``margin`` requests ahead of the least loaded pod; the
     others are candidates (all pods, if none is). Each candidate is priced in prefill
     tokens: the prompt tokens it would compute (those beyond its cached prefix) plus
     ``load_tokens`` per request already running or waiting there - a router sees queue
-    lengths, not their contents. The cheapest wins: the highest score among pods of
-    equal load, the lower load among equal scores, and a cache hit worth N tokens
-    outweighs N / ``load_tokens`` requests of extra load. Remaining ties go round the
-    pods.
+    lengths, not their contents. The cheapest wins; remaining ties go round the pods.
     """
 
     load_tokens: int = 128
     margin: int = 8
 
 
-class CacheAware(Policy):
-    def __init__(self, rule: PickRule) -> None:
-        self.rule = rule
-        self._turn = 0
-        self.spills = 0  # decisions where the best-scoring pod was not chosen
-
-    def scores(self, k: KeyedRequest, pods: Sequence[SimPod]) -> list[int]:
-        raise NotImplementedError
-
-    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
-        choice = self.pick(k, self.scores(k, pods), pods)
-        self.routed(k, choice)
-        return choice
-
-    def routed(self, k: KeyedRequest, choice: int) -> None:
-        """Hook for policies that learn from their own decisions."""
-
-    def pick(self, k: KeyedRequest, scores: Sequence[int], pods: Sequence[SimPod]) -> int:
-        n = len(pods)
-        size = pods[0].pool.block_size
-        prompt_blocks = k.prompt_blocks
-        loads = [p.load for p in pods]
-        ceiling = min(loads) + self.rule.margin
-        allowed = [i for i in range(n) if not pods[i].saturated and loads[i] <= ceiling]
-        allowed = allowed or list(range(n))
-        self._turn += 1
-        turn = self._turn
-
-        def price(i: int) -> tuple[int, int, int]:
-            uncached = (prompt_blocks - min(scores[i], prompt_blocks)) * size
-            return (uncached + loads[i] * self.rule.load_tokens, loads[i], (i - turn) % n)
-
-        best = min(allowed, key=price)
-        if scores[best] < max(scores):
-            self.spills += 1
-        return best
-
-
-class Approximate(CacheAware):
-    """A bounded LRU of routed prompt blocks per pod (what the router *thinks* is cached)."""
-
-    name = "approximate"
-
-    def __init__(self, rule: PickRule, pods: int, capacity_blocks: int) -> None:
-        super().__init__(rule)
-        self.capacity = max(capacity_blocks, 1)
-        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(pods)]
-
-    def scores(self, k: KeyedRequest, pods: Sequence[SimPod]) -> list[int]:
-        out = []
-        keys = k.prompt_keys
-        for lru in self._lru:
-            matched = 0
-            for key in keys:
-                if key not in lru:
-                    break
-                matched += 1
-            out.append(matched)
-        return out
-
-    def routed(self, k: KeyedRequest, choice: int) -> None:
-        lru = self._lru[choice]
-        for key in k.prompt_keys:
-            lru[key] = None
-            lru.move_to_end(key)
-        while len(lru) > self.capacity:
-            lru.popitem(last=False)
-
-
-class Precise(CacheAware):
-    """Scores from the real kvindex. ``mismatches`` counts decisions where the index's
-    score for some pod differed from that pod's true cache (expected: 0, since the runner
-    waits for the index to apply everything published before asking)."""
-
-    name = "precise"
-    uses_index = True
-
-    def __init__(self, rule: PickRule, client: IndexClient, model: str, pod_ids: Sequence[str]):
-        super().__init__(rule)
-        self.client = client
-        self.model = model
-        self.pod_ids = list(pod_ids)
-        self.mismatches = 0
-
-    def scores(self, k: KeyedRequest, pods: Sequence[SimPod]) -> list[int]:
-        matched = self.client.score(self.model, k.request.prompt, self.pod_ids)
-        out = [matched.get(pod_id, 0) for pod_id in self.pod_ids]
-        keys = k.prompt_keys
-        if any(pod.pool.match(keys) != score for pod, score in zip(pods, out, strict=True)):
-            self.mismatches += 1
-        return out
-
-
-class Oracle(CacheAware):
-    name = "oracle"
-
-    def scores(self, k: KeyedRequest, pods: Sequence[SimPod]) -> list[int]:
-        keys = k.prompt_keys
-        return [pod.pool.match(keys) for pod in pods]
-
-
 @dataclass(frozen=True, slots=True)
 class PolicyContext:
+    """What building a policy may use; ``replica`` numbers the gateway replica."""
+
     pod_ids: Sequence[str]
     blocks_per_pod: int
     seed: int = 0
-    rule: PickRule = PickRule()
-    approx_ratio: float = 0.5
+    rule: PickRule = field(default_factory=PickRule)
+    approx_ratio: float = 1.0
     client: IndexClient | None = None
     model: str = "sim-model"
+    replica: int = 0
+
+
+#: name -> (needs kvindex, takes a numeric argument)
+POLICIES: dict[str, tuple[bool, bool]] = {
+    "round-robin": (False, False),
+    "random": (False, False),
+    "least-loaded": (False, False),
+    "session-sticky": (False, False),
+    "prefix-hash": (False, True),
+    "approximate": (False, True),
+    "llm-d": (False, True),
+    "dynamo": (True, False),
+    "precise": (True, False),
+    "greedy-perfect": (False, False),
+}
+POLICY_NAMES = tuple(POLICIES)
 
 
 def parse_policy(text: str) -> tuple[str, float | None]:
-    """``approximate:1.0`` -> ("approximate", 1.0); other names take no argument."""
+    """``approximate:1.0`` -> ("approximate", 1.0); ``prefix-hash:8``, ``llm-d:2`` too."""
     name, _, arg = text.partition(":")
-    if name not in POLICY_NAMES:
+    if name == "oracle":
+        raise ValueError("'oracle' is now 'greedy-perfect' (greedy with perfect cache knowledge)")
+    if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-    if arg and name != "approximate":
+    if arg and not POLICIES[name][1]:
         raise ValueError(f"policy {name!r} takes no argument")
     try:
-        return name, float(arg) if arg else None
+        value = float(arg) if arg else None
     except ValueError:
-        raise ValueError(f"approximate:R needs a number R, got {arg!r}") from None
+        raise ValueError(f"{name}:X needs a number X, got {arg!r}") from None
+    if value is not None and value <= 0:
+        raise ValueError(f"{name}:X needs X > 0, got {arg!r}")
+    return name, value
 
 
 def uses_index(text: str) -> bool:
-    return parse_policy(text)[0] == "precise"
+    return POLICIES[parse_policy(text)[0]][0]
 
 
 def build_policy(text: str, ctx: PolicyContext) -> Policy:
-    """A fresh policy (policies keep state: turn counters, LRUs) for one run."""
+    """A fresh policy for one gateway replica of one run."""
+    from bench.sim import cache_policies as cp  # they build on Policy and PickRule
+
     name, arg = parse_policy(text)
     n = len(ctx.pod_ids)
-    if name == "round-robin":
-        return RoundRobin()
-    if name == "random":
-        return RandomChoice(ctx.seed)
-    if name == "least-loaded":
-        return LeastLoaded()
-    if name == "session-sticky":
-        return SessionSticky()
-    if name == "approximate":
-        ratio = ctx.approx_ratio if arg is None else arg
-        policy = Approximate(ctx.rule, n, int(ctx.blocks_per_pod * ratio))
-        policy.name = text if arg is not None else "approximate"
+    seed = ctx.seed * 1000 + ctx.replica
+    simple = {
+        "round-robin": lambda: RoundRobin(start=ctx.replica),
+        "random": lambda: RandomChoice(seed),
+        "least-loaded": LeastLoaded,
+        "session-sticky": SessionSticky,
+        "prefix-hash": lambda: PrefixHash(n, int(arg) if arg else 16),
+        "greedy-perfect": lambda: cp.GreedyPerfect(ctx.rule),
+    }
+    if name in simple:
+        return simple[name]()
+    ratio = ctx.approx_ratio if arg is None else arg
+    capacity = int(ctx.blocks_per_pod * ratio)
+    if name in ("approximate", "llm-d"):
+        cls = cp.Approximate if name == "approximate" else cp.LlmD
+        policy: Policy = cls(ctx.rule, n, capacity, seed)
+        policy.name = text
         return policy
-    if name == "precise":
-        if ctx.client is None:
-            raise ValueError("the precise policy needs a running kvindex")
-        return Precise(ctx.rule, ctx.client, ctx.model, ctx.pod_ids)
-    return Oracle(ctx.rule)
+    if ctx.client is None:
+        raise ValueError(f"the {name} policy needs a running kvindex")
+    if name == "dynamo":
+        return cp.Dynamo(ctx.client, ctx.model, ctx.pod_ids, seed)
+    return cp.Precise(ctx.rule, ctx.client, ctx.model, ctx.pod_ids)

@@ -1,223 +1,226 @@
-"""The comparison as a terminal table, markdown, JSON and a PNG.
+"""The comparison as a terminal table, markdown and JSON (PNGs: :mod:`bench.sim.plots`).
 
-Columns: hit ratio (reused / prompt tokens), prefill tokens computed and their ratio to
-the ideal (one pod with an unbounded cache), modelled TTFT p50/p90/p99 in seconds, load
-imbalance (busiest pod's requests / mean), rejected requests, evicted blocks, and the
-pods' prefill utilisation. Definitions are in ``results``.
+Standard table columns: hit ratio, prefill tokens and their ratio to the ideal (every
+distinct block computed once - the prefill bound), TTFT p50/p90/p99, ITL p50, e2e
+p90 (seconds), output throughput (tokens/s), goodput (requests/s within the SLO) and
+the fraction of requests within it, imbalance, preemptions, evicted blocks. The sweep
+tables give TTFT p90 and goodput per load (mean±95% CI over seeds), with each policy's
+knee. Definitions are in :mod:`bench.sim.results` and :mod:`bench.sim.sweep`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.sim.claims import Claim
+from bench.sim.plan import Cell
+from bench.sim.plots import plot_standard, plot_sweeps
 from bench.sim.results import RunResult
 from bench.sim.scenarios import Scenario
+from bench.sim.sweep import axes, knee, point, saturation
 
+Results = Mapping[Cell, RunResult]
 HEADER = (
-    "policy",
-    "hit",
-    "prefill tok",
-    "x ideal",
-    "TTFT p50",
-    "p90",
-    "p99",
-    "imbal",
-    "rej",
-    "evicted",
-    "util",
-)
-
-
-@dataclass(slots=True)
-class ScenarioRuns:
-    scenario: Scenario
-    runs: list[RunResult]
-    requests: int
-    ideal_prefill_tokens: int
+    "policy", "hit", "prefill tok", "x ideal", "TTFT p50", "p90", "p99", "ITL p50",
+    "e2e p90", "tok/s", "goodput", "good", "imbal", "preempt", "evicted",
+)  # fmt: skip
 
 
 def _row(r: RunResult) -> tuple[str, ...]:
     ideal = r.prefill_tokens / r.ideal_prefill_tokens if r.ideal_prefill_tokens else math.nan
     return (
-        r.policy,
-        f"{r.hit_ratio:.1%}",
-        f"{r.prefill_tokens:,}",
-        f"{ideal:.2f}",
-        f"{r.ttft(50):.3f}",
-        f"{r.ttft(90):.3f}",
-        f"{r.ttft(99):.3f}",
-        f"{r.imbalance:.2f}",
-        str(r.rejected),
-        f"{r.evicted_blocks:,}",
-        f"{r.prefill_utilization:.0%}",
-    )
+        r.policy, f"{r.hit_ratio:.1%}", f"{r.prefill_tokens:,}", f"{ideal:.2f}",
+        f"{r.ttft(50):.3f}", f"{r.ttft(90):.3f}", f"{r.ttft(99):.3f}", f"{r.itl(50) * 1e3:.0f}ms",
+        f"{r.e2e(90):.2f}", f"{r.throughput:,.0f}", f"{r.goodput:.2f}", f"{r.good_fraction:.0%}",
+        f"{r.imbalance:.2f}", str(r.preemptions), f"{r.evicted_blocks:,}",
+    )  # fmt: skip
+
+
+def _bound_row(r: RunResult) -> tuple[str, ...]:
+    hit = 1 - r.ideal_prefill_tokens / r.no_cache_prefill_tokens if r.no_cache_prefill_tokens else 0
+    return ("ideal (bound)", f"{hit:.1%}", f"{r.ideal_prefill_tokens:,}", "1.00") + ("",) * 11
+
+
+def _grid(rows: Sequence[Sequence[str]], md: bool) -> list[str]:
+    if md:
+        out = [
+            "| " + " | ".join(rows[0]) + " |",
+            "|" + "|".join(["---"] + ["---:"] * (len(rows[0]) - 1)) + "|",
+        ]
+        return out + ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  "
+        + "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
 
 
 def _index_note(r: RunResult) -> str | None:
     if r.index is None:
         return None
-    i = r.index
-    a = i["agreement"]
-    verdict = "agrees" if a["agrees"] else "DISAGREES"
+    i, a = r.index, r.index["agreement"]
+    stale = (
+        ""
+        if i["stale_decisions"] is None
+        else f", {i['stale_decisions']:,} decisions on a lagging index"
+    )
     return (
-        f"precise via kvindex: {i['score_calls']:,} /score calls, {i['syncs']:,} syncs "
-        f"({i['sync_waits']:,} found the index behind, {i['sync_timeouts']} timed out, "
-        f"{i['sync_wait_s']:.1f} s), {i['score_mismatches']} score mismatches; index "
-        f"{verdict} with the pods (key sets compared block for block; "
-        f"{a['probed_chains']:,}/{a['chains']:,} chains probed)"
+        f"{r.policy} via kvindex: {i['score_calls']:,} /score calls, {i['syncs']:,} syncs "
+        f"({i['sync_timeouts']} timed out){stale}; index "
+        f"{'agrees' if a['agrees'] else 'DISAGREES'} with the pods "
+        f"({a['probed_chains']:,}/{a['chains']:,} chains probed)"
     )
 
 
-def _header_line(s: ScenarioRuns) -> str:
-    c = s.scenario.cluster
-    return (
-        f"{s.scenario.name}: {s.requests:,} requests, {c.pods} pods x {c.blocks_per_pod:,} "
-        f"blocks, ideal prefill {s.ideal_prefill_tokens:,} tokens"
-    )
-
-
-def table(results: Sequence[ScenarioRuns]) -> str:
-    lines = []
-    for s in results:
-        rows = [HEADER, *(_row(r) for r in s.runs)]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
-        lines.append(_header_line(s))
-        for row in rows:
-            lines.append(
-                "  "
-                + "  ".join(
-                    cell.ljust(w) if i == 0 else cell.rjust(w)
-                    for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+def sections(
+    results: Results, scenarios: Mapping[str, Scenario], md: bool, slo_ttft_s: float
+) -> list[str]:
+    out: list[str] = []
+    bold = (lambda s: f"**{s}**") if md else (lambda s: s)
+    for name in dict.fromkeys(c.scenario for c in results if c.study == "standard"):
+        runs = [r for c, r in results.items() if c.study == "standard" and c.scenario == name]
+        s, r0 = scenarios[name], runs[0]
+        cl = s.cluster
+        out.append(
+            bold(
+                f"{name}: {r0.requests + r0.rejected:,} requests, "
+                f"{cl.pods} pods x {cl.blocks_per_pod:,} blocks"
+            )
+            + f" - {s.about}"
+        )
+        out.append("")
+        out.extend(_grid([HEADER, *(_row(r) for r in runs), _bound_row(r0)], md))
+        out.extend(f"  {n}" for n in (_index_note(r) for r in runs) if n)
+        out.append("")
+    for name in dict.fromkeys(c.scenario for c in results if c.study == "sweep"):
+        policies, loads = axes(results, "sweep", name)
+        sat, ref = saturation(results, name, slo_ttft_s)
+        reps = next(c.replicas for c in results if c.study == "sweep")
+        out.append(
+            bold(f"{name}: load sweep, {reps} gateway replicas")
+            + f" - {scenarios[name].about}; saturation (knee of {ref}): "
+            + (f"x{sat:g}" if sat else "not reached")
+        )
+        out.append("")
+        for metric, title, fmt in (
+            ("ttft_p90_s", "TTFT p90 (s)", ".3f"),
+            ("goodput_req_s", "goodput (req/s)", ".2f"),
+            ("hit_ratio", "hit ratio", ".3f"),
+        ):
+            rows = [(title, *(f"x{x:g}" for x in loads), "knee")]
+            for p in policies:
+                k = knee(results, name, p, slo_ttft_s)
+                rows.append(
+                    (
+                        p,
+                        *(point(results, "sweep", name, p, x, metric).text(fmt) for x in loads),
+                        f"x{k:g}" if k else "-",
+                    )
+                )
+            out.extend(_grid(rows, md))
+            out.append("")
+    for study, column in (("replicas", "replicas"), ("faults", "faults")):
+        cells = [c for c in results if c.study == study]
+        if not cells:
+            continue
+        c0 = cells[0]
+        out.append(
+            bold(
+                f"{study} study: {c0.scenario} x{c0.load:g}"
+                + (", 2 replicas" if study == "faults" else "")
+            )
+        )
+        out.append("")
+        rows = [("policy", column, "hit", "TTFT p90", "goodput", "good", "retried", "direct")]
+        for c in cells:
+            r = results[c]
+            what = str(c.replicas) if study == "replicas" else c.faults.label()
+            rows.append(
+                (
+                    c.policy,
+                    what,
+                    f"{r.hit_ratio:.1%}",
+                    f"{r.ttft(90):.3f}",
+                    f"{r.goodput:.2f}",
+                    f"{r.good_fraction:.0%}",
+                    str(r.retried),
+                    str(r.direct),
                 )
             )
-        lines.extend(f"  {n}" for n in (_index_note(r) for r in s.runs) if n)
-        lines.append("")
-    return "\n".join(lines)
+        out.extend(_grid(rows, md))
+        out.append("")
+    return out
 
 
-def markdown(results: Sequence[ScenarioRuns], claims: Sequence[Claim], meta: dict[str, Any]) -> str:
-    out = [
+def markdown(
+    results: Results,
+    scenarios: Mapping[str, Scenario],
+    claims: Sequence[Claim],
+    meta: dict[str, Any],
+) -> str:
+    e = meta["engine"]
+    head = [
         f"Command: `{meta['command']}`  ",
-        f"Wall time {meta['wall_s']:.0f} s; seed {meta['seed']}; block size "
-        f"{meta['block_size']}; prefill {meta['costs']['prefill_tokens_per_s']:,.0f} tok/s, "
-        f"decode {meta['costs']['decode_s_per_token'] * 1000:.0f} ms/token, batch limit "
-        f"{meta['costs']['batch_limit']}; events as vLLM {meta['vllm_version']}.",
+        f"Wall time {meta['wall_s']:.0f} s; block size {meta['block_size']}; engine: "
+        f"{e['max_num_batched_tokens']:,} batched tokens, {e['max_num_seqs']} seqs, step = "
+        f"{e['overhead_ms']:g} ms + {e['token_us']:g} us/token + {e['kv_token_ns']:g} ns/context "
+        f"token; {meta['lag']}; SLO TTFT <= {meta['slo']['ttft_s']:g} s and ITL <= "
+        f"{meta['slo']['itl_s'] * 1e3:g} ms; events as vLLM {meta['vllm_version']}.",
         "",
     ]
-    for s in results:
-        out.append(f"**{_header_line(s)}** - {s.scenario.about}")
-        out.append("")
-        out.append("| " + " | ".join(HEADER) + " |")
-        out.append("|" + "|".join(["---"] + ["---:"] * (len(HEADER) - 1)) + "|")
-        for r in s.runs:
-            out.append("| " + " | ".join(_row(r)) + " |")
-        notes = [n for n in (_index_note(r) for r in s.runs) if n]
-        if notes:
-            out.append("")
-            out.extend(f"_{n}_" for n in notes)
-        out.append("")
-    out.append("Claims:")
-    out.append("")
-    out.extend(f"- {c.line()}" for c in claims)
-    out.append("")
-    return "\n".join(out)
+    body = sections(results, scenarios, True, meta["slo"]["ttft_s"])
+    tail = ["Claims:", "", *(f"- {c.line()}" for c in claims), ""]
+    return "\n".join(head + body + tail)
 
 
 def to_json(
-    results: Sequence[ScenarioRuns], claims: Sequence[Claim], meta: dict[str, Any]
+    results: Results,
+    scenarios: Mapping[str, Scenario],
+    claims: Sequence[Claim],
+    meta: dict[str, Any],
 ) -> dict[str, Any]:
     return {
         "meta": meta,
-        "scenarios": [
-            {
-                "name": s.scenario.name,
-                "about": s.scenario.about,
-                "workload": {"kind": s.scenario.spec.kind, **s.scenario.spec.params()},
-                "cluster": {
-                    "pods": s.scenario.cluster.pods,
-                    "blocks_per_pod": s.scenario.cluster.blocks_per_pod,
-                },
-                "requests": s.requests,
-                "ideal_prefill_tokens": s.ideal_prefill_tokens,
-                "runs": [r.summary() for r in s.runs],
+        "scenarios": {
+            name: {
+                "about": s.about,
+                "workload": {"kind": s.spec.kind, **s.spec.params()},
+                "cluster": {"pods": s.cluster.pods, "blocks_per_pod": s.cluster.blocks_per_pod},
             }
-            for s in results
-        ],
+            for name, s in scenarios.items()
+        },
+        "runs": [{"study": c.study, "seed": c.seed, **r.summary()} for c, r in results.items()],
         "claims": [c.as_dict() for c in claims],
     }
 
 
-def plot(results: Sequence[ScenarioRuns], path: Path) -> bool:
-    """Hit ratio and TTFT p90 per scenario and policy; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    policies: list[str] = []
-    for s in results:
-        for r in s.runs:
-            if r.policy not in policies:
-                policies.append(r.policy)
-    names = [s.scenario.name for s in results]
-    fig, (ax_hit, ax_ttft) = plt.subplots(2, 1, figsize=(max(8, 2 * len(names)), 8))
-    width = 0.8 / max(len(policies), 1)
-    cmap = plt.get_cmap("tab10")
-    for p_index, policy in enumerate(policies):
-        xs, hits, ttfts = [], [], []
-        for s_index, s in enumerate(results):
-            run = next((r for r in s.runs if r.policy == policy), None)
-            if run is None:
-                continue
-            xs.append(s_index + (p_index - (len(policies) - 1) / 2) * width)
-            hits.append(run.hit_ratio * 100)
-            ttfts.append(max(run.ttft(90), 1e-3))
-        color = cmap(p_index % 10)
-        ax_hit.bar(xs, hits, width, label=policy, color=color)
-        ax_ttft.bar(xs, ttfts, width, label=policy, color=color)
-    for ax in (ax_hit, ax_ttft):
-        ax.set_xticks(range(len(names)), names)
-        ax.grid(axis="y", alpha=0.3)
-    ax_hit.set_ylabel("prefix-cache hit ratio (%)")
-    ax_hit.set_ylim(0, 100)
-    ax_ttft.set_ylabel("TTFT p90 (s, log)")
-    ax_ttft.set_yscale("log")
-    ax_hit.set_title("Routing policies on a simulated vLLM cluster (precise = real kvindex)")
-    handles, labels = ax_hit.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(policies), 9), fontsize=8)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 def write(
     out_dir: Path,
-    results: Sequence[ScenarioRuns],
+    results: Results,
+    scenarios: Mapping[str, Scenario],
     claims: Sequence[Claim],
     meta: dict[str, Any],
     *,
     png: bool = True,
 ) -> list[Path]:
-    """Write routing.md, routing.json and (if possible) routing.png; return the paths."""
+    """Print the tables and claims; write routing.md, routing.json and the PNGs."""
+    print("\n".join(sections(results, scenarios, False, meta["slo"]["ttft_s"])))
+    print("\n".join(c.line() for c in claims))
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
     md = out_dir / "routing.md"
-    md.write_text(markdown(results, claims, meta), encoding="utf-8")
-    written.append(md)
+    md.write_text(markdown(results, scenarios, claims, meta), encoding="utf-8")
     js = out_dir / "routing.json"
-    js.write_text(json.dumps(to_json(results, claims, meta), indent=2), encoding="utf-8")
-    written.append(js)
+    js.write_text(json.dumps(to_json(results, scenarios, claims, meta), indent=1), encoding="utf-8")
+    written = [md, js]
     if png:
-        image = out_dir / "routing.png"
-        if plot(results, image):
-            written.append(image)
+        written += plot_standard(results, out_dir / "routing.png")
+        written += plot_sweeps(results, out_dir, meta["slo"]["ttft_s"])
     return written

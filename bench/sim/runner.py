@@ -1,44 +1,41 @@
-"""One run: a workload, a policy and a cluster, in virtual time.
+"""One run: a workload, a policy (one instance per gateway replica) and a cluster.
 
-The loop is discrete-event: arrivals and request completions are taken from a heap in
-time order, so pods never sleep and a ten-minute workload runs in seconds. Same-time
-completions are handled before arrivals (a freed slot is visible to the router).
+The loop is discrete-event in virtual time: arrivals, pod step ends and faults are taken
+from a heap in time order (step ends first at equal times, so a finished request's
+blocks are free before the next decision). A pod with work schedules its next step as
+soon as the previous one ends (:mod:`bench.sim.pod`), so a ten-minute workload runs in
+seconds.
 
-Consistency with kvindex (precise runs): at every step boundary the pods publish what
-they emitted; before a routing decision the runner flushes the current step and, if
-anything was published since the last check, waits until kvindex reports it applied
-(its per-stream ``last_seq`` reached the publisher's), with a deadline. So the index
-the router asks at virtual time t holds every event the pods published up to t - the
-"events arrive in a millisecond" steady state of a real cluster, made deterministic.
+Each request goes to one gateway replica drawn at random (a session's requests may land
+on different replicas, as behind a plain load balancer), or, with the ``direct`` fault,
+straight to a random pod. Before a replica whose policy asks kvindex decides, the
+runner publishes every event batch due by now (:mod:`bench.sim.lag`) and waits until
+kvindex applied it, so decisions see exactly the lagged view, deterministically.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import random
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from bench.sim.agreement import check_agreement
+from bench.sim.cache_policies import CacheAware, Precise
 from bench.sim.cluster import Cluster, ClusterSpec
-from bench.sim.pod import Job
-from bench.sim.policies import (
-    CacheAware,
-    PickRule,
-    Policy,
-    PolicyContext,
-    Precise,
-    build_policy,
-    uses_index,
-)
+from bench.sim.faults import FaultSpec
+from bench.sim.lag import LagModel
+from bench.sim.pod import Job, Step
+from bench.sim.policies import PickRule, Policy, PolicyContext, build_policy, uses_index
 from bench.sim.progress import SILENT, Progress
-from bench.sim.results import GroupStats, RunResult
+from bench.sim.results import RunResult, Slo
 from bench.sim.service import IndexClient, KvindexProcess
 from bench.sim.workloads import KeyedRequest, PreparedWorkload
 
-_FINISH, _ARRIVAL = 0, 1
+_STEP, _FAULT, _ARRIVAL = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +45,17 @@ class RunSpec:
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     seed: int = 0
     rule: PickRule = field(default_factory=PickRule)
-    approx_ratio: float = 0.5
+    approx_ratio: float = 1.0
+    replicas: int = 1
+    lag: LagModel = field(default_factory=LagModel)
+    faults: FaultSpec = field(default_factory=FaultSpec)
+    slo: Slo = field(default_factory=Slo)
     model: str = "sim-model"
     vllm_version: str = "0.33"
     sync_timeout_s: float = 10.0
-    #: Agreement check after a precise run: most chains to probe (None = all).
+    #: Agreement check after a run through kvindex: most chains to probe (None = all).
     max_probes: int | None = 2000
+    load: float = 1.0  # the offered-load factor the workload was built with (a label)
 
 
 Inspect = Callable[[Cluster, IndexClient], None]
@@ -65,48 +67,66 @@ def run(
     progress: Progress = SILENT,
     *,
     inspect: Inspect | None = None,
+    service: KvindexProcess | None = None,
 ) -> RunResult:
-    """Simulate ``prepared`` under ``spec``; a precise run starts its own kvindex.
+    """Simulate ``prepared`` under ``spec``; a run whose policy asks kvindex uses
+    ``service`` or starts its own (a shared service must see distinct pod ids per run:
+    give each run's cluster its own ``first_port``).
 
-    ``inspect`` (precise runs) is called with the pods and the index client after the
+    ``inspect`` (kvindex runs) is called with the pods and the index client after the
     run and its agreement check, before kvindex stops: tests look at the service there.
     """
+    if spec.replicas < 1:
+        raise ValueError("a run needs at least one gateway replica")
     started = time.perf_counter()
-    result = RunResult(spec.scenario, prepared.workload.name, spec.policy)
+    result = RunResult(spec.scenario, prepared.workload.name, spec.policy, slo=spec.slo)
+    result.replicas, result.load = spec.replicas, spec.load
+    result.faults = spec.faults.label()
     result.ideal_prefill_tokens = prepared.ideal_prefill_tokens
     result.no_cache_prefill_tokens = prepared.prompt_tokens
     with ExitStack() as stack:
         client: IndexClient | None = None
-        service: KvindexProcess | None = None
         endpoint = None
-        if uses_index(spec.policy):
+        if not uses_index(spec.policy):
+            service = None
+        elif service is None:
             service = stack.enter_context(KvindexProcess(block_size=spec.cluster.block_size))
+        if service is not None:
             client = IndexClient(service.url)
             stack.callback(client.close)
             endpoint = service.zmq_endpoint
         cluster = Cluster(
-            spec.cluster, model=spec.model, zmq_endpoint=endpoint, vllm_version=spec.vllm_version
+            spec.cluster,
+            model=spec.model,
+            zmq_endpoint=endpoint,
+            vllm_version=spec.vllm_version,
+            lag=spec.lag,
+            seed=spec.seed,
         )
         stack.callback(cluster.close)
-        policy = build_policy(
-            spec.policy,
-            PolicyContext(
-                cluster.ids(),
-                spec.cluster.blocks_per_pod,
-                seed=spec.seed,
-                rule=spec.rule,
-                approx_ratio=spec.approx_ratio,
-                client=client,
-                model=spec.model,
-            ),
-        )
+        policies = [
+            build_policy(
+                spec.policy,
+                PolicyContext(
+                    cluster.ids(),
+                    spec.cluster.blocks_per_pod,
+                    seed=spec.seed,
+                    rule=spec.rule,
+                    approx_ratio=spec.approx_ratio,
+                    client=client,
+                    model=spec.model,
+                    replica=r,
+                ),
+            )
+            for r in range(spec.replicas)
+        ]
         try:
-            _simulate(prepared, cluster, policy, client, spec, result, progress)
+            _Loop(prepared, cluster, policies, client, spec, result, progress).run()
         except Exception as exc:
             if service is not None:
                 exc.add_note(f"kvindex log (last lines):\n{service.log_tail()}")
             raise
-        _collect(cluster, policy, result)
+        _collect(cluster, policies, result)
         if client is not None:
             result.index = {
                 "score_calls": client.score_calls,
@@ -114,7 +134,9 @@ def run(
                 "sync_waits": client.sync_waits,
                 "sync_timeouts": client.sync_timeouts,
                 "sync_wait_s": round(client.sync_wait_s, 3),
-                "score_mismatches": policy.mismatches if isinstance(policy, Precise) else None,
+                "stale_decisions": sum(p.stale for p in policies if isinstance(p, Precise))
+                if isinstance(policies[0], Precise)
+                else None,
                 "agreement": check_agreement(
                     cluster, client, prepared, max_probes=spec.max_probes, seed=spec.seed
                 ),
@@ -125,90 +147,143 @@ def run(
     return result
 
 
-def _simulate(
-    prepared: PreparedWorkload,
-    cluster: Cluster,
-    policy: Policy,
-    client: IndexClient | None,
-    spec: RunSpec,
-    result: RunResult,
-    progress: Progress,
-) -> None:
-    pods = cluster.pods
-    size = prepared.block_size
-    costs = spec.cluster.costs
-    heap: list[tuple[float, int, int, object]] = []
-    order = itertools.count()
-    followers = {k.request.after: k for k in prepared.requests if k.request.after is not None}
-    for k in prepared.requests:
-        if k.request.after is None:
-            heap.append((k.request.start_s, _ARRIVAL, next(order), k))
-    heapq.heapify(heap)
-    result.requests = len(prepared.requests)
+class _Loop:
+    """The event loop of one run (state shared by its handlers)."""
 
-    def started(jobs: list[Job]) -> None:
-        for job in jobs:
-            heapq.heappush(heap, (job.finish_s, _FINISH, next(order), job))
-            request = job.keyed.request
-            result.admitted += 1
-            result.prompt_tokens += len(request.prompt)
-            result.reused_tokens += job.hit_blocks * size
-            result.prefill_tokens += job.computed_tokens
-            result.prefill_busy_s += costs.prefill_s(job.computed_tokens)
-            result.ttfts.append(job.ttft_s)
-            group = result.groups.get(request.group)
-            if group is None:
-                group = result.groups[request.group] = GroupStats()
-            group.requests += 1
-            group.computed_tokens += job.computed_tokens
-            group.fresh_tokens += request.fresh_tokens
-            group.pods.add(job.pod)
+    def __init__(
+        self,
+        prepared: PreparedWorkload,
+        cluster: Cluster,
+        policies: list[Policy],
+        client: IndexClient | None,
+        spec: RunSpec,
+        result: RunResult,
+        progress: Progress,
+    ) -> None:
+        self.prepared, self.cluster, self.policies = prepared, cluster, policies
+        self.client, self.spec, self.result, self.progress = client, spec, result, progress
+        self.heap: list[tuple[float, int, int, object]] = []
+        self.order = itertools.count()
+        self.rng = random.Random(spec.seed * 7919 + 17)
+        self.steps: dict[int, tuple[int, Step]] = {}  # pod -> (generation, step in flight)
+        self.generation = [0] * len(cluster.pods)
+        self.followers = {
+            k.request.after: k for k in prepared.requests if k.request.after is not None
+        }
+        for k in prepared.requests:
+            if k.request.after is None:
+                self.push(k.request.start_s, _ARRIVAL, (k, k.request.start_s))
+        self._plan_faults()
 
-    def follow(rid: int, now: float) -> None:
-        successor = followers.pop(rid, None)
+    def push(self, t: float, kind: int, item: object) -> None:
+        heapq.heappush(self.heap, (t, kind, next(self.order), item))
+
+    def run(self) -> None:
+        while self.heap:
+            t, kind, _, item = heapq.heappop(self.heap)
+            if kind == _STEP:
+                self.step_end(t, *item)  # type: ignore[misc]
+            elif kind == _FAULT:
+                self.fault(t, *item)  # type: ignore[misc]
+            else:
+                self.arrival(t, *item)  # type: ignore[misc]
+        self.cluster.release(float("inf"))
+        if self.client is not None:
+            self.cluster.sync(self.client, self.spec.sync_timeout_s)
+
+    def _plan_faults(self) -> None:
+        faults = self.spec.faults
+        span = max((k.request.start_s for k in self.prepared.requests), default=0.0)
+        n = len(self.cluster.pods)
+        for i, t in enumerate(faults.times(faults.restarts, span)):
+            self.push(t, _FAULT, ("restart", i % n))
+        for i, t in enumerate(faults.times(faults.resets, span)):
+            self.push(t, _FAULT, ("reset", (i + n // 2) % n))
+
+    def kick(self, i: int, now: float) -> None:
+        pod = self.cluster.pods[i]
+        if pod.busy or not pod.has_work:
+            return
+        step = pod.schedule()
+        if step is None:
+            return
+        pod.busy = True
+        self.steps[i] = (self.generation[i], step)
+        self.push(now + step.duration_s, _STEP, (i, self.generation[i]))
+
+    def step_end(self, now: float, i: int, generation: int) -> None:
+        if generation != self.generation[i]:
+            return  # the pod restarted during the step
+        pod = self.cluster.pods[i]
+        _, step = self.steps.pop(i)
+        pod.busy = False
+        firsts, done = pod.complete(step, now)
+        self.cluster.emit(i, now)
+        for job in firsts:
+            if not job.direct:
+                self.policies[job.replica].first_token(job)
+        for job in done:
+            self.result.record(job, self.prepared.block_size)
+            self.close(job, now)
+        self.result.virtual_s = max(self.result.virtual_s, now)
+        self.kick(i, now)
+
+    def close(self, job: Job, now: float) -> None:
+        """The request is over (done or refused): tell its replica, send the next one."""
+        if not job.direct:
+            self.policies[job.replica].finished(job)
+        self.progress.update()
+        successor = self.followers.pop(job.keyed.request.rid, None)
         if successor is not None:
             t = now + successor.request.think_s
-            heapq.heappush(heap, (t, _ARRIVAL, next(order), successor))
+            self.push(t, _ARRIVAL, (successor, t))
 
-    now = 0.0
-    while heap:
-        t, kind, _, item = heapq.heappop(heap)
-        if t > now:
-            cluster.flush()  # the step at `now` is over
-            now = t
-        if kind == _FINISH:
-            assert isinstance(item, Job)
-            pod = pods[item.pod]
-            pod.finish(item)
-            result.virtual_s = max(result.virtual_s, t)
-            started(pod.admit(t))
-            follow(item.keyed.request.rid, t)
-            progress.update()
-            continue
-        assert isinstance(item, KeyedRequest)
-        cluster.flush()
-        if client is not None:
-            cluster.sync(client, spec.sync_timeout_s)
-        choice = policy.choose(item, pods)
-        job = Job(item, t, choice)
-        if pods[choice].submit(job):
-            started(pods[choice].admit(t))
+    def arrival(self, now: float, k: KeyedRequest, arrival_s: float) -> None:
+        spec, pods = self.spec, self.cluster.pods
+        if spec.faults.direct and self.rng.random() < spec.faults.direct:
+            job = Job(k, arrival_s, self.rng.randrange(len(pods)), -1, direct=True)
+            self.result.direct += 1
         else:
-            result.rejected += 1
-            follow(item.request.rid, t)
-            progress.update()
-    cluster.flush()
-    if client is not None:
-        cluster.sync(client, spec.sync_timeout_s)
+            replica = self.rng.randrange(len(self.policies))
+            if self.client is not None:
+                self.cluster.release(now)
+                self.cluster.sync(self.client, spec.sync_timeout_s)
+            choice = self.policies[replica].choose(k, pods)
+            job = Job(k, arrival_s, choice, replica)
+        if pods[job.pod].submit(job):
+            self.kick(job.pod, now)
+        else:
+            self.result.rejected += 1
+            self.close(job, now)
+
+    def fault(self, now: float, kind: str, i: int) -> None:
+        if kind == "reset":
+            self.cluster.reset_pod(i, now)
+            return
+        self.generation[i] += 1
+        self.steps.pop(i, None)
+        self.cluster.pods[i].busy = False
+        for job in self.cluster.restart_pod(i):
+            if not job.direct:
+                self.policies[job.replica].finished(job)
+            self.result.retried += 1
+            self.push(now, _ARRIVAL, (job.keyed, job.arrival_s))
 
 
-def _collect(cluster: Cluster, policy: Policy, result: RunResult) -> None:
-    result.pods = len(cluster.pods)
-    result.routed_per_pod = [pod.routed for pod in cluster.pods]
-    result.evicted_blocks = sum(pod.pool.evictions for pod in cluster.pods)
-    result.duplicate_stores = sum(pod.pool.duplicate_stores for pod in cluster.pods)
-    result.ghost_blocks = sum(len(pod.pool.ghosts) for pod in cluster.pods)
+def _collect(cluster: Cluster, policies: list[Policy], result: RunResult) -> None:
+    pods = cluster.pods
+    result.pods = len(pods)
+    result.routed_per_pod = [pod.routed for pod in pods]
+    result.evicted_blocks = sum(pod.pool.evictions for pod in pods)
+    result.duplicate_stores = sum(pod.pool.duplicate_stores for pod in pods)
+    result.ghost_blocks = sum(len(pod.pool.ghosts) for pod in pods)
+    result.preemptions = sum(pod.preemptions for pod in pods)
+    result.busy_s = sum(pod.busy_s for pod in pods)
+    result.steps = sum(pod.steps for pod in pods)
+    result.batched_tokens = sum(pod.batched_tokens for pod in pods)
     result.batches = cluster.batches
     result.events = cluster.events
-    if isinstance(policy, CacheAware):
-        result.spills = policy.spills
+    result.restarts, result.resets = cluster.restarts, cluster.resets
+    result.resets_refused = cluster.resets_refused
+    if isinstance(policies[0], CacheAware):
+        result.spills = sum(p.spills for p in policies if isinstance(p, CacheAware))

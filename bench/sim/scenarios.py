@@ -114,11 +114,55 @@ def standard() -> list[Scenario]:
     ]
 
 
+def load_study() -> list[Scenario]:
+    """The scenarios swept from light load to past saturation (load factor 1 is about
+    where round-robin's TTFT p90 leaves the SLO on the default engine model), each small
+    enough that a run through kvindex takes seconds."""
+    return [
+        Scenario(
+            "chat-load",
+            ChatSpec(
+                users=300,
+                turns=4,
+                system_tokens=200,
+                user_tokens=150,
+                output_tokens=300,
+                think_s=3.0,
+                sessions_per_s=5.0,
+            ),
+            ClusterSpec(pods=4, blocks_per_pod=8_192),
+            "300 users x 4 turns, 200-token system prompt, ~150-token turns, ~300-token "
+            "answers, 3 s think time, 5 new conversations/s; 4 pods x 8,192 blocks",
+        ),
+        Scenario(
+            "shared-load",
+            SharedPrefixSpec(
+                groups=60,
+                prompts=5,
+                system_tokens=6000,
+                question_tokens=1200,
+                output_tokens=100,
+                rate=2.5,
+            ),
+            ClusterSpec(pods=4, blocks_per_pod=ROOMY),
+            "inference-perf's shared-prefix shape (6,000-token system prompts, ~1,200-token "
+            "questions, 100-token answers), 60 groups x 5 prompts at 2.5 requests/s",
+        ),
+        Scenario(
+            "agent-load",
+            AgentSpec(tasks=80, steps=10, think_s=1.0, sessions_per_s=2.0),
+            ClusterSpec(pods=4, blocks_per_pod=ROOMY),
+            "80 agent tasks x 10 steps, 4,500-token shared preamble, ~120-token tool calls, "
+            "~400-token tool results, 1 s tool latency, 2 new tasks/s",
+        ),
+    ]
+
+
 def by_name(names: list[str] | None = None) -> list[Scenario]:
     scenarios = standard()
     if not names:
         return scenarios
-    known = {s.name: s for s in scenarios}
+    known = {s.name: s for s in [*scenarios, *load_study()]}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(known)}")
@@ -145,4 +189,33 @@ def scaled(scenario: Scenario, factor: float) -> Scenario:
             spec = replace(spec, groups=n(spec.groups))
         else:
             spec = replace(spec, prompts=n(spec.prompts))
+    return replace(scenario, spec=spec)
+
+
+def loaded(scenario: Scenario, factor: float) -> Scenario:
+    """The scenario with its offered load multiplied by ``factor``.
+
+    Open-loop traffic (shared prefix): the arrival rate x factor. Sessions (chat, document
+    QA, agent tasks): factor x as many, starting factor x as often, each behaving as
+    before (same turns, same think time) - more users, the usual meaning of offered
+    load. Sessions are closed loops (a turn waits for the previous answer), so past
+    saturation they slow down with the cluster, as real users do.
+    """
+    if factor == 1.0:
+        return scenario
+    if factor <= 0:
+        raise ValueError(f"load factor must be > 0, got {factor}")
+    spec = scenario.spec
+
+    def more(n: int) -> int:
+        return max(1, round(n * factor))
+
+    if isinstance(spec, SharedPrefixSpec):
+        spec = replace(spec, rate=spec.rate * factor)
+    elif isinstance(spec, AgentSpec):
+        spec = replace(spec, tasks=more(spec.tasks), sessions_per_s=spec.sessions_per_s * factor)
+    elif isinstance(spec, ChatSpec):
+        spec = replace(spec, users=more(spec.users), sessions_per_s=spec.sessions_per_s * factor)
+    elif isinstance(spec, DocQASpec):
+        spec = replace(spec, docs=more(spec.docs), sessions_per_s=spec.sessions_per_s * factor)
     return replace(scenario, spec=spec)

@@ -146,9 +146,20 @@ class IndexClient:
             seqs.update(report["last_seq"])
         return seqs
 
-    def wait_applied(self, expected: Mapping[str, int], timeout_s: float = 10.0) -> bool:
-        """Wait until every member's applied seq reaches ``expected``; False on timeout.
+    def applied_seq(self, pod: str) -> int:
+        """The last seq the index applied from ``pod``'s rank 0 (-1: none yet)."""
+        response = self._http.get(f"/index/pods/{pod}")
+        if response.status_code == 404:
+            return -1
+        if response.status_code != 200:
+            raise ServiceError(f"/index/pods/{pod} answered {response.status_code}")
+        return int(response.json()["last_seq"].get(pod, -1))
 
+    def wait_applied(self, expected: Mapping[str, int], timeout_s: float = 10.0) -> bool:
+        """Wait until every member's applied seq equals ``expected``; False on timeout.
+
+        Equal, not at least: after an engine restart the seq starts again at 0 while the
+        index still reports the old, larger one until it applies the new first batch.
         The subscriber updates ``last_seq`` after the sink applied the batch, so once it
         is reached, ``/score`` answers from an index holding every event up to it.
         """
@@ -156,10 +167,13 @@ class IndexClient:
         deadline = started + timeout_s
         pause = 0.0002
         waited = False
+        behind = dict(expected)
         try:
             while True:
-                applied = self.applied_seqs()
-                if all(applied.get(m, -1) >= seq for m, seq in expected.items()):
+                for member, seq in list(behind.items()):
+                    if self.applied_seq(member) == seq:
+                        del behind[member]
+                if not behind:
                     return True
                 if not waited:
                     waited = True

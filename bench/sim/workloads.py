@@ -67,6 +67,7 @@ class KeyedRequest:
     prompt_blocks: int
     hit_limit: int
     total_blocks: int  # blocks allocated for prompt + output
+    tokens: list[int] = field(default_factory=list)  # prompt + output, for BlockStored
 
     @property
     def prompt_keys(self) -> list[int]:
@@ -118,6 +119,7 @@ def prepare(workload: Workload, hasher: BlockHasher) -> PreparedWorkload:
                 plen // size,
                 (plen - 1) // size,
                 math.ceil((plen + olen) / size),
+                req.prompt + req.output,
             )
         )
     prepared = PreparedWorkload(workload, keyed, size)

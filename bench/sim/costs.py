@@ -12,20 +12,22 @@ by hand::
 
     step_s = overhead_s + tokens x token_s + context_tokens x kv_token_s
 
-* ``overhead_s`` (6 ms): reading the weights once per step - Llama-3.1-8B in bf16 is
-  16.1 GB, at the H100 SXM's 3.35 TB/s that is 4.8 ms - plus ~1 ms of scheduler and
+* ``overhead_s`` (15 ms): reading the weights once per step - Qwen3-32B in bf16 is
+  65.6 GB, at the H200's 4.8 TB/s that is 13.7 ms - plus ~1 ms of scheduler and
   launch overhead;
-* ``token_s`` (32 us): compute per batched token - 2 x 8.03 G parameters = 16 GFLOP,
-  at 50% of the H100's 989 dense bf16 TFLOP/s; a full 8,192-token prefill step takes
-  ~0.27 s, i.e. ~30k prefill tokens/s per pod;
-* ``kv_token_s`` (39 ns): reading one token of KV cache - 128 KiB per token for
-  Llama-3.1-8B (32 layers x 8 KV heads x 128 dims x K and V x 2 bytes) at 3.35 TB/s -
+* ``token_s`` (132 us): compute per batched token - 2 x 32.8 G parameters = 65.6 GFLOP,
+  at 50% of the H200's 989 dense bf16 TFLOP/s; a full 8,192-token prefill step takes
+  ~1.1 s, i.e. ~7,500 prefill tokens/s per pod;
+* ``kv_token_s`` (55 ns): reading one token of KV cache - 256 KiB per token for
+  Qwen3-32B (64 layers x 8 KV heads x 128 dims x K and V x 2 bytes) at 4.8 TB/s -
   charged once per scheduled request for its whole context, so a decode step grows
-  with batch size and context length (64 requests of 3,000 tokens: ~15 ms).
+  with batch size and context length (64 requests of 3,000 tokens: ~34 ms).
 
-Sources: NVIDIA's H100 SXM data sheet (bandwidth, FLOP/s), Llama-3.1-8B's config. The
-sum of a memory term and a compute term overestimates a step a little (a real kernel
-overlaps them); attention's quadratic prefill cost is ignored. A request that a pod's
+The model is the one llm-d's published precise-routing benchmark served (8 x Qwen3-32B),
+which the issue's claims cite. Sources: NVIDIA's H200 data sheet (bandwidth, FLOP/s),
+Qwen3-32B's config. The sum of a memory term and a compute term overestimates a step a
+little (a real kernel overlaps them); attention's quadratic prefill cost is ignored.
+A request that a pod's
 waiting queue (``max_waiting``) cannot take is rejected, as a gateway answers 429.
 """
 

@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from kvindex.api import settings_load
 from kvindex.api.cli_score import UsageError, format_score_table, run_score
-from kvindex.api.config import ConfigError, Settings, split_listen
+from kvindex.api.config import ConfigError, Settings, check_limits, split_listen
 from kvindex.api.settings_load import (
     ADMIN_TOKEN_VARIABLE,
     FLAGGED,
@@ -44,7 +44,6 @@ def _settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Sett
 
 def _serve(args: argparse.Namespace) -> int:
     from kvindex.api.app import create_app
-    from kvindex.api.config import check_limits
     from kvindex.api.logs import setup_logging
     from kvindex.api.server import ListenError, bind, serve
     from kvindex.api.service import Service
@@ -71,14 +70,61 @@ def _serve(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
+    app = create_app(service)
+    if settings.gateway.enabled:
+        from kvindex.api.gateway import Gateway, install_gateway
+
+        install_gateway(app, Gateway.in_process(service))
     # The app's lifespan stops the service (final snapshot, leases released).
     serve(
-        create_app(service),
+        app,
         sock,
         header_timeout_s=settings.http.header_timeout,
         keep_alive_timeout_s=settings.http.keep_alive_timeout,
     )
     return 0
+
+
+# `kvindex gateway` takes these settings of the tree (the rest are the index's).
+_GATEWAY_FLAGS = ("listen", "model_config", "log_format", "log_level")
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from kvindex.api.gateway import Gateway, create_gateway_app
+    from kvindex.api.logs import setup_logging
+    from kvindex.api.server import ListenError, bind, serve
+
+    if not args.index:
+        raise UsageError("--index URL is required (or set KVINDEX_URL): the kvindex to route with")
+    if not args.index.startswith(("http://", "https://")):
+        raise UsageError(f"--index {args.index!r}: give the kvindex URL, e.g. http://HOST:8080")
+    flags = {dest: getattr(args, dest, None) for dest in _GATEWAY_DESTS}
+    settings = decode_settings(flags, dict(os.environ))
+    setup_logging(settings.log.format, settings.log.level)
+    check_limits(settings)
+    host, port = split_listen(settings.http.listen)
+    gateway = Gateway.remote(args.index, settings)
+    try:
+        sock = bind(host, port)
+    except ListenError as exc:
+        raise ConfigError(f"--listen {settings.http.listen}: {exc}") from None
+    log.info("kvindex gateway on %s routing with %s", settings.http.listen, args.index)
+    serve(
+        create_gateway_app(gateway, settings),
+        sock,
+        header_timeout_s=settings.http.header_timeout,
+        keep_alive_timeout_s=settings.http.keep_alive_timeout,
+    )
+    return 0
+
+
+_GATEWAY_DESTS = [
+    leaf.dest
+    for leaf in FLAGGED
+    if (leaf.dest in _GATEWAY_FLAGS or leaf.section == "gateway")
+    and leaf.dest != "gateway"
+    and not leaf.extra.get("env_only")
+]
 
 
 # Read by other commands, not by serve.
@@ -153,11 +199,26 @@ def build_parser() -> argparse.ArgumentParser:
         + "\n  ".join(environment_variables())
         + f"\n{ADMIN_TOKEN_VARIABLE} has no flag: a flag's value shows in /proc/<pid>/cmdline."
         + "\nThe --model-config file may set any of them by section (http, log, events, "
-        + "index, k8s, scoring).",
+        + "index, k8s, scoring, gateway).",
     )
     add_serve_flags(serve)
     serve.add_argument("--admin-token", help=argparse.SUPPRESS)  # removed; says so
     serve.set_defaults(run=_serve)
+
+    gateway = commands.add_parser(
+        "gateway",
+        help="an OpenAI-compatible front door that routes every request with a kvindex",
+    )
+    gateway.add_argument(
+        "--index",
+        default=os.environ.get("KVINDEX_URL"),
+        metavar="URL",
+        help="the kvindex to ask /route, e.g. http://kvindex:8080 (default $KVINDEX_URL)",
+    )
+    for leaf in FLAGGED:
+        if leaf.dest in _GATEWAY_DESTS:
+            gateway.add_argument(leaf.flag, **leaf.argparse_spec())
+    gateway.set_defaults(run=_gateway)
 
     score = commands.add_parser("score", help="ask a running kvindex which pods hold a prompt")
     score.add_argument("--url", default=os.environ.get("KVINDEX_URL", "http://127.0.0.1:8080"))

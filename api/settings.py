@@ -281,6 +281,39 @@ class ScoringSettings(_Section):
     ] = 256
 
 
+class GatewaySettings(_Section):
+    """The OpenAI-compatible front door (``kvindex serve --gateway``, ``kvindex gateway``)."""
+
+    flag_prefix: ClassVar[str] = "gateway-"
+
+    enabled: Annotated[
+        bool,
+        doc(
+            "serve: also answer the OpenAI API (/v1/completions, /v1/chat/completions, "
+            "/v1/models, /health) on --listen, routing each request in-process",
+            flag="--gateway",
+        ),
+    ] = False
+    attempts: Annotated[
+        int,
+        msgspec.Meta(ge=1),
+        doc("most pods one request is tried on while connecting fails before any answer"),
+    ] = 3
+    connect_timeout: Annotated[
+        float, msgspec.Meta(gt=0), doc("seconds to connect to a pod", metavar="SECONDS")
+    ] = 2.0
+    read_timeout: Annotated[
+        float,
+        msgspec.Meta(gt=0),
+        doc("seconds a pod may stay silent while answering", metavar="SECONDS"),
+    ] = 600.0
+    index_timeout: Annotated[
+        float,
+        msgspec.Meta(gt=0),
+        doc("kvindex gateway: seconds one call to the index may take", metavar="SECONDS"),
+    ] = 2.0
+
+
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One model's settings in the config file; unset fields use the ``index`` ones."""
 
@@ -317,7 +350,7 @@ class Settings(_Section):
         str | None,
         doc(
             "the config file (YAML, JSON or TOML): per-model settings under models:, "
-            "and any setting by section (http, log, events, index, k8s, scoring)",
+            "and any setting by section (http, log, events, index, k8s, scoring, gateway)",
             metavar="FILE",
         ),
     ] = None
@@ -327,6 +360,7 @@ class Settings(_Section):
     index: IndexSettings = msgspec.field(default_factory=IndexSettings)
     k8s: K8sSettings = msgspec.field(default_factory=K8sSettings)
     scoring: ScoringSettings = msgspec.field(default_factory=ScoringSettings)
+    gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
     models: Annotated[dict[str, ModelEntry], doc("per-model settings", file_only=True)] = {}
 
 
@@ -337,4 +371,5 @@ SECTIONS: dict[str, type[_Section]] = {
     "index": IndexSettings,
     "k8s": K8sSettings,
     "scoring": ScoringSettings,
+    "gateway": GatewaySettings,
 }

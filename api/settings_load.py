@@ -43,6 +43,8 @@ class Leaf:
 
     @property
     def flag(self) -> str:
+        if "flag" in self.extra:  # a switch named for its section: --gateway
+            return self.extra["flag"]
         prefix = SECTIONS[self.section].flag_prefix if self.section else ""
         return "--" + prefix + self.field.replace("_", "-")
 
@@ -83,6 +85,9 @@ class Leaf:
         base = self.base
         if self.repeatable:
             spec["action"] = "append"
+        elif base is bool:  # a switch: given means true; absent leaves it to the rest
+            spec["action"] = "store_const"
+            spec["const"] = True
         elif isinstance(base, type) and issubclass(base, Enum):
             spec["choices"] = [member.value for member in base]
         elif typing.get_origin(base) is typing.Literal:
@@ -150,6 +155,13 @@ def _from_environment(leaf: Leaf, raw: str) -> Any:
     """A variable's text as the leaf's type; repeatable settings take a comma list."""
     if leaf.repeatable:
         return [part.strip() for part in raw.replace("\n", ",").split(",") if part.strip()]
+    if leaf.base is bool:
+        word = raw.strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{leaf.variable}={raw!r}: use true or false")
     if leaf.base not in (int, float):
         return raw  # strings, enums and literals: checked with the rest of the tree
     try:

@@ -1,0 +1,215 @@
+"""The gateway's HTTP surface: vLLM's OpenAI endpoints, each request routed by kvindex.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` are read for routing (model,
+prompt, expected output), routed, and forwarded byte for byte to the chosen pod; the
+answer comes back unchanged (streamed or not) with ``x-kvindex-pod`` and
+``x-kvindex-route-reason`` added (and ``x-kvindex-failed-pods`` when pods were skipped
+because connecting failed). ``GET /v1/models`` merges what the known pods serve;
+``GET /health`` is 200 while the index answers. The gateway's own refusals use the
+OpenAI error shape (``{"error": {"message", "type", "param", "code"}}``) that OpenAI
+clients parse, with kvindex's stable code as ``type``.
+
+The same routes are mounted on ``kvindex serve``'s app (``--gateway``, decisions
+in-process) or on an app of their own (``kvindex gateway --index URL``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from kvindex.api.client import AsyncClient, Retries
+from kvindex.api.errors import install_error_handlers
+from kvindex.api.gateway.bodies import Endpoint, RouteRequests, read_body
+from kvindex.api.gateway.routes import LocalRoutes, RemoteRoutes, RouteRefused, RouteSource
+from kvindex.api.gateway.upstream import (
+    PodsUnreachable,
+    RelayedResponse,
+    forward_headers,
+    open_upstream,
+)
+from kvindex.api.limits import RequestLimits
+from kvindex.api.settings import GatewaySettings, Settings
+from kvindex.api.version import VERSION
+from kvindex.events.errors import ClientError
+from kvindex.scoring.tokenize import TokenizerRegistry
+
+if TYPE_CHECKING:
+    from kvindex.api.service import Service
+
+log = logging.getLogger(__name__)
+
+_encoder = msgspec.json.Encoder()
+_MODELS_TIMEOUT_S = 2.0
+
+
+class Gateway:
+    """The parts one gateway needs: where decisions come from, how prompts become
+    tokens, and one pooled HTTP client for the pods."""
+
+    def __init__(
+        self, routes: RouteSource, tokenizers: TokenizerRegistry, settings: GatewaySettings
+    ) -> None:
+        self.routes = routes
+        self.requests = RouteRequests(tokenizers)
+        self.settings = settings
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=settings.connect_timeout,
+                read=settings.read_timeout,
+                write=settings.read_timeout,
+                pool=settings.connect_timeout,
+            ),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            trust_env=False,  # pods are dialled directly, never through an HTTP proxy
+        )
+
+    @classmethod
+    def in_process(cls, service: Service) -> Gateway:
+        """For ``kvindex serve --gateway``: the service's own router and tokenizers."""
+        return cls(LocalRoutes(service), service.tokenizers, service.settings.gateway)
+
+    @classmethod
+    def remote(cls, index_url: str, settings: Settings) -> Gateway:
+        """For ``kvindex gateway --index URL``: decisions over HTTP, tokenizers from the
+        config file's ``models:`` (``tokenizer:`` per model) or the local hub cache."""
+        from kvindex.api.config import check_tokenizer_dirs, tokenizer_dirs
+
+        dirs = tokenizer_dirs(settings)
+        check_tokenizer_dirs(dirs)
+        client = AsyncClient(
+            index_url,
+            timeout=settings.gateway.index_timeout,
+            retries=Retries(attempts=2, backoff_s=0.02, max_backoff_s=0.2),
+        )
+        return cls(RemoteRoutes(client), TokenizerRegistry(dirs), settings.gateway)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+        await self.routes.aclose()
+
+    async def proxy(self, endpoint: Endpoint, request: Request) -> Any:
+        body = await request.body()
+        try:
+            route_request = self.requests.build(read_body(endpoint, body), uuid.uuid4().hex)
+            decision, upstream, failed = await open_upstream(
+                self.http,
+                self.routes,
+                route_request,
+                endpoint.value,
+                body,
+                forward_headers(request.headers),
+                self.settings.attempts,
+            )
+        except ClientError as exc:
+            return openai_error(400, exc.code, exc.detail)
+        except RouteRefused as exc:
+            headers = {}
+            if exc.retry_after is not None:
+                headers["retry-after"] = str(max(1, round(exc.retry_after)))
+            return openai_error(exc.status, exc.code, exc.detail, headers)
+        except PodsUnreachable as exc:
+            return openai_error(502, "pods_unreachable", str(exc))
+        route_id = decision.route_id
+        extra = [
+            (b"x-kvindex-pod", decision.pod.encode("latin-1")),
+            (b"x-kvindex-route-reason", decision.reason.encode("latin-1")),
+        ]
+        if failed:  # the pods skipped because connecting to them failed
+            extra.append((b"x-kvindex-failed-pods", ",".join(failed).encode("latin-1")))
+        return RelayedResponse(upstream, extra, lambda: self.routes.done(route_id))
+
+    async def models(self) -> Response:
+        """Every model the known pods serve, each listed once (first pod's entry)."""
+        pods = await self.routes.pods()
+
+        async def ask(pod: str) -> list[dict[str, Any]]:
+            try:
+                answer = await self.http.get(f"http://{pod}/v1/models", timeout=_MODELS_TIMEOUT_S)
+                data = answer.json().get("data", []) if answer.status_code == 200 else []
+                return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return []
+
+        merged: dict[str, dict[str, Any]] = {}
+        for models in await asyncio.gather(*(ask(pod) for pod in pods)):
+            for model in models:
+                merged.setdefault(model["id"], model)
+        body = {"object": "list", "data": [merged[k] for k in sorted(merged)]}
+        return Response(_encoder.encode(body), media_type="application/json")
+
+    async def health(self) -> Response:
+        if await self.routes.healthy():
+            return Response(_encoder.encode({"status": "ok"}), media_type="application/json")
+        return openai_error(503, "index_unreachable", "the kvindex index does not answer")
+
+
+def openai_error(
+    status: int, code: str, detail: str, headers: dict[str, str] | None = None
+) -> Response:
+    """An error as vLLM's OpenAI server shapes it, so OpenAI clients raise it properly."""
+    body = {"error": {"message": detail, "type": code, "param": None, "code": status}}
+    return Response(
+        _encoder.encode(body), status_code=status, media_type="application/json", headers=headers
+    )
+
+
+def install_gateway(app: FastAPI, gateway: Gateway) -> None:
+    """Mount the gateway's routes on ``app`` and close the gateway with it."""
+
+    @app.post("/v1/completions", summary="OpenAI completions, routed by kvindex to a pod")
+    async def completions(request: Request) -> Any:
+        return await gateway.proxy(Endpoint.COMPLETIONS, request)
+
+    @app.post("/v1/chat/completions", summary="OpenAI chat completions, routed by kvindex")
+    async def chat(request: Request) -> Any:
+        return await gateway.proxy(Endpoint.CHAT, request)
+
+    @app.get("/v1/models", summary="The models the known pods serve")
+    async def models() -> Response:
+        return await gateway.models()
+
+    @app.get("/health", summary="Gateway health: 200 while the index answers")
+    async def health() -> Response:
+        return await gateway.health()
+
+    serving = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(running: FastAPI) -> AsyncIterator[Any]:
+        async with serving(running) as state:
+            try:
+                yield state
+            finally:
+                await gateway.aclose()
+
+    app.router.lifespan_context = lifespan
+
+
+def create_gateway_app(gateway: Gateway, settings: Settings) -> FastAPI:
+    """The app ``kvindex gateway`` serves: the gateway's routes and the HTTP limits."""
+    app = FastAPI(
+        title="kvindex gateway",
+        summary="OpenAI-compatible front door routing each request with kvindex",
+        version=VERSION,
+        docs_url=None,
+        redoc_url=None,
+    )
+    install_error_handlers(app, lambda request, code: None)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.http.max_body_bytes,
+        body_timeout_s=settings.http.body_timeout,
+        max_in_flight=settings.http.max_in_flight,
+    )
+    install_gateway(app, gateway)
+    return app

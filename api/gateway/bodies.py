@@ -1,0 +1,148 @@
+"""An OpenAI request body, read for routing: the model, the prompt as the tokens vLLM
+will compute, and the expected output length.
+
+Only the fields routing needs are decoded (unknown ones are ignored: the body is
+forwarded to the pod byte for byte, and the pod validates it). The prompt becomes token
+ids here, with the model's own tokenizer and chat template rendered as vLLM 0.33 renders
+them (:class:`kvindex.scoring.tokenize.ModelTokenizer`, the code behind ``/score``'s
+``prompt`` and ``messages``). Without a tokenizer for the model, the text itself goes to
+``/route``, which tokenizes it if the index has one, or falls back to load-only routing.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+from kvindex.api.schemas import RouteRequest
+from kvindex.events.errors import ClientError, KvindexError
+from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class Endpoint(StrEnum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+class CompletionBody(msgspec.Struct):
+    """``POST /v1/completions``, the fields routing reads. A batch (a list of prompts)
+    is routed by its first prompt."""
+
+    model: str
+    prompt: str | list[Any]  # text, token ids, or a batch of either
+    max_tokens: int | None = None
+    cache_salt: str | None = None
+
+
+class ChatBody(msgspec.Struct):
+    """``POST /v1/chat/completions``, the fields routing reads, with vLLM's defaults."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+
+
+_decoders: dict[Endpoint, msgspec.json.Decoder[Any]] = {
+    Endpoint.COMPLETIONS: msgspec.json.Decoder(CompletionBody),
+    Endpoint.CHAT: msgspec.json.Decoder(ChatBody),
+}
+
+
+def read_body(endpoint: Endpoint, body: bytes) -> CompletionBody | ChatBody:
+    """The body's routing fields; ClientError (400) when it is not a request at all."""
+    try:
+        return _decoders[endpoint].decode(body)
+    except msgspec.ValidationError as exc:
+        raise ClientError(f"{endpoint}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ClientError(f"body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ClientError("body is nested too deeply", code="invalid_json") from None
+
+
+class RouteRequests:
+    """Builds the ``/route`` request for an OpenAI body, tokenizing with ``tokenizers``
+    (the index's own registry when the gateway runs inside ``kvindex serve``)."""
+
+    def __init__(self, tokenizers: TokenizerRegistry) -> None:
+        self.tokenizers = tokenizers
+
+    def build(self, parsed: CompletionBody | ChatBody, request_id: str) -> RouteRequest:
+        if isinstance(parsed, CompletionBody):
+            return self._completion(parsed, request_id)
+        return self._chat(parsed, request_id)
+
+    def _completion(self, body: CompletionBody, request_id: str) -> RouteRequest:
+        prompt: Any = body.prompt
+        if isinstance(prompt, list):
+            if not prompt:
+                raise ClientError("prompt is an empty list")
+            if isinstance(prompt[0], str | list):  # a batch
+                prompt = prompt[0]
+            if isinstance(prompt, list) and not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+            ):
+                raise ClientError("prompt must be text, token ids, or a list of either")
+        common: dict[str, Any] = {
+            "model": body.model,
+            "request_id": request_id,
+            "max_tokens": body.max_tokens,
+            "cache_salt": body.cache_salt,
+        }
+        if isinstance(prompt, list):  # token ids: vLLM computes them as they are
+            return RouteRequest(token_ids=prompt, **common)
+        tokens = self._tokens(body.model, lambda t: t.encode_prompt(prompt))
+        if tokens is not None:
+            return RouteRequest(token_ids=tokens, **common)
+        return RouteRequest(prompt=prompt, **common)
+
+    def _chat(self, body: ChatBody, request_id: str) -> RouteRequest:
+        options = ChatOptions(
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=body.tools,
+            documents=body.documents,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        common: dict[str, Any] = {
+            "model": body.model,
+            "request_id": request_id,
+            "max_tokens": body.max_completion_tokens or body.max_tokens,
+            "cache_salt": body.cache_salt,
+        }
+        tokens = self._tokens(body.model, lambda t: t.encode_chat(body.messages, options))
+        if tokens is not None:
+            return RouteRequest(token_ids=tokens, **common)
+        return RouteRequest(
+            messages=body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=body.tools,
+            documents=body.documents,
+            chat_template_kwargs=body.chat_template_kwargs,
+            **common,
+        )
+
+    def _tokens(self, model: str, encode: Any) -> list[int] | None:
+        """The prompt's token ids, or None to let ``/route`` read the text (no tokenizer
+        here, or the template refused: the index then says why, or falls back)."""
+        try:
+            tokens = encode(self.tokenizers.get(model))
+        except KvindexError:  # TokenizerUnavailable, or a request the template refuses
+            return None
+        except Exception as exc:  # a model's template failing on these messages
+            log.debug("gateway: model %s: cannot render locally: %s", model, exc)
+            return None
+        return tokens or None

@@ -1,0 +1,114 @@
+"""Where the gateway's decisions come from: the index in the same process
+(``kvindex serve --gateway``) or a kvindex over HTTP (``kvindex gateway --index URL``).
+
+Both answer the same three questions and fail the same way, so the proxy never knows
+which it talks to: :class:`RouteRefused` carries the status, code and detail the index
+gave (and ``Retry-After`` for ``no_capacity``), whatever the transport.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Protocol
+
+from kvindex.api.client import ApiError, AsyncClient, KvindexClientError, NoCapacity
+from kvindex.api.errors import status_of
+from kvindex.api.route import NoCapacity as Full
+from kvindex.api.route import route_request
+from kvindex.api.schemas import RouteRequest, RouteResponse
+from kvindex.events.errors import KvindexError
+
+if TYPE_CHECKING:
+    from kvindex.api.service import Service
+
+
+class RouteRefused(Exception):
+    """The index gave no decision: ``status`` and ``code`` as ``/route`` answered."""
+
+    def __init__(
+        self, status: int, code: str, detail: str, retry_after: float | None = None
+    ) -> None:
+        super().__init__(detail)
+        self.status, self.code, self.detail, self.retry_after = status, code, detail, retry_after
+
+
+class RouteSource(Protocol):
+    async def route(self, request: RouteRequest) -> RouteResponse:
+        """The decision, entered in the in-flight ledger; RouteRefused otherwise."""
+        ...
+
+    async def done(self, route_id: str) -> None:
+        """Release the route (never raises: a lost release only waits for its TTL)."""
+        ...
+
+    async def pods(self) -> list[str]:
+        """Every pod the index knows (for ``/v1/models``)."""
+        ...
+
+    async def healthy(self) -> bool: ...
+
+    async def aclose(self) -> None: ...
+
+
+class LocalRoutes:
+    """Decisions from the service in this process: no HTTP, no serialization."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    async def route(self, request: RouteRequest) -> RouteResponse:
+        try:
+            return route_request(self.service, request)
+        except Full as exc:
+            raise RouteRefused(429, exc.code, exc.detail, float(exc.retry_after)) from None
+        except KvindexError as exc:
+            raise RouteRefused(status_of(exc), exc.code, exc.detail) from None
+
+    async def done(self, route_id: str) -> None:
+        self.service.load.ledger.done(route_id)
+
+    async def pods(self) -> list[str]:
+        return self.service.known_pods()
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def aclose(self) -> None:
+        return None
+
+
+class RemoteRoutes:
+    """Decisions from a kvindex over HTTP, with the client's timeouts and retries."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+
+    async def route(self, request: RouteRequest) -> RouteResponse:
+        try:
+            return await self.client.route(request)
+        except NoCapacity as exc:
+            raise RouteRefused(exc.status, exc.code, exc.detail, exc.retry_after) from None
+        except ApiError as exc:
+            raise RouteRefused(exc.status, exc.code, exc.detail) from None
+        except KvindexClientError as exc:  # unreachable, or not a kvindex answer
+            raise RouteRefused(503, "index_unreachable", str(exc)) from None
+
+    async def done(self, route_id: str) -> None:
+        with contextlib.suppress(KvindexClientError):  # else it expires after --route-ttl
+            await self.client.done(route_id)
+
+    async def pods(self) -> list[str]:
+        try:
+            return [p.pod for p in await self.client.pods()]
+        except KvindexClientError:
+            return []
+
+    async def healthy(self) -> bool:
+        try:
+            await self.client.pods()
+        except KvindexClientError:
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

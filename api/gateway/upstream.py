@@ -1,0 +1,185 @@
+"""The pod side of a proxied request: connect to the chosen pod (another one when that
+fails before any byte reached the client), then relay its answer chunk by chunk.
+
+Retry rule: a request is sent to another pod only while nothing of the answer exists
+yet: the connection was refused, timed out while connecting, or the pod closed it
+without answering. The next pod is asked of ``/route`` again, among the first
+decision's candidates minus the pods that failed, under the same route id, so the
+ledger moves the route instead of counting it twice. Once the pod's status line has
+arrived the answer is the pod's, errors included.
+
+The relay is a plain ASGI response: the pod's status, its headers less hop-by-hop ones
+(plus ``x-kvindex-pod``), and its body bytes as they arrive (``aiter_raw``: not decoded,
+not re-chunked), so server-sent events reach the client one event at a time. A client
+that disconnects stops the relay at once and closes the pod connection, which is how
+vLLM learns to abort the request. Whatever ends the response (the last byte, an error,
+a disconnect), the route is released exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import httpx
+import msgspec
+from starlette.responses import Response
+
+from kvindex.api.gateway.routes import RouteRefused, RouteSource
+from kvindex.api.schemas import RouteRequest, RouteResponse
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+# Failures that mean the pod never received (or never started answering) the request.
+_NOT_SENT = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+)
+
+# RFC 9110 7.6.1 hop-by-hop headers, and the ones the relay's own server writes.
+_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"date",
+        b"server",
+    }
+)
+# A request's headers that travel to the pod; the rest (hop-by-hop, host) do not.
+_REQUEST_SKIP = frozenset(name.decode() for name in _HOP) | {"accept-encoding"}
+
+
+class PodsUnreachable(Exception):
+    """Every pod tried failed before answering; the message lists them."""
+
+
+def forward_headers(headers: Any) -> dict[str, str]:
+    """The client's request headers the pod should see (auth, content type, ids)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _REQUEST_SKIP}
+
+
+async def open_upstream(
+    http: httpx.AsyncClient,
+    routes: RouteSource,
+    request: RouteRequest,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    attempts: int,
+) -> tuple[RouteResponse, httpx.Response, list[str]]:
+    """Route ``request`` and open the chosen pod's answer (status and headers read,
+    body not yet), with the pods that failed first. Raises RouteRefused, or
+    PodsUnreachable once ``attempts`` pods (or every candidate) failed; either way no
+    route is left open."""
+    decision = await routes.route(request)
+    failed: list[str] = []
+    while True:
+        pod = decision.pod
+        try:
+            url = f"http://{pod}{path}"
+            outgoing = http.build_request("POST", url, content=body, headers=headers)
+            return decision, await http.send(outgoing, stream=True), failed
+        except _NOT_SENT as exc:
+            log.info("gateway: pod %s failed before answering (%r); trying another", pod, exc)
+            failed.append(pod)
+            left = [c.pod for c in decision.candidates if c.pod not in failed]
+            if len(failed) >= attempts or not left:
+                await routes.done(decision.route_id)
+                raise PodsUnreachable(f"no pod answered (tried {', '.join(failed)})") from None
+        except BaseException:
+            await routes.done(decision.route_id)
+            raise
+        try:
+            decision = await routes.route(msgspec.structs.replace(request, pods=left))
+        except RouteRefused:
+            await routes.done(decision.route_id)
+            raise
+
+
+class RelayedResponse(Response):
+    """An ASGI response relaying ``upstream`` unchanged; ``release`` runs once at the end.
+    (A Starlette ``Response`` only so that FastAPI hands it to the server as it is.)"""
+
+    def __init__(
+        self,
+        upstream: httpx.Response,
+        extra_headers: list[tuple[bytes, bytes]],
+        release: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.upstream = upstream
+        self.status_code = upstream.status_code
+        self.background = None
+        self.relayed_headers = [
+            (name.lower(), value)
+            for name, value in upstream.headers.raw
+            if name.lower() not in _HOP
+        ] + extra_headers
+        length = upstream.headers.get("content-length")
+        if length is not None:  # the raw bytes are relayed unchanged: the length holds
+            self.relayed_headers.append((b"content-length", length.encode("latin-1")))
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        disconnected = False
+
+        async def watch() -> None:
+            nonlocal disconnected
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            if task is not None:
+                task.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.upstream.status_code,
+                    "headers": self.relayed_headers,
+                }
+            )
+            async for chunk in self.upstream.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not disconnected:
+                raise
+            if task is not None:
+                task.uncancel()
+            log.debug("gateway: client left; closing %s", self.upstream.request.url)
+        except httpx.HTTPError as exc:
+            # The pod failed mid-answer: too late for another pod or another status.
+            log.warning("gateway: %s failed mid-answer: %r", self.upstream.request.url, exc)
+            raise
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+            await asyncio.shield(self._close())
+
+    async def _close(self) -> None:
+        try:
+            await self.upstream.aclose()
+        finally:
+            await self.release()

@@ -1,0 +1,245 @@
+"""The gateway end to end, driven by the real ``openai`` client: ``kvindex serve --gateway``
+(and ``kvindex gateway --index URL``) as child processes, in front of fake vLLM pods on
+loopback that serve the OpenAI API and vLLM's /metrics and publish real KV events over
+ZMQ for what they compute (:mod:`tests.fake_vllm`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvindex.api.client import Client
+from kvindex.api.testing import ServeProcess, free_port
+from tests.chat_models import model_directory
+
+openai = pytest.importorskip("openai", reason="the gateway tests need the test extra (openai)")
+from tests.fake_vllm import FakeVllmPod  # noqa: E402  (imports transformers)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "acme/gateway-oss"
+# Long enough for many blocks with the fixtures' small vocabulary.
+DOCUMENT = " ".join(f"Section {i}: the KV cache of a prompt is reused when" for i in range(30))
+SYSTEM = "You are terse. " + DOCUMENT
+
+
+def eventually(check: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Cluster:
+    def __init__(self, server: ServeProcess, pods: list[FakeVllmPod], endpoint: str) -> None:
+        self.server, self.pods, self.endpoint = server, pods, endpoint
+        self.index = Client(server.url, timeout=5.0)
+
+    def openai(self, url: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{url or self.server.url}/v1", api_key="none", max_retries=0, timeout=30
+        )
+
+    def pod(self, pod_id: str) -> FakeVllmPod:
+        return next(p for p in self.pods if p.pod == pod_id)
+
+    def open_routes(self) -> dict[str, int]:
+        """kvindex's in-flight count per pod, read from a probe route (released)."""
+        probe = self.index.route(model=MODEL, token_ids=[7] * 16, request_id="probe")
+        self.index.done("probe")
+        return {c.pod: c.in_flight for c in probe.candidates if c.in_flight}
+
+    def wait_released(self) -> None:
+        """Every route released (the gateway releases after the last byte is sent, so
+        the client may see the answer a moment before)."""
+        eventually(lambda: self.open_routes() == {}, "every route released", 5.0)
+
+    def wait_indexed(self, pod: str, tokens: list[int]) -> None:
+        blocks = len(tokens) // 16
+
+        def held() -> bool:
+            score = self.index.score(model=MODEL, token_ids=tokens, pods=[pod])
+            return score.pods[0].matched_blocks == blocks
+
+        eventually(held, f"{pod} holding {blocks} blocks in the index")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("gateway")
+    tokenizer = model_directory("gpt-oss", tmp)
+    config = tmp / "kvindex.json"
+    config.write_text(json.dumps({"models": {MODEL: {"tokenizer": str(tokenizer)}}}))
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = ServeProcess(
+        "--gateway", "--zmq-bind", endpoint, "--model-config", str(config),
+        "--load-interval", "1", "--load-timeout", "1", "--route-ttl", "120",
+        env={**os.environ},
+    )  # fmt: skip
+    pods: list[FakeVllmPod] = []
+    try:
+        server.wait_ready(30.0)
+        for i in range(3):
+            pod = FakeVllmPod(MODEL, tokenizer, endpoint)
+            pods.append(pod)
+            assert pod.publisher.wait_for_subscribers(1, 10.0)
+            pod.compute(pod.tokens_of("completion", {"prompt": f"warm up pod {i} " * 4}))
+        cluster = Cluster(server, pods, endpoint)
+        eventually(
+            lambda: {p.pod for p in cluster.index.pods()} == {p.pod for p in pods}, "pods known"
+        )
+        probe = lambda: cluster.index.route(model=MODEL, token_ids=[7] * 16, request_id="p")  # noqa: E731
+        eventually(lambda: all(c.load == "known" for c in probe().candidates), "pods scraped")
+        cluster.index.done("p")
+        cluster.config = config  # type: ignore[attr-defined]
+        yield cluster
+    finally:
+        for pod in pods:
+            pod.close()
+        server.stop()
+
+
+def test_the_second_request_with_a_prefix_goes_to_the_pod_that_holds_it(cluster) -> None:
+    client = cluster.openai()
+    first = client.completions.with_raw_response.create(
+        model=MODEL, prompt=DOCUMENT + " Question one?", max_tokens=4
+    )
+    holder = first.headers["x-kvindex-pod"]
+    assert first.parse().choices[0].text == "w0 w1 w2 w3 "
+    assert cluster.pod(holder).received[-1][0] == "completion"
+    cluster.wait_indexed(holder, cluster.pod(holder).prompts[-1])
+    second = client.completions.with_raw_response.create(
+        model=MODEL, prompt=DOCUMENT + " Question two?", max_tokens=4
+    )
+    assert second.headers["x-kvindex-pod"] == holder
+    assert second.headers["x-kvindex-route-reason"] == "prefix"
+    # The pod's own cache confirms it: most of the prompt was a hit there.
+    usage = second.parse().usage
+    assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens // 2
+    cluster.wait_released()
+
+
+def test_chat_turns_stay_on_the_pod_that_holds_the_conversation(cluster) -> None:
+    client = cluster.openai()
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello!"}]
+    first = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=3
+    )
+    holder = first.headers["x-kvindex-pod"]
+    answer = first.parse().choices[0].message.content
+    cluster.wait_indexed(holder, cluster.pod(holder).prompts[-1])
+    follow_up = [
+        *messages,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "Name a prime."},
+    ]
+    second = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=follow_up, max_tokens=3
+    )
+    assert (second.headers["x-kvindex-pod"], second.headers["x-kvindex-route-reason"]) == (
+        holder,
+        "prefix",
+    )
+    assert second.parse().usage.prompt_tokens_details.cached_tokens > 0
+    cluster.wait_released()
+
+
+def test_streamed_chunks_arrive_unchanged_and_one_by_one(cluster) -> None:
+    client = cluster.openai()
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count: 1, 2, 3"}],
+        max_tokens=6,
+        stream=True,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "w0 w1 w2 w3 w4 w5 "
+    # Byte for byte: what the pod sent is what a raw client receives.
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{cluster.server.url}/v1/completions", json=body, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        pod = cluster.pod(r.headers["x-kvindex-pod"])
+        received = [bytes(part) for part in r.iter_raw()]
+    first = json.loads(received[0].split(b"\n")[0].removeprefix(b"data: "))
+    sent = pod.sent_chunks[first["id"]]
+    assert b"".join(received) == b"".join(sent)
+    assert len(received) > 1  # relayed as they came, not gathered into one body
+    cluster.wait_released()
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_pod_and_releases_the_route(cluster) -> None:
+    body = {"model": MODEL, "prompt": "A long answer please", "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{cluster.server.url}/v1/completions", json=body, timeout=30) as r:
+        pod = cluster.pod(r.headers["x-kvindex-pod"])
+        aborted = pod.aborted
+        parts = r.iter_raw()
+        next(parts), next(parts)
+        assert cluster.open_routes() == {pod.pod: 1}
+    eventually(lambda: pod.aborted == aborted + 1, "the pod seeing the client leave")
+    cluster.wait_released()
+
+
+def test_a_dead_pod_is_skipped_before_any_byte(cluster) -> None:
+    doomed = FakeVllmPod(MODEL, Path(cluster.pod(cluster.pods[0].pod).tokenizer.name_or_path),
+                         cluster.endpoint)  # fmt: skip
+    try:
+        assert doomed.publisher.wait_for_subscribers(1, 10.0)
+        prompt = "Only the doomed pod computed this. " + DOCUMENT
+        tokens = doomed.tokens_of("completion", {"prompt": prompt})
+        doomed.compute(tokens)
+        cluster.wait_indexed(doomed.pod, tokens)
+
+        def scraped() -> bool:
+            route = cluster.index.route(model=MODEL, token_ids=tokens, request_id="d")
+            cluster.index.done("d")
+            return route.pod == doomed.pod
+
+        eventually(scraped, "the doomed pod scraped and preferred")
+        doomed.stop_http()
+        answer = cluster.openai().completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, max_tokens=2
+        )
+        assert answer.headers["x-kvindex-failed-pods"] == doomed.pod
+        assert answer.headers["x-kvindex-pod"] in {p.pod for p in cluster.pods}
+        assert answer.parse().choices[0].text == "w0 w1 "
+        cluster.wait_released()
+    finally:
+        doomed.close()
+
+
+def test_models_health_and_refusals_in_openai_shape(cluster) -> None:
+    client = cluster.openai()
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{cluster.server.url}/health", timeout=5).status_code == 200
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=[], max_tokens=2)
+    assert "prompt is an empty list" in str(refused.value)
+
+
+def test_a_separate_gateway_routes_over_http(cluster) -> None:
+    command = [sys.executable, "-m", "kvindex.api.cli", "gateway", "--index", cluster.server.url]
+    with ServeProcess(
+        "--model-config", str(cluster.config), command=command, env={**os.environ}
+    ) as gateway:
+        gateway.wait_ready(30.0, path="/health")
+        client = cluster.openai(gateway.url)
+        prompt = "Remote gateway. " + DOCUMENT
+        first = client.completions.with_raw_response.create(model=MODEL, prompt=prompt)
+        holder = first.headers["x-kvindex-pod"]
+        cluster.wait_indexed(holder, cluster.pod(holder).prompts[-1])
+        stream = client.completions.create(
+            model=MODEL, prompt=prompt + " again", max_tokens=3, stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream) == "w0 w1 w2 "
+        assert cluster.pod(holder).received[-1][1].startswith(b"{")
+        assert json.loads(cluster.pod(holder).received[-1][1])["prompt"] == prompt + " again"
+        cluster.wait_released()

@@ -122,7 +122,7 @@ _GATEWAY_DESTS = [
     leaf.dest
     for leaf in FLAGGED
     if (leaf.dest in _GATEWAY_FLAGS or leaf.section == "gateway")
-    and leaf.dest != "gateway"
+    and leaf.dest != "gateway_enabled"
     and not leaf.extra.get("env_only")
 ]
 
@@ -202,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
         + "index, k8s, scoring, gateway).",
     )
     add_serve_flags(serve)
+    serve.add_argument(  # the short spelling of --gateway-enabled
+        "--gateway",
+        dest="gateway_enabled",
+        action="store_const",
+        const=True,
+        help=argparse.SUPPRESS,
+    )
     serve.add_argument("--admin-token", help=argparse.SUPPRESS)  # removed; says so
     serve.set_defaults(run=_serve)
 

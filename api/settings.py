@@ -290,8 +290,8 @@ class GatewaySettings(_Section):
         bool,
         doc(
             "serve: also answer the OpenAI API (/v1/completions, /v1/chat/completions, "
-            "/v1/models, /health) on --listen, routing each request in-process",
-            flag="--gateway",
+            "/v1/models, /health) on --listen, routing each request in-process "
+            "(--gateway for short)"
         ),
     ] = False
     attempts: Annotated[

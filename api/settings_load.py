@@ -43,8 +43,6 @@ class Leaf:
 
     @property
     def flag(self) -> str:
-        if "flag" in self.extra:  # a switch named for its section: --gateway
-            return self.extra["flag"]
         prefix = SECTIONS[self.section].flag_prefix if self.section else ""
         return "--" + prefix + self.field.replace("_", "-")
 

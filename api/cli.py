@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvindex.api import settings_load
 from kvindex.api.cli_score import UsageError, format_score_table, run_score
@@ -70,11 +70,11 @@ def _serve(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
-    app = create_app(service)
-    if settings.gateway.enabled:
-        from kvindex.api.gateway import Gateway, install_gateway
+    app: Any = create_app(service)
+    if settings.gateway.enabled:  # the OpenAI endpoints in front of kvindex's own
+        from kvindex.api.gateway import Gateway, GatewayApp
 
-        install_gateway(app, Gateway.in_process(service))
+        app = GatewayApp(Gateway.in_process(service), settings, inner=app)
     # The app's lifespan stops the service (final snapshot, leases released).
     serve(
         app,
@@ -90,7 +90,7 @@ _GATEWAY_FLAGS = ("listen", "model_config", "log_format", "log_level")
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from kvindex.api.gateway import Gateway, create_gateway_app
+    from kvindex.api.gateway import Gateway, GatewayApp
     from kvindex.api.logs import setup_logging
     from kvindex.api.server import ListenError, bind, serve
 
@@ -110,7 +110,7 @@ def _gateway(args: argparse.Namespace) -> int:
         raise ConfigError(f"--listen {settings.http.listen}: {exc}") from None
     log.info("kvindex gateway on %s routing with %s", settings.http.listen, args.index)
     serve(
-        create_gateway_app(gateway, settings),
+        GatewayApp(gateway, settings),
         sock,
         header_timeout_s=settings.http.header_timeout,
         keep_alive_timeout_s=settings.http.keep_alive_timeout,

@@ -1,4 +1,4 @@
-"""The gateway's HTTP surface: vLLM's OpenAI endpoints, each request routed by kvindex.
+"""The gateway's work per endpoint: vLLM's OpenAI endpoints, each request routed by kvindex.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are read for routing (model,
 prompt, expected output), routed, and forwarded byte for byte to the chosen pod; the
@@ -9,8 +9,8 @@ because connecting failed). ``GET /v1/models`` merges what the known pods serve;
 OpenAI error shape (``{"error": {"message", "type", "param", "code"}}``) that OpenAI
 clients parse, with kvindex's stable code as ``type``.
 
-The same routes are mounted on ``kvindex serve``'s app (``--gateway``, decisions
-in-process) or on an app of their own (``kvindex gateway --index URL``).
+:mod:`.asgi` puts these in front of ``kvindex serve``'s app (``--gateway``, decisions
+in-process) or serves them alone (``kvindex gateway --index URL``).
 """
 
 from __future__ import annotations
@@ -18,18 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from starlette.requests import Request
+from starlette.responses import Response
 
 from kvindex.api.client import AsyncClient, Retries
-from kvindex.api.errors import install_error_handlers
 from kvindex.api.gateway.bodies import Endpoint, RouteRequests, read_body
+from kvindex.api.gateway.pod_http import PodBroken, PodConnections
 from kvindex.api.gateway.routes import LocalRoutes, RemoteRoutes, RouteRefused, RouteSource
 from kvindex.api.gateway.upstream import (
     PodsUnreachable,
@@ -37,9 +35,7 @@ from kvindex.api.gateway.upstream import (
     forward_headers,
     open_upstream,
 )
-from kvindex.api.limits import RequestLimits
 from kvindex.api.settings import GatewaySettings, Settings
-from kvindex.api.version import VERSION
 from kvindex.events.errors import ClientError
 from kvindex.scoring.tokenize import TokenizerRegistry
 
@@ -62,16 +58,9 @@ class Gateway:
         self.routes = routes
         self.requests = RouteRequests(tokenizers)
         self.settings = settings
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                connect=settings.connect_timeout,
-                read=settings.read_timeout,
-                write=settings.read_timeout,
-                pool=settings.connect_timeout,
-            ),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            trust_env=False,  # pods are dialled directly, never through an HTTP proxy
-        )
+        self.pods = PodConnections(settings.connect_timeout, settings.read_timeout)
+        # /v1/models only: rare, so httpx's cost does not matter there.
+        self.http = httpx.AsyncClient(trust_env=False)  # pods are dialled directly
 
     @classmethod
     def in_process(cls, service: Service) -> Gateway:
@@ -94,6 +83,7 @@ class Gateway:
         return cls(RemoteRoutes(client), TokenizerRegistry(dirs), settings.gateway)
 
     async def aclose(self) -> None:
+        await self.pods.aclose()
         await self.http.aclose()
         await self.routes.aclose()
 
@@ -102,7 +92,7 @@ class Gateway:
         try:
             route_request = self.requests.build(read_body(endpoint, body), uuid.uuid4().hex)
             decision, upstream, failed = await open_upstream(
-                self.http,
+                self.pods,
                 self.routes,
                 route_request,
                 endpoint.value,
@@ -119,6 +109,8 @@ class Gateway:
             return openai_error(exc.status, exc.code, exc.detail, headers)
         except PodsUnreachable as exc:
             return openai_error(502, "pods_unreachable", str(exc))
+        except PodBroken as exc:  # the pod began to answer, then failed
+            return openai_error(502, "pod_failed", str(exc))
         route_id = decision.route_id
         extra = [
             (b"x-kvindex-pod", decision.pod.encode("latin-1")),
@@ -161,55 +153,3 @@ def openai_error(
     return Response(
         _encoder.encode(body), status_code=status, media_type="application/json", headers=headers
     )
-
-
-def install_gateway(app: FastAPI, gateway: Gateway) -> None:
-    """Mount the gateway's routes on ``app`` and close the gateway with it."""
-
-    @app.post("/v1/completions", summary="OpenAI completions, routed by kvindex to a pod")
-    async def completions(request: Request) -> Any:
-        return await gateway.proxy(Endpoint.COMPLETIONS, request)
-
-    @app.post("/v1/chat/completions", summary="OpenAI chat completions, routed by kvindex")
-    async def chat(request: Request) -> Any:
-        return await gateway.proxy(Endpoint.CHAT, request)
-
-    @app.get("/v1/models", summary="The models the known pods serve")
-    async def models() -> Response:
-        return await gateway.models()
-
-    @app.get("/health", summary="Gateway health: 200 while the index answers")
-    async def health() -> Response:
-        return await gateway.health()
-
-    serving = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def lifespan(running: FastAPI) -> AsyncIterator[Any]:
-        async with serving(running) as state:
-            try:
-                yield state
-            finally:
-                await gateway.aclose()
-
-    app.router.lifespan_context = lifespan
-
-
-def create_gateway_app(gateway: Gateway, settings: Settings) -> FastAPI:
-    """The app ``kvindex gateway`` serves: the gateway's routes and the HTTP limits."""
-    app = FastAPI(
-        title="kvindex gateway",
-        summary="OpenAI-compatible front door routing each request with kvindex",
-        version=VERSION,
-        docs_url=None,
-        redoc_url=None,
-    )
-    install_error_handlers(app, lambda request, code: None)
-    app.add_middleware(
-        RequestLimits,
-        max_body_bytes=settings.http.max_body_bytes,
-        body_timeout_s=settings.http.body_timeout,
-        max_in_flight=settings.http.max_in_flight,
-    )
-    install_gateway(app, gateway)
-    return app

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from kvindex.api.schemas import RouteRequest
+from kvindex.api.schemas import RouteRequest, TokenId
 from kvindex.events.errors import ClientError, KvindexError
 from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
 
@@ -91,10 +91,13 @@ class RouteRequests:
                 raise ClientError("prompt is an empty list")
             if isinstance(prompt[0], str | list):  # a batch
                 prompt = prompt[0]
-            if isinstance(prompt, list) and not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
-            ):
-                raise ClientError("prompt must be text, token ids, or a list of either")
+            if isinstance(prompt, list):
+                try:  # in C: a Python loop over 8,192 ids costs a visible part of 1 ms
+                    prompt = msgspec.convert(prompt, list[TokenId])
+                except msgspec.ValidationError:
+                    raise ClientError(
+                        "prompt must be text, token ids, or a list of either"
+                    ) from None
         common: dict[str, Any] = {
             "model": body.model,
             "request_id": request_id,

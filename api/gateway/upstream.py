@@ -9,8 +9,9 @@ ledger moves the route instead of counting it twice. Once the pod's status line 
 arrived the answer is the pod's, errors included.
 
 The relay is a plain ASGI response: the pod's status, its headers less hop-by-hop ones
-(plus ``x-kvindex-pod``), and its body bytes as they arrive (``aiter_raw``: not decoded,
-not re-chunked), so server-sent events reach the client one event at a time. A client
+(plus ``x-kvindex-pod``), and its body bytes as they arrive (not decompressed; each
+network read sent on as one chunk), so server-sent events reach the client one event at
+a time. A client
 that disconnects stops the relay at once and closes the pod connection, which is how
 vLLM learns to abort the request. Whatever ends the response (the last byte, an error,
 a disconnect), the route is released exactly once.
@@ -24,10 +25,10 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import httpx
 import msgspec
 from starlette.responses import Response
 
+from kvindex.api.gateway.pod_http import PodBroken, PodConnections, PodResponse, PodUnreachable
 from kvindex.api.gateway.routes import RouteRefused, RouteSource
 from kvindex.api.schemas import RouteRequest, RouteResponse
 
@@ -36,15 +37,6 @@ log = logging.getLogger(__name__)
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-
-# Failures that mean the pod never received (or never started answering) the request.
-_NOT_SENT = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.RemoteProtocolError,
-    httpx.ReadError,
-    httpx.WriteError,
-)
 
 # RFC 9110 7.6.1 hop-by-hop headers, and the ones the relay's own server writes.
 _HOP = frozenset(
@@ -78,14 +70,14 @@ def forward_headers(headers: Any) -> dict[str, str]:
 
 
 async def open_upstream(
-    http: httpx.AsyncClient,
+    pods: PodConnections,
     routes: RouteSource,
     request: RouteRequest,
     path: str,
     body: bytes,
     headers: dict[str, str],
     attempts: int,
-) -> tuple[RouteResponse, httpx.Response, list[str]]:
+) -> tuple[RouteResponse, PodResponse, list[str]]:
     """Route ``request`` and open the chosen pod's answer (status and headers read,
     body not yet), with the pods that failed first. Raises RouteRefused, or
     PodsUnreachable once ``attempts`` pods (or every candidate) failed; either way no
@@ -95,11 +87,9 @@ async def open_upstream(
     while True:
         pod = decision.pod
         try:
-            url = f"http://{pod}{path}"
-            outgoing = http.build_request("POST", url, content=body, headers=headers)
-            return decision, await http.send(outgoing, stream=True), failed
-        except _NOT_SENT as exc:
-            log.info("gateway: pod %s failed before answering (%r); trying another", pod, exc)
+            return decision, await pods.send(pod, path, headers, body), failed
+        except PodUnreachable as exc:
+            log.info("gateway: %s; trying another pod", exc)
             failed.append(pod)
             left = [c.pod for c in decision.candidates if c.pod not in failed]
             if len(failed) >= attempts or not left:
@@ -121,24 +111,42 @@ class RelayedResponse(Response):
 
     def __init__(
         self,
-        upstream: httpx.Response,
+        upstream: PodResponse,
         extra_headers: list[tuple[bytes, bytes]],
         release: Callable[[], Awaitable[None]],
     ) -> None:
         self.upstream = upstream
-        self.status_code = upstream.status_code
+        self.status_code = upstream.status
         self.background = None
+        # The body is relayed as the pod encoded it (not decompressed), so its length
+        # holds; chunked framing is undone here and redone by the server, chunk for chunk.
         self.relayed_headers = [
-            (name.lower(), value)
-            for name, value in upstream.headers.raw
-            if name.lower() not in _HOP
+            (name, value)
+            for name, value in upstream.headers
+            if name not in _HOP or name == b"content-length"
         ] + extra_headers
-        length = upstream.headers.get("content-length")
-        if length is not None:  # the raw bytes are relayed unchanged: the length holds
-            self.relayed_headers.append((b"content-length", length.encode("latin-1")))
         self.release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        start = {
+            "type": "http.response.start",
+            "status": self.upstream.status,
+            "headers": self.relayed_headers,
+        }
+        if self.upstream.whole:
+            # The pod's whole answer is here (a non-streamed one, usually): one write to
+            # the client, and no disconnect to watch for.
+            try:
+                await send(start)
+                body = b"".join([chunk async for chunk in self.upstream.iter_body()])
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            finally:
+                await asyncio.shield(self._close())
+            return
+        await self._relay(start, receive, send)
+
+    async def _relay(self, start: dict[str, Any], receive: Receive, send: Send) -> None:
+        """Chunk by chunk, stopping as soon as the client leaves."""
         task = asyncio.current_task()
         disconnected = False
 
@@ -152,25 +160,22 @@ class RelayedResponse(Response):
 
         watcher = asyncio.create_task(watch())
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": self.upstream.status_code,
-                    "headers": self.relayed_headers,
-                }
-            )
-            async for chunk in self.upstream.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send(start)
+            ended = False
+            async for chunk in self.upstream.iter_body():
+                ended = self.upstream.whole  # the last piece: end the answer with it
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not disconnected:
                 raise
             if task is not None:
                 task.uncancel()
-            log.debug("gateway: client left; closing %s", self.upstream.request.url)
-        except httpx.HTTPError as exc:
+            log.debug("gateway: the client left; closing its pod connection")
+        except PodBroken as exc:
             # The pod failed mid-answer: too late for another pod or another status.
-            log.warning("gateway: %s failed mid-answer: %r", self.upstream.request.url, exc)
+            log.warning("gateway: %s", exc)
             raise
         finally:
             watcher.cancel()

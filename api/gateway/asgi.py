@@ -1,0 +1,103 @@
+"""The gateway as a plain ASGI app, in front of kvindex's own app or on its own.
+
+Plain ASGI rather than FastAPI routes because the gateway's budget is 1 ms per request
+and FastAPI's route machinery (dependency solving, its middleware stack) costs a large
+part of that on the benchmark machine, for endpoints whose bodies are not ours to
+validate anyway (the pod does). The four paths are matched in a dict; everything else
+goes to the inner app (``kvindex serve --gateway``: /score, /route, /metrics ...), or is
+a 404 in the OpenAI error shape when the gateway runs alone.
+
+The gateway's requests get their own :class:`kvindex.api.limits.RequestLimits` (body size
+and pace, and an in-flight cap of their own), so long streamed answers never use up the
+slots ``/route`` and ``/score`` are answered from.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvindex.api.errors import status_of
+from kvindex.api.gateway.app import Gateway, openai_error
+from kvindex.api.gateway.bodies import Endpoint
+from kvindex.api.limits import RequestLimits
+from kvindex.api.settings import Settings
+from kvindex.events.errors import KvindexError
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class GatewayApp:
+    """``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` and
+    ``GET /health``; other requests go to ``inner`` (or get a 404 without one). The
+    gateway is closed when the server shuts down."""
+
+    def __init__(self, gateway: Gateway, settings: Settings, inner: ASGIApp | None = None):
+        self.gateway = gateway
+        self.inner = inner
+        self._routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
+            ("POST", Endpoint.COMPLETIONS.value): lambda r: gateway.proxy(Endpoint.COMPLETIONS, r),
+            ("POST", Endpoint.CHAT.value): lambda r: gateway.proxy(Endpoint.CHAT, r),
+            ("GET", "/v1/models"): lambda r: gateway.models(),
+            ("GET", "/health"): lambda r: gateway.health(),
+        }
+        self._limited = RequestLimits(
+            self._serve,
+            max_body_bytes=settings.http.max_body_bytes,
+            body_timeout_s=settings.http.body_timeout,
+            max_in_flight=settings.http.max_in_flight,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http" and (scope["method"], scope["path"]) in self._routes:
+            await self._limited(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(scope, receive, send)
+        elif self.inner is not None:
+            await self.inner(scope, receive, send)
+        elif kind == "http":
+            path = scope["path"]
+            await openai_error(404, "not_found", f"no route {scope['method']} {path}")(
+                scope, receive, send
+            )
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        try:
+            response = await self._routes[(scope["method"], scope["path"])](request)
+        except KvindexError as exc:  # the body too large or too slow (RequestLimits)
+            response = openai_error(status_of(exc), exc.code, exc.detail)
+        except Exception as exc:  # a bug: logged with its traceback, none for the client
+            log.error("gateway %s %s failed", scope["method"], scope["path"], exc_info=exc)
+            response = openai_error(500, "internal_error", f"internal error ({type(exc).__name__})")
+        await response(scope, receive, send)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The inner app's lifespan (kvindex's service), then the gateway closed."""
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.gateway.aclose()
+            await send(message)
+
+        if self.inner is not None:
+            await self.inner(scope, receive, sending)
+            return
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await sending({"type": "lifespan.shutdown.complete"})
+                return

@@ -19,6 +19,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MULT 0x9E3779B97F4A7C15ULL
 
@@ -293,7 +294,74 @@ static PyObject *probe_distinct(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(unique);
 }
 
+/* move_rows(src, dst, src_rows, dst_rows, row_bytes) -> None
+ *
+ * dst row dst_rows[i] = src row src_rows[i] (rows of row_bytes bytes): the gather and
+ * scatter of a rebuild in one pass, without the temporary array numpy's
+ * `dst[b] = src[a]` makes. Every row number is checked against its buffer. */
+static PyObject *probe_move_rows(PyObject *self, PyObject *args) {
+    PyObject *src_o, *dst_o, *from_o, *to_o;
+    Py_ssize_t row;
+    if (!PyArg_ParseTuple(args, "OOOOn", &src_o, &dst_o, &from_o, &to_o, &row)) {
+        return NULL;
+    }
+    Buf src = {0}, dst = {0}, from = {0}, to = {0};
+    PyObject *result = NULL;
+    if (row <= 0) {
+        PyErr_SetString(PyExc_ValueError, "row_bytes must be positive");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(src_o, &src.view, PyBUF_C_CONTIGUOUS) < 0) {
+        goto done;
+    }
+    src.held = 1;
+    if (PyObject_GetBuffer(dst_o, &dst.view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        goto done;
+    }
+    dst.held = 1;
+    if (get(from_o, &from, sizeof(Py_ssize_t), 0, "src_rows") < 0 ||
+        get(to_o, &to, sizeof(Py_ssize_t), 0, "dst_rows") < 0) {
+        goto done;
+    }
+    Py_ssize_t n = from.view.len / (Py_ssize_t)sizeof(Py_ssize_t);
+    if (to.view.len / (Py_ssize_t)sizeof(Py_ssize_t) != n) {
+        PyErr_SetString(PyExc_ValueError, "src_rows and dst_rows must be as long");
+        goto done;
+    }
+    Py_ssize_t src_n = src.view.len / row, dst_n = dst.view.len / row;
+    const Py_ssize_t *a = from.view.buf, *b = to.view.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (a[i] < 0 || a[i] >= src_n || b[i] < 0 || b[i] >= dst_n) {
+            PyErr_SetString(PyExc_IndexError, "row out of range");
+            goto done;
+        }
+    }
+    const char *sp = src.view.buf;
+    char *dp = dst.view.buf;
+    if (row == 8) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            ((uint64_t *)dp)[b[i]] = ((const uint64_t *)sp)[a[i]];
+        }
+    } else if (row == 4) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            ((uint32_t *)dp)[b[i]] = ((const uint32_t *)sp)[a[i]];
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            memcpy(dp + b[i] * row, sp + a[i] * row, (size_t)row);
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release(&src);
+    release(&dst);
+    release(&from);
+    release(&to);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"move_rows", probe_move_rows, METH_VARARGS, "dst[dst_rows] = src[src_rows], row by row."},
     {"distinct", probe_distinct, METH_O, "Whether no value of an int64 buffer repeats."},
     {"find", probe_find, METH_VARARGS, "Slots of keys (-1 absent), and insert cursors."},
     {"insert", probe_insert, METH_VARARGS, "Place absent keys; largest displacement or -1."},

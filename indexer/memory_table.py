@@ -47,6 +47,7 @@ from kvindex.indexer.table_layout import (
     _home,
     _Layout,
     _layout,
+    _move_rows,
     _shift_for,
     as_keys,
 )
@@ -160,21 +161,21 @@ class BlockTable(_Probing, _Updates, _Copies, _Members, _Queries, _State):
         """
         live = self.live_slots()
         keys = self.keys[live]
+        tiers = tuple(m is not None for m in self.masks)
         while True:
             if cap > 64 * max(keys.size, MIN_CAP):
                 raise BackendError("block keys collide pathologically; the table cannot grow")
+            out = _empty_layout(cap, self.width, tiers, self.stamped)
             try:
-                slots, max_disp = _layout(keys, cap, self.seed)
+                slots, max_disp = _layout(keys, cap, self.seed, out.keys)
                 break
             except TableFull:
                 cap *= 2
-        out = _empty_layout(cap, self.width, tuple(m is not None for m in self.masks), self.stamped)
-        out.keys[slots] = keys  # key 0 goes to the reserved slot, which holds 0
         for old, new in zip(self.masks, out.masks, strict=True):
             if old is not None and new is not None:
-                new[slots] = old[live]
+                _move_rows(old, new, live, slots)
         if self.stamps is not None and out.stamps is not None:
-            out.stamps[slots] = self.stamps[live]
+            _move_rows(self.stamps, out.stamps, live, slots)
         out.live, out.max_disp, out.zero_used = keys.size, max_disp, bool((keys == 0).any())
         remap = np.full(self.keys.size, -1, np.intp)
         remap[live] = slots

@@ -207,9 +207,10 @@ def _shift_for(cap: int) -> np.uint64:
     return np.uint64(64 - (cap.bit_length() - 1))
 
 
-def _layout(keys: U64s, cap: int, seed: np.uint64) -> tuple[Slots, int]:
-    """Slots for distinct keys in an empty table of ``cap``, and the largest displacement,
-    without probing rounds; raises TableFull past ``MAX_DISPLACEMENT``.
+def _layout(keys: U64s, cap: int, seed: np.uint64, into: U64s) -> tuple[Slots, int]:
+    """Lay distinct keys out in ``into``, the empty keys array of a table of ``cap``;
+    return their slots and the largest displacement, without probing rounds. Raises
+    TableFull past ``MAX_DISPLACEMENT`` (``into`` is then partly written).
 
     Compiled: each key in turn goes to the first empty slot from its home. numpy:
     sorted by home slot, key ``i`` lands at ``max(home_i, slot_{i-1} + 1)``, which
@@ -218,16 +219,15 @@ def _layout(keys: U64s, cap: int, seed: np.uint64) -> tuple[Slots, int]:
     out = np.empty(keys.size, np.intp)
     probe = compiled.probe
     if probe is not None:
-        scratch = np.zeros(cap + PAD + 1, np.uint64)
         shift = int(_shift_for(cap))
         disp = probe.layout(
-            scratch, np.ascontiguousarray(keys), int(seed), shift, MAX_DISPLACEMENT, cap + PAD, out
+            into, np.ascontiguousarray(keys), int(seed), shift, MAX_DISPLACEMENT, cap + PAD, out
         )
         if disp < 0:
             raise TableFull
         return out, disp
     zero = keys == 0
-    out[zero] = cap + PAD  # the reserved slot of key 0
+    out[zero] = cap + PAD  # the reserved slot of key 0, which holds 0
     rows = np.flatnonzero(~zero)
     if not rows.size:
         return out, 0
@@ -240,4 +240,15 @@ def _layout(keys: U64s, cap: int, seed: np.uint64) -> tuple[Slots, int]:
     if disp > MAX_DISPLACEMENT:
         raise TableFull
     out[rows[order]] = pos
+    into[out] = keys
     return out, disp
+
+
+def _move_rows(src: np.ndarray, dst: np.ndarray, src_rows: Slots, dst_rows: Slots) -> None:
+    """``dst[dst_rows] = src[src_rows]`` for arrays of one dtype and row shape (one
+    compiled pass, without numpy's temporary copy of the gathered rows)."""
+    probe = compiled.probe
+    if probe is None:
+        dst[dst_rows] = src[src_rows]
+        return
+    probe.move_rows(src, dst, src_rows, dst_rows, src.strides[0])

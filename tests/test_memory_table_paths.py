@@ -144,3 +144,20 @@ def test_distinct_kernel_finds_any_repeat() -> None:
             assert not compiled.probe.distinct(values)
     assert not compiled.probe.distinct(np.array([0, 5, 0], np.intp))  # 0 is a value too
     assert compiled.probe.distinct(np.array([0, 1, 2**62], np.intp))
+
+
+def test_move_rows_kernel_matches_numpy_and_checks_bounds() -> None:
+    rng = np.random.default_rng(11)
+    for dtype, width in ((np.uint64, 1), (np.uint64, 3), (np.uint32, 1)):
+        src = rng.integers(0, 2**31, (500, width)).astype(dtype)
+        src_rows = rng.permutation(500)[:300].astype(np.intp)
+        dst_rows = rng.permutation(800)[:300].astype(np.intp)
+        want = np.zeros((800, width), dtype)
+        want[dst_rows] = src[src_rows]
+        got = np.zeros((800, width), dtype)
+        compiled.probe.move_rows(src, got, src_rows, dst_rows, src.strides[0])
+        assert (got == want).all()
+    with pytest.raises(IndexError):
+        compiled.probe.move_rows(src, got, np.array([500], np.intp), np.array([0], np.intp), 4)
+    with pytest.raises(ValueError):
+        compiled.probe.move_rows(src, got, src_rows, dst_rows[:5], 4)

@@ -131,13 +131,12 @@ def route_request(service: Service, req: RouteRequest) -> RouteResponse:
     the same process. Raises NoCapacity (429), ClientError (400) or Unavailable (503, no
     pods known or none of the asked role)."""
     settings = service.settings
-    pods = _candidates(req.pods, settings.events.serving_port, settings.http.max_pods)
-    pods = pods or service.route_view.pods()
+    named = _candidates(req.pods, settings.events.serving_port, settings.http.max_pods)
+    pods = list(dict.fromkeys(named)) if named else service.route_view.pods()  # known: unique
     if not pods:
         raise Unavailable(
             "no pods given and none known (configured, discovered or indexed)", code="no_pods"
         )
-    pods = list(dict.fromkeys(pods))
     view = _index_view(service, req, pods)
     block_size = service.catalog.keying(req.model).hash.block_size
     targets = build_targets(

@@ -6,7 +6,7 @@ the speculative index, the lag tracker), which hold no registry themselves."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -38,8 +38,13 @@ class RouteMetrics:
             registry=registry,
         )
 
+        self._by_reason: dict[str, Any] = {}
+
     def decided(self, reason: str) -> None:
-        self.decisions.labels(reason).inc()
+        child = self._by_reason.get(reason)
+        if child is None:  # labels() takes a lock and builds a key: once per reason
+            child = self._by_reason[reason] = self.decisions.labels(reason)
+        child.inc()
 
 
 class LoadCollector(Collector):

@@ -2,7 +2,9 @@
 
 Starts a real ``kvindex serve`` (memory backend by default, or ``--backend redis://...``),
 fills it over ZMQ from 64 engine publishers (pod i holds the first 8·(i+1) blocks of the
-shared 512-block prompt, so every pod matches a different prefix length), then measures:
+shared 512-block prompt, so every pod matches a different prefix length), serves each
+pod's vLLM ``/metrics`` page on its address (kvindex scrapes them every second, as in a
+cluster), then measures:
 
 * one client, sequential requests: p50 / p99 latency;
 * 16 concurrent clients (keep-alive connections): requests/s and p50 / p99.
@@ -28,8 +30,11 @@ import multiprocessing
 import os
 import random
 import statistics
+import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from kvindex.api.testing import ServeProcess, free_port
 
@@ -44,6 +49,50 @@ def _get(url: str) -> dict:
         return json.loads(response.read())
 
 
+_PAGE = Path(__file__).parent.parent / "tests/fixtures/metrics/vllm-0.33-dp1-idle.txt"
+
+
+class _MetricsPages:
+    """Every pod's vLLM ``/metrics`` (the captured vLLM 0.33 page) served on its own
+    loopback address, so that kvindex's load scraping does the work it does in a real
+    cluster (64 pages a second) while /score and /route are measured."""
+
+    def __init__(self, hosts: list[str], port: int = 8000) -> None:
+        body = _PAGE.read_bytes()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.servers: list[ThreadingHTTPServer] = []
+        self.missing: list[str] = []
+        for host in hosts:
+            try:
+                server = ThreadingHTTPServer((host, port), Handler)
+            except OSError:
+                self.missing.append(host)
+                continue
+            server.daemon_threads = True
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            self.servers.append(server)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+
+
+def _hosts() -> list[str]:
+    return [f"127.0.{1 + i // 250}.{1 + i % 250}" for i in range(PODS)]
+
+
 def _fill(zmq_endpoint: str, url: str, prompt: list[int]) -> None:
     from kvindex.events.endpoints import from_source
     from kvindex.events.publisher import EnginePublisher
@@ -52,15 +101,14 @@ def _fill(zmq_endpoint: str, url: str, prompt: list[int]) -> None:
 
     keys = BlockHasher(HashConfig(block_size=BLOCK)).keys(prompt)
     publishers = []
-    for i in range(PODS):
-        host = f"127.0.{1 + i // 250}.{1 + i % 250}"
+    for host in _hosts():
         pod = f"{host}:8000"
         # Each pod sends from its own loopback address: bind mode checks the sender.
         source = from_source(zmq_endpoint, host)
         pub = EnginePublisher(source, topic=f"kv@{pod}@{MODEL}", bind=False)
         if not pub.wait_for_subscribers(1, 10.0):
             raise SystemExit("publisher could not reach kvindex")
-        n = min(len(keys), 8 * (i + 1))
+        n = min(len(keys), 8 * (len(publishers) + 1))
         pub.publish([BlockStored(keys[:n], None, prompt[: n * BLOCK], BLOCK)])
         publishers.append(pub)
     deadline = time.monotonic() + 30
@@ -258,8 +306,11 @@ def main() -> None:
         env={**os.environ, "KVINDEX_REDIS_PREFIX": f"bench-score-{os.getpid()}"},
     )  # fmt: skip
     http, url = server.port, server.url
+    pages = _MetricsPages(_hosts())
     try:
         server.wait_ready()
+        if pages.missing:
+            print(f"(no /metrics for {len(pages.missing)} pods: port 8000 taken on their address)")
         rng = random.Random(11)
         prompt = [rng.randrange(1, 150_000) for _ in range(PROMPT_TOKENS)]
         _fill(f"tcp://127.0.0.1:{zport}", url, prompt)
@@ -296,6 +347,7 @@ def main() -> None:
         passed = _route_vs_score(http, prompt, args.pairs)
     finally:
         server.stop()
+        pages.close()
     raise SystemExit(0 if passed else 1)
 
 

@@ -98,26 +98,44 @@ def pod_cost(
 ) -> CostTerms:
     """The cost of serving a ``prompt_tokens``-token prompt on one pod. With
     ``load_only`` the prefix term is 0 for every pod (the index is not trusted)."""
-    # Runs for every candidate of every /route request: plain arithmetic, no calls.
+    return pod_costs([inputs], prompt_tokens, block_size, weights, load_only)[0]
+
+
+def pod_costs(
+    pods: list[PodInputs],
+    prompt_tokens: int,
+    block_size: int,
+    weights: CostWeights,
+    load_only: bool = False,
+) -> list[CostTerms]:
+    """:func:`pod_cost` of each of ``pods``, in one loop: it runs for every candidate of
+    every /route request, so the per-request constants are computed once and the loop
+    body is plain arithmetic."""
     if prompt_tokens > 0:
         total_blocks = -(-prompt_tokens // block_size)
-        usable = min(inputs.matched_blocks, (prompt_tokens - 1) // block_size)
+        cap = (prompt_tokens - 1) // block_size
     else:
-        total_blocks = usable = 0
-    matched = inputs.matched_blocks
-    # Tier weights scale the reusable part only: the blocks past the cap are not reused.
-    hit = inputs.tier_weighted_blocks * usable / matched if matched > 0 and usable > 0 else 0.0
-    uncached = total_blocks - hit if total_blocks > hit else 0.0
-    prefix = weights.prefix * uncached / total_blocks if total_blocks and not load_only else 0.0
-    waiting = inputs.waiting
-    half = weights.queue_half
-    pending = inputs.in_flight + (half if waiting is None else waiting)  # unknown: never idle
-    queue = weights.queue * pending / (pending + half)
-    usage = inputs.kv_usage
-    if usage is None:
-        usage = 1.0
-    elif usage < 0.0 or usage > 1.0:
-        usage = 0.0 if usage < 0.0 else 1.0
-    kv = weights.kv * usage
-    # Not rounded: 64 candidates per request, and the answer's floats encode exactly.
-    return CostTerms(max(usable, 0), uncached, prefix, queue, kv, prefix + queue + kv)
+        total_blocks = cap = 0
+    w_prefix = 0.0 if load_only or not total_blocks else weights.prefix / total_blocks
+    w_queue, w_kv, half = weights.queue, weights.kv, weights.queue_half
+    out = []
+    append = out.append
+    for p in pods:
+        matched = p.matched_blocks
+        usable = matched if matched < cap else cap
+        # Tier weights scale the reusable part only: the blocks past the cap are not reused.
+        hit = p.tier_weighted_blocks * usable / matched if usable > 0 else 0.0
+        uncached = total_blocks - hit if total_blocks > hit else 0.0
+        prefix = w_prefix * uncached
+        waiting = p.waiting
+        pending = p.in_flight + (half if waiting is None else waiting)  # unknown: never idle
+        queue = w_queue * pending / (pending + half)
+        usage = p.kv_usage
+        if usage is None:
+            usage = 1.0
+        elif usage < 0.0 or usage > 1.0:
+            usage = 0.0 if usage < 0.0 else 1.0
+        kv = w_kv * usage
+        # Not rounded: the answer's floats encode exactly, and rounding costs per pod.
+        append(CostTerms(usable, uncached, prefix, queue, kv, prefix + queue + kv))
+    return out

@@ -27,7 +27,7 @@ from enum import StrEnum
 
 import msgspec
 
-from kvindex.scoring.route_cost import CostTerms, CostWeights, PodInputs, pod_cost
+from kvindex.scoring.route_cost import CostTerms, CostWeights, PodInputs, pod_costs
 
 _EPSILON = 1e-9
 
@@ -97,18 +97,17 @@ class Router:
         load_only = fallback is not None
         weights, admission = self.weights, self.admission
         max_kv, max_waiting = admission.max_kv_usage, admission.max_waiting
+        costs = pod_costs(pods, prompt_tokens, block_size, weights, load_only)
         candidates = []
         append = candidates.append
-        for p in pods:  # every candidate of every request: the refusal text only if refused
+        for p, terms in zip(pods, costs, strict=True):
             usage, waiting = kv_usage_max.get(p.pod), p.waiting
-            refused = None
+            refused = None  # the refusal text only when refused: this runs for every pod
             if (usage is not None and usage > max_kv) or (
                 max_waiting and waiting is not None and waiting > max_waiting
             ):
                 refused = admission.refusal(usage, waiting)
-            append(
-                Candidate(p, pod_cost(p, prompt_tokens, block_size, weights, load_only), refused)
-            )
+            append(Candidate(p, terms, refused))
         admitted = [c for c in candidates if c.refused is None]
         if not admitted:
             if not self.least_bad or not candidates:

@@ -60,6 +60,9 @@ _HOP = frozenset(
 _REQUEST_SKIP = frozenset(name.decode() for name in _HOP) | {"accept-encoding"}
 
 
+_RANK_HEADER = "x-data-parallel-rank"
+
+
 class PodsUnreachable(Exception):
     """Every pod tried failed before answering; the message lists them."""
 
@@ -87,11 +90,12 @@ async def open_upstream(
     while True:
         pod = decision.pod
         try:
-            return decision, await pods.send(pod, path, headers, body), failed
+            answer = await pods.send(pod, path, _with_rank(headers, decision), body)
+            return decision, answer, failed
         except PodUnreachable as exc:
             log.info("gateway: %s; trying another pod", exc)
             failed.append(pod)
-            left = [c.pod for c in decision.candidates if c.pod not in failed]
+            left = list(dict.fromkeys(c.pod for c in decision.candidates if c.pod not in failed))
             if len(failed) >= attempts or not left:
                 await routes.done(decision.route_id)
                 raise PodsUnreachable(f"no pod answered (tried {', '.join(failed)})") from None
@@ -103,6 +107,15 @@ async def open_upstream(
         except RouteRefused:
             await routes.done(decision.route_id)
             raise
+
+
+def _with_rank(headers: dict[str, str], decision: RouteResponse) -> dict[str, str]:
+    """The request's headers, plus the engine to use when the pod runs data-parallel
+    ranks (vLLM 0.33 reads ``X-data-parallel-rank``); a header the client set wins."""
+    ranks = {c.rank for c in decision.candidates if c.pod == decision.pod}
+    if len(ranks) < 2 or any(k.lower() == _RANK_HEADER for k in headers):
+        return headers
+    return {**headers, _RANK_HEADER: str(decision.rank)}
 
 
 class RelayedResponse(Response):

@@ -1,0 +1,91 @@
+"""What the gateway reads from an OpenAI body to route it, and the headers it adds for the
+pod: pure functions, no sockets (the end-to-end behaviour is in test_gateway.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvindex.api.gateway.bodies import Endpoint, RouteRequests, read_body
+from kvindex.api.gateway.upstream import _with_rank
+from kvindex.api.schemas import RouteCandidate, RouteResponse
+from kvindex.events.errors import ClientError
+from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
+from tests.chat_models import model_directory
+
+MESSAGES = [{"role": "user", "content": "Hello! What is a KV cache?"}]
+
+
+def build(endpoint: Endpoint, body: bytes, tokenizers: TokenizerRegistry | None = None):
+    requests = RouteRequests(tokenizers or TokenizerRegistry())
+    return requests.build(read_body(endpoint, body), "rid")
+
+
+def test_token_id_prompts_and_batches_route_by_their_first_prompt() -> None:
+    route = build(
+        Endpoint.COMPLETIONS, b'{"model": "m", "prompt": [[5, 6, 7], [1]], "max_tokens": 9}'
+    )
+    assert (route.token_ids, route.prompt, route.max_tokens, route.request_id) == (
+        [5, 6, 7],
+        None,
+        9,
+        "rid",
+    )
+    assert build(Endpoint.COMPLETIONS, b'{"model": "m", "prompt": ["a b", "c"]}').prompt == "a b"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "prompt": []}',
+        b'{"model": "m", "prompt": [1, -2]}',
+        b'{"model": "m", "prompt": [1, true]}',
+        b'{"model": "m"}',
+        b'{"model": "m", "messages": "hi"}',
+        b"not json",
+    ],
+)
+def test_bodies_that_cannot_be_routed_are_client_errors(body: bytes) -> None:
+    endpoint = Endpoint.CHAT if b"messages" in body else Endpoint.COMPLETIONS
+    with pytest.raises(ClientError):
+        build(endpoint, body)
+
+
+def test_without_a_tokenizer_the_text_and_chat_fields_go_to_route() -> None:
+    body = (
+        b'{"model": "nobody/has-this", "messages": [{"role": "user", "content": "hi"}],'
+        b' "max_completion_tokens": 4, "chat_template_kwargs": {"x": 1}, "cache_salt": "s"}'
+    )
+    route = build(Endpoint.CHAT, body)
+    assert route.token_ids is None and route.messages == [{"role": "user", "content": "hi"}]
+    assert (route.max_tokens, route.chat_template_kwargs, route.cache_salt) == (4, {"x": 1}, "s")
+
+
+def test_with_a_tokenizer_the_gateway_sends_the_tokens_vllm_will_compute(tmp_path: Path) -> None:
+    directory = model_directory("gpt-oss", tmp_path)
+    tokenizers = TokenizerRegistry({"oss": str(directory)})
+    body = (
+        b'{"model": "oss", "messages": [{"role": "user", "content": "Hello! What is a KV cache?"}]}'
+    )
+    route = build(Endpoint.CHAT, body, tokenizers)
+    assert route.token_ids == tokenizers.get("oss").encode_chat(MESSAGES, ChatOptions())
+    text = build(Endpoint.COMPLETIONS, b'{"model": "oss", "prompt": "Hello!"}', tokenizers)
+    assert text.token_ids == tokenizers.get("oss").encode_prompt("Hello!")
+
+
+def candidate(pod: str, rank: int) -> RouteCandidate:
+    return RouteCandidate(
+        pod, rank, "both", 0, 0, 0, 0.0, "known", 0, 0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, True
+    )
+
+
+def test_the_rank_header_names_the_engine_only_for_data_parallel_pods() -> None:
+    def decision(rank: int, *rows: RouteCandidate) -> RouteResponse:
+        return RouteResponse("r", "a:1", "prefix", "m", 16, 32, 2, list(rows), [], rank=rank)
+
+    dp = decision(1, candidate("a:1", 0), candidate("a:1", 1), candidate("b:1", 0))
+    assert _with_rank({"x": "y"}, dp) == {"x": "y", "x-data-parallel-rank": "1"}
+    assert _with_rank({"X-Data-Parallel-Rank": "0"}, dp) == {"X-Data-Parallel-Rank": "0"}
+    plain = decision(0, candidate("a:1", 0), candidate("b:1", 0))
+    assert _with_rank({}, plain) == {}

@@ -4,6 +4,7 @@ decoded from flags over ``KVINDEX_*`` variables over the config file."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,22 @@ def test_every_leaf_has_a_description_and_a_unique_flag() -> None:
     assert len(flags) == len(set(flags))
     for leaf in LEAVES.values():
         assert leaf.meta.description, leaf.dest
+
+
+def test_the_readmes_flag_table_states_the_trees_defaults() -> None:
+    """The README's configuration tables repeat each default for readers; they must say
+    what the tree says (the one place the defaults are written)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    by_flag = {leaf.flag: leaf for leaf in LEAVES.values()}
+    checked = 0
+    for flag, default in re.findall(r"^\| `(--[a-z0-9-]+)[^`]*` \| `([^`]+)`", readme, re.M):
+        leaf = by_flag.get(flag)
+        if leaf is None or leaf.default is None:
+            continue
+        value = leaf.default.value if hasattr(leaf.default, "value") else leaf.default
+        if isinstance(value, int | float):
+            assert float(default) == float(value), (flag, default, value)
+        else:
+            assert default == str(value), (flag, default, value)
+        checked += 1
+    assert checked >= 30

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -59,6 +59,9 @@ _score_decoder = msgspec.json.Decoder(ScoreRequest)
 # attack on the decoder or the template, not a prompt.
 MAX_MESSAGE_DEPTH = 32
 MAX_BLOCKS_LIMIT = 1_000_000
+POD = Path(
+    description="The pod id, ip:port of its HTTP server (the port defaults to --serving-port)"
+)
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -173,7 +176,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
         summary="One pod's index and stream state",
         responses={"200": ok("The pod", pod_schema), **errors(400, 404, 503)},
     )
-    def get_pod(pod: str) -> Response:
+    def get_pod(pod: str = POD) -> Response:
         pod_id = _pod_id(pod, serving_port)
         report = service.directory.report(pod_id)
         if report is None:
@@ -186,7 +189,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
         responses={"200": ok("The pod's block keys", blocks_schema), **errors(400, 404, 503)},
     )
     def pod_blocks(
-        pod: str,
+        pod: str = POD,
         model: str = Query(description="the model whose blocks to list"),
         tier: str | None = Query(None, description="gpu, cpu or storage; all when absent"),
         limit: int = Query(
@@ -225,7 +228,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
             **errors(400, 401, 403, 404, 503),
         },
     )
-    def purge_pod(pod: str, request: Request) -> Response:
+    def purge_pod(request: Request, pod: str = POD) -> Response:
         _check_admin(request, admin_token)
         pod_id = _pod_id(pod, serving_port)
         members, removed = service.purge_pod(pod_id)

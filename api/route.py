@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import Response
 
 from kvindex.api.app import _candidates, _json, _require_json, _tokens_of
@@ -108,7 +108,9 @@ def install_route(app: FastAPI, service: Service) -> dict[str, Any]:
             }
         },
     )
-    def route_done(route_id: str) -> Response:
+    def route_done(
+        route_id: str = Path(description="The route_id /route answered"),
+    ) -> Response:
         return _json(release_route(service, route_id))
 
     return components

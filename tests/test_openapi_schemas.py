@@ -1,6 +1,7 @@
 """Every route documents its answer (issue 14): a 2xx response schema in the OpenAPI
-document whose every field has a description, and real answers that decode with the
-documented types (which refuse unknown fields, so the document cannot fall behind)."""
+document whose every field has a description, described parameters, and real answers
+that decode with the documented types (which refuse unknown fields, so the document
+cannot fall behind)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ def test_every_route_has_a_described_2xx_response_schema() -> None:
                         missing += undescribed(schema, components, where)
                     else:
                         assert schema == {"type": "string"}, (where, media)
+            for parameter in item[method].get("parameters", []):
+                if not parameter.get("description"):
+                    missing.append(f"{where}: parameter {parameter['name']}")
     assert routes >= 10
     assert missing == []
 

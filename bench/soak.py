@@ -20,6 +20,7 @@ Bounded (``--seconds``) and loopback only. Figures: bench/README.md, "Soak".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import http.server
 import json
@@ -198,11 +199,14 @@ class _MetricsHandler(http.server.BaseHTTPRequestHandler):
             f"vllm:num_requests_waiting{labels} 0.0\n"
             f"vllm:kv_cache_usage_perc{labels} {usage}\n"
         ).encode()
-        self.send_response(200)
-        self.send_header("content-type", "text/plain; version=0.0.4")
-        self.send_header("content-length", str(len(page)))
-        self.end_headers()
-        self.wfile.write(page)
+        # kvindex may give up on a scrape (--load-timeout) on a loaded machine: the
+        # closed connection is a slow pod, as meant, not an error of the soak.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.send_response(200)
+            self.send_header("content-type", "text/plain; version=0.0.4")
+            self.send_header("content-length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
 
     def log_message(self, *args: object) -> None:
         pass

@@ -131,6 +131,7 @@ class Latencies:
         self._lock = threading.Lock()
         self._samples: list[float] = []
         self.errors = 0
+        self.statuses: Counter = Counter()  # failed calls by HTTP status (0: no answer)
 
     def add(self, seconds: float) -> None:
         with self._lock:
@@ -167,6 +168,7 @@ def client_loop(
             elapsed = time.perf_counter() - started
             if response.status != 200:
                 lat.errors += 1
+                lat.statuses[response.status] += 1
             elif path == "/route":
                 route_id = json.loads(answer)["route_id"]
                 conn.request("POST", f"/route/{route_id}/done", b"", headers)
@@ -174,8 +176,10 @@ def client_loop(
                 done.read()
                 if done.status != 200:
                     lat.errors += 1
+                    lat.statuses[done.status] += 1
         except (OSError, http.client.HTTPException, ValueError, KeyError):
             lat.errors += 1
+            lat.statuses[0] += 1
             conn.close()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
             continue
@@ -192,7 +196,10 @@ class _MetricsHandler(http.server.BaseHTTPRequestHandler):
         if self.pod is None:
             self.send_error(503)
             return
-        usage = len(self.pod.held) / self.pod.capacity
+        # vLLM counts cached blocks no request uses as free, so a full prefix cache is
+        # not a full KV cache: the usage shown is half the cache's fill, below the
+        # admission limit (--max-kv-usage 0.95), and still varies for the cost model.
+        usage = 0.5 * len(self.pod.held) / self.pod.capacity
         labels = f'{{model_name="{MODEL}",engine="0"}}'
         page = (
             f"vllm:num_requests_running{labels} 0.0\n"
@@ -431,8 +438,8 @@ def main() -> int:
         seen = counters(server.url)
         print(f"operations: {dict(sorted(ops.items()))}")
         print(
-            f"kvindex counters: {seen}; /score errors: {lat.errors}; "
-            f"/route errors: {route_lat.errors}"
+            f"kvindex counters: {seen}; /score errors: {lat.errors} {dict(lat.statuses)}; "
+            f"/route errors: {route_lat.errors} {dict(route_lat.statuses)}"
         )
         print(
             f"exactness: {exact}/{len(pods)} pods exact"

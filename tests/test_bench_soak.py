@@ -35,5 +35,5 @@ def test_a_short_soak_is_exact_and_calls_score_and_route() -> None:
     columns = header.split()
     assert rows and all(int(row[columns.index("routes")]) > 0 for row in rows)
     assert "exactness: 3/3 pods exact" in out
-    assert "/score errors: 0; /route errors: 0" in out
+    assert "/score errors: 0 {}; /route errors: 0 {}" in out
     assert "'pods_with_known_load': 3" in out

@@ -35,6 +35,14 @@ from kvindex.api.schemas import (
     openapi_schema,
 )
 from kvindex.api.schemas_pods import Health, PodBlocks, PodList, PodReport, Readiness
+from kvindex.api.score_inputs import (
+    binary_parameters,
+    hashed_keys,
+    prompt_form,
+    read_request,
+    request_body,
+    require_known_model,
+)
 from kvindex.api.version import VERSION
 from kvindex.events.errors import (
     ClientError,
@@ -43,7 +51,6 @@ from kvindex.events.errors import (
     NotFound,
     TooLarge,
     Unauthorized,
-    UnsupportedMediaType,
 )
 from kvindex.events.identity import normalize_pod
 from kvindex.indexer.backend import Tier
@@ -130,7 +137,8 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
         description="A 404 `unknown_model` right after a deploy means no pod has published "
         "events for the model yet: fall back to default balancing, as for a 503.",
         openapi_extra={
-            "requestBody": {"required": True, "content": {JSON: {"schema": request_schema}}},
+            "requestBody": request_body(request_schema),
+            "parameters": binary_parameters(ScoreRequest),
             "responses": {
                 "200": {"description": "Scores", "content": {JSON: {"schema": response_schema}}},
                 **errors(400, 404, 408, 413, 415, 503),
@@ -139,17 +147,21 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
     )
     async def score(request: Request) -> Response:
         started = time.perf_counter()
-        _require_json(request)
-        req = _decode_score(await request.body())
-        tokens = _tokens_of(service, req, limits.max_prompt_tokens, limits.max_prompt_chars)
-        candidates = _candidates(req.pods, serving_port, limits.max_pods)
-        result = service.scorer.score(
-            req.model,
-            tokens,
-            lora_name=req.lora_name,
-            cache_salt=req.cache_salt,
-            candidates=candidates,
-        )
+        req = await read_request(request, ScoreRequest, _decode_score)
+        if req.block_hashes is not None:
+            keys = hashed_keys(service, req, limits.max_prompt_tokens)
+            candidates = _candidates(req.pods, serving_port, limits.max_pods)
+            result = service.scorer.score_keys(req.model, keys, candidates=candidates)
+        else:
+            tokens = _tokens_of(service, req, limits.max_prompt_tokens, limits.max_prompt_chars)
+            candidates = _candidates(req.pods, serving_port, limits.max_pods)
+            result = service.scorer.score(
+                req.model,
+                tokens,
+                lora_name=req.lora_name,
+                cache_salt=req.cache_salt,
+                candidates=candidates,
+            )
         annotate(result, service.speculative, candidates)  # apart from the confirmed counts
         warnings = [*result.warnings, *service.directory.warnings(req.model, candidates)]
         response = ScoreResponse(
@@ -317,16 +329,6 @@ def _unknown_pod(pod_id: str) -> NotFound:
     return NotFound(f"no pod {pod_id!r} in the index or its streams", code="unknown_pod")
 
 
-def _require_json(request: Request) -> None:
-    """415 for a body declared as something else; no Content-Type at all is read as JSON."""
-    declared = request.headers.get("content-type")
-    if declared is None:
-        return
-    media = declared.partition(";")[0].strip().lower()
-    if media != JSON and not (media.startswith("application/") and media.endswith("+json")):
-        raise UnsupportedMediaType(f"Content-Type {media!r}: send application/json")
-
-
 def _decode_score(body: bytes) -> ScoreRequest:
     try:
         return _score_decoder.decode(body)
@@ -339,18 +341,9 @@ def _decode_score(body: bytes) -> ScoreRequest:
 
 
 def _tokens_of(service: Service, req: ScoreRequest, max_tokens: int, max_chars: int) -> list[int]:
-    given = [name for name in ("token_ids", "prompt", "messages") if getattr(req, name) is not None]
-    if len(given) != 1:
-        raise ClientError(
-            "give exactly one of token_ids, prompt, messages"
-            + (f" (got {', '.join(given)})" if given else "")
-        )
-    if not service.knows_model(req.model):
-        raise NotFound(
-            f"model {req.model!r} is neither configured (--model-config) nor seen in any "
-            f"pod's events; known: {', '.join(service.known_models()) or 'none yet'}",
-            code="unknown_model",
-        )
+    if prompt_form(req) == "block_hashes":
+        raise ClientError("block_hashes are looked up as they are; they have no tokens")
+    require_known_model(service, req.model)
     if req.messages is None and _chat_fields_given(req):
         raise ClientError(
             "add_generation_prompt, continue_final_message, tools, documents and "

@@ -21,7 +21,7 @@ import msgspec
 from fastapi import FastAPI, Path, Request
 from fastapi.responses import Response
 
-from kvindex.api.app import _candidates, _json, _require_json, _tokens_of
+from kvindex.api.app import _candidates, _json, _tokens_of
 from kvindex.api.errors import JSON, error_response, error_responses
 from kvindex.api.schemas import (
     ErrorBody,
@@ -30,6 +30,14 @@ from kvindex.api.schemas import (
     RouteRequest,
     RouteResponse,
     openapi_schema,
+)
+from kvindex.api.score_inputs import (
+    binary_parameters,
+    block_keys,
+    hashed_keys,
+    prompt_form,
+    read_request,
+    request_body,
 )
 from kvindex.events.errors import ClientError, NotFound, TooManyRequests, Unavailable
 from kvindex.events.identity import member_pod
@@ -75,7 +83,8 @@ def install_route(app: FastAPI, service: Service) -> dict[str, Any]:
         "/route",
         summary="Choose the pod that should serve a prompt now: cached prefix against load",
         openapi_extra={
-            "requestBody": {"required": True, "content": {_JSON: {"schema": request_schema}}},
+            "requestBody": request_body(request_schema),
+            "parameters": binary_parameters(RouteRequest),
             "responses": {
                 "200": {"description": "Decision", "content": {_JSON: {"schema": response_schema}}},
                 **error_responses(error_schema, 400, 408, 413, 415),
@@ -88,8 +97,7 @@ def install_route(app: FastAPI, service: Service) -> dict[str, Any]:
         },
     )
     async def route(request: Request) -> Response:
-        _require_json(request)
-        req = decode(await request.body())
+        req = await read_request(request, RouteRequest, decode)
         try:
             answer = route_request(service, req)
         except NoCapacity as exc:
@@ -150,7 +158,7 @@ def route_request(service: Service, req: RouteRequest) -> RouteResponse:
         targets = of_role(targets, roles, Role(req.role))
     if not targets:
         raise Unavailable(f"no candidate pod has role {req.role} or both", code="no_pods")
-    tokens = len(view.tokens)
+    tokens = view.prompt_tokens
     if req.role is None and disaggregated(roles, pods):
         pd = decide_pd(
             service.router, targets, roles, tokens, block_size, view.fallback,
@@ -228,7 +236,7 @@ def release_route(service: Service, route_id: str) -> RouteDone:
 class _IndexView:
     """What the index says about a request, or why it cannot say (``fallback``)."""
 
-    tokens: list[int]
+    prompt_tokens: int
     keys: list[int] = field(default_factory=list)
     matches: dict[str, PodScore] = field(default_factory=dict)
     speculative: dict[str, int] = field(default_factory=dict)
@@ -242,30 +250,46 @@ def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> _IndexV
     try:
         known_model = service.knows_model(req.model)
     except BackendUnavailable as exc:  # it asks the index for the models it holds
-        return _IndexView([], fallback=DOWN, warnings=[f"index backend unavailable: {exc}"])
+        return _IndexView(0, fallback=DOWN, warnings=[f"index backend unavailable: {exc}"])
     if not known_model:
-        given = [n for n in ("token_ids", "prompt", "messages") if getattr(req, n) is not None]
-        if len(given) != 1:
-            raise ClientError("give exactly one of token_ids, prompt, messages")
-        return _IndexView(req.token_ids or [], fallback=Reason.FALLBACK_UNKNOWN_MODEL)
+        form = prompt_form(req)
+        if form == "block_hashes":  # a load-only decision, but for a well-formed request
+            blocks = len(block_keys(req.block_hashes or []))
+            given = blocks * service.catalog.keying(req.model).hash.block_size
+        else:
+            given = len(req.token_ids or [])
+        return _IndexView(given, fallback=Reason.FALLBACK_UNKNOWN_MODEL)
     settings = service.settings
+    keys = None
     try:
-        tokens = _tokens_of(
-            service, req, settings.http.max_prompt_tokens, settings.http.max_prompt_chars
-        )
+        if req.block_hashes is not None:
+            keys = hashed_keys(service, req, settings.http.max_prompt_tokens)
+        else:
+            tokens = _tokens_of(
+                service, req, settings.http.max_prompt_tokens, settings.http.max_prompt_chars
+            )
     except TokenizerUnavailable as exc:
-        return _IndexView([], fallback=Reason.FALLBACK_TOKENIZER_UNAVAILABLE, warnings=[exc.detail])
+        return _IndexView(0, fallback=Reason.FALLBACK_TOKENIZER_UNAVAILABLE, warnings=[exc.detail])
+    if keys is None:
+        prompt_tokens = len(tokens)
+    else:
+        prompt_tokens = len(keys) * service.catalog.keying(req.model).hash.block_size
     try:  # bad keys (an unknown LoRA, token ids out of range) are ClientErrors: 400
         # No member filter: a pod's data-parallel ranks are members of their own.
-        result = service.scorer.score(
-            req.model, tokens, lora_name=req.lora_name, cache_salt=req.cache_salt
-        )
+        if keys is not None:
+            result = service.scorer.score_keys(req.model, keys)
+        else:
+            result = service.scorer.score(
+                req.model, tokens, lora_name=req.lora_name, cache_salt=req.cache_salt
+            )
     except BackendUnavailable as exc:
-        return _IndexView(tokens, fallback=DOWN, warnings=[f"index backend unavailable: {exc}"])
+        return _IndexView(
+            prompt_tokens, fallback=DOWN, warnings=[f"index backend unavailable: {exc}"]
+        )
     wanted = set(pods)
     matches = {p.pod: p for p in result.pods if p.pod in wanted or member_pod(p.pod) in wanted}
     speculative = annotate(result, service.speculative)
-    view = _IndexView(tokens, result.keys, matches, speculative)
+    view = _IndexView(prompt_tokens, result.keys, matches, speculative)
     doubts = service.route_view.doubts(req.model, pods)
     for pod, lag in service.event_lag.lagging(pods, settings.scoring.max_event_lag).items():
         doubts.setdefault(

@@ -11,6 +11,19 @@ import msgspec
 from kvindex.scoring.scorer import PodScore
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+# msgspec cannot bound an int past int64, so the range of an int hash is checked in
+# api/score_inputs.py; the schema still says it.
+BlockHash = (
+    Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 0, "maximum": 2**64 - 1})]
+    | Annotated[
+        str,
+        msgspec.Meta(
+            pattern="^(0[xX])?[0-9a-fA-F]{1,64}$",
+            description="Hex: the uint64 itself (up to 16 digits), or a digest of up "
+            "to 32 bytes whose last 8 bytes (big-endian) are what vLLM publishes.",
+        ),
+    ]
+)
 
 
 def _doc(text: str) -> msgspec.Meta:
@@ -18,7 +31,8 @@ def _doc(text: str) -> msgspec.Meta:
 
 
 class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """`POST /score`: the model and exactly one of `token_ids`, `prompt`, `messages`.
+    """`POST /score`: the model and exactly one of `token_ids`, `prompt`, `messages`,
+    `block_hashes`.
 
     With `messages`, the chat fields below render the prompt as vLLM's chat completions
     endpoint does with the same fields and defaults (vLLM 0.33): send what the client
@@ -38,6 +52,16 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     messages: Annotated[
         list[dict[str, Any]] | None,
         _doc("Chat messages, rendered with the model's chat template, then tokenized."),
+    ] = None
+    block_hashes: Annotated[
+        list[BlockHash] | None,
+        _doc(
+            "The prompt as the engine's block hashes of its full blocks, block 0 first "
+            "(uint64 ints or hex strings, as the engines publish them in BlockStored): "
+            "looked up as they are, nothing hashed. Only for models keyed by engine hashes "
+            "(--key-mode engine, the default); lora_name and cache_salt do not apply "
+            "(the hashes already include them). prompt_tokens is then blocks x block_size."
+        ),
     ] = None
     pods: Annotated[
         list[str] | None,

@@ -143,9 +143,31 @@ class Scorer:
         by default nothing is capped. For a hybrid model the cap can change more than the
         last block: a sliding window's hit is searched from the cap leftwards."""
         keys = self.block_keys(model, tokens, lora_name, cache_salt)
-        max_length = len(tokens) if max_hit_tokens is None else max(0, max_hit_tokens)
+        return self.score_keys(
+            model,
+            keys,
+            candidates=candidates,
+            max_hit_tokens=max_hit_tokens,
+            prompt_tokens=len(tokens),
+        )
+
+    def score_keys(
+        self,
+        model: str,
+        keys: list[int],
+        *,
+        candidates: Collection[str] | None = None,
+        max_hit_tokens: int | None = None,
+        prompt_tokens: int | None = None,
+    ) -> ScoreResult:
+        """:meth:`score` for a prompt given as its block keys, block 0 first (the
+        engine's published block hashes, for a model keyed by them): nothing is hashed.
+        ``prompt_tokens`` defaults to the full blocks' tokens, all the keys can tell."""
         block_size = self._catalog.keying(model).hash.block_size
-        result = ScoreResult(model, block_size, len(tokens), len(keys), keys=keys)
+        if prompt_tokens is None:
+            prompt_tokens = len(keys) * block_size
+        max_length = prompt_tokens if max_hit_tokens is None else max(0, max_hit_tokens)
+        result = ScoreResult(model, block_size, prompt_tokens, len(keys), keys=keys)
         layout = None if self._layouts is None else self._layouts.get(model)
         if layout is not None and _is_plain(layout):
             layout = None

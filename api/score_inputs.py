@@ -1,0 +1,229 @@
+"""The forms a ``/score`` or ``/route`` prompt arrives in, read and checked in one place.
+
+Besides JSON with ``token_ids``, ``prompt`` or ``messages`` (see ``api/app.py``):
+
+- ``block_hashes`` in the JSON body: the engine's own block hashes of the prompt's full
+  blocks. A gateway that already has them (a Dynamo-style router hashing at the edge, a
+  proxy reading vLLM's events) skips tokenizing and hashing; they are looked up as the
+  chain, as they are. An int is the uint64 vLLM publishes; a hex string is either that
+  uint64 (up to 16 digits) or a longer digest whose last 8 bytes vLLM publishes (the
+  rule of ``events/wire.py`` ``hash_to_int``): both are the hex number's low 64 bits.
+- a binary body, ``Content-Type: application/octet-stream``: the token ids as
+  little-endian uint32s, the other fields as query parameters. An 8,192-token prompt is
+  32 KiB read as one array instead of ~50 KB of JSON integers parsed one by one.
+
+Anything else is a 415, as before. The size limits are the JSON body's: the body
+(``--max-body-bytes``, in ``api/limits.py``) and the prompt (``--max-prompt-tokens``;
+for hashes, blocks times the model's block size).
+"""
+
+from __future__ import annotations
+
+import array
+import re
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+
+from kvindex.api.errors import JSON
+from kvindex.api.schemas import ScoreRequest
+from kvindex.events.errors import ClientError, NotFound, UnsupportedMediaType
+from kvindex.indexer.models import KeyMode
+
+if TYPE_CHECKING:
+    from kvindex.api.service import Service
+
+OCTET = "application/octet-stream"
+PROMPT_FORMS = ("token_ids", "prompt", "messages", "block_hashes")
+U64_MAX = 2**64 - 1
+# What a binary request takes from its query string (where the request type has it).
+QUERY_FIELDS = ("model", "pods", "lora_name", "cache_salt", "request_id", "max_tokens", "role")
+
+_HEX = re.compile(r"(?:0[xX])?[0-9a-fA-F]{1,64}")  # also msgspec's pattern in schemas.py
+_UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+
+R = TypeVar("R", bound=ScoreRequest)
+
+
+async def read_request(request: Request, kind: type[R], decode_json: Callable[[bytes], R]) -> R:
+    """The body of a ``/score`` or ``/route`` request as ``kind``: JSON (or no
+    Content-Type) through ``decode_json``, ``application/octet-stream`` as binary tokens
+    with the fields in the query string; any other Content-Type is a 415."""
+    declared = request.headers.get("content-type")
+    media = None if declared is None else declared.partition(";")[0].strip().lower()
+    if media == OCTET:
+        return binary_request(kind, request.query_params.multi_items(), await request.body())
+    if (
+        media is not None
+        and media != JSON
+        and not (media.startswith("application/") and media.endswith("+json"))
+    ):
+        raise UnsupportedMediaType(
+            f"Content-Type {media!r}: send application/json, or application/octet-stream "
+            "(token ids as little-endian uint32, the other fields as query parameters)"
+        )
+    return decode_json(await request.body())
+
+
+def binary_request(kind: type[R], query: list[tuple[str, str]], body: bytes) -> R:
+    """A request of ``kind`` from a binary body and its query parameters.
+
+    ``pods`` may repeat and may list pods separated by commas; every other parameter is
+    given at most once. The token ids are the body, so no prompt form is a parameter."""
+    allowed = [name for name in QUERY_FIELDS if name in kind.__struct_fields__]
+    fields: dict[str, Any] = {}
+    for name, value in query:
+        if name not in allowed:
+            raise ClientError(
+                f"query parameter {name!r} is not one a binary body takes "
+                f"({', '.join(allowed)}); the body is the token ids"
+            )
+        if name == "pods":
+            fields.setdefault("pods", []).extend(p for p in value.split(",") if p)
+        elif name in fields:
+            raise ClientError(f"query parameter {name!r} is given more than once")
+        else:
+            fields[name] = value
+    if "model" not in fields:
+        raise ClientError("a binary body needs the query parameter model (?model=NAME)")
+    try:
+        req = msgspec.convert(fields, kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ClientError(f"query parameters: {exc}") from None
+    req.token_ids = binary_tokens(body)
+    return req
+
+
+def binary_tokens(body: bytes) -> list[int]:
+    """Little-endian uint32 token ids; a body that is not whole uint32s is a 400."""
+    if len(body) % 4:
+        raise ClientError(
+            f"binary body of {len(body)} bytes is not a whole number of token ids "
+            "(little-endian uint32, 4 bytes each)"
+        )
+    tokens = array.array(_UINT32, body)
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    return tokens.tolist()
+
+
+def prompt_form(req: ScoreRequest) -> str:
+    """The one prompt form ``req`` gives; a 400 naming what it gave otherwise."""
+    given = [name for name in PROMPT_FORMS if getattr(req, name) is not None]
+    if len(given) != 1:
+        raise ClientError(
+            f"give exactly one of {', '.join(PROMPT_FORMS)}"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
+    return given[0]
+
+
+def require_known_model(service: Service, model: str) -> None:
+    if not service.knows_model(model):
+        raise NotFound(
+            f"model {model!r} is neither configured (--model-config) nor seen in any "
+            f"pod's events; known: {', '.join(service.known_models()) or 'none yet'}",
+            code="unknown_model",
+        )
+
+
+def hashed_keys(service: Service, req: ScoreRequest, max_tokens: int) -> list[int]:
+    """``req.block_hashes`` as index keys, checked: the only prompt form, a known model
+    keyed by engine hashes, no lora_name or cache_salt (a precomputed hash already holds
+    them), at most ``max_tokens`` worth of blocks, each hash a uint64."""
+    prompt_form(req)
+    require_known_model(service, req.model)
+    if req.lora_name is not None or req.cache_salt is not None:
+        raise ClientError(
+            "lora_name and cache_salt do not apply to block_hashes: the engine's hashes "
+            "already include them; leave them out"
+        )
+    keying = service.catalog.keying(req.model)
+    if keying.key_mode is not KeyMode.ENGINE:
+        raise ClientError(
+            f"model {req.model!r} is indexed by token content (key mode "
+            f"{keying.key_mode.value}), not by the engine's hashes: send token_ids"
+        )
+    hashes = req.block_hashes or []
+    if not hashes:
+        raise ClientError("block_hashes is empty")
+    block_size = keying.hash.block_size
+    if len(hashes) * block_size > max_tokens:
+        raise ClientError(
+            f"block_hashes has {len(hashes)} blocks ({len(hashes) * block_size} tokens at "
+            f"block size {block_size}), more than the limit of {max_tokens} tokens "
+            "(--max-prompt-tokens)"
+        )
+    return block_keys(hashes)
+
+
+def block_keys(hashes: list[int | str]) -> list[int]:
+    """Block hashes as the uint64 keys the index holds: ints as they are (0..2**64-1),
+    hex strings as their low 64 bits (``hash_to_int``'s rule for a digest's bytes)."""
+    if all(type(h) is int for h in hashes):
+        if min(hashes) < 0 or max(hashes) > U64_MAX:  # type: ignore[type-var]
+            _bad_int(hashes)
+        return hashes  # type: ignore[return-value]
+    keys = []
+    for i, h in enumerate(hashes):
+        if type(h) is int:
+            if not 0 <= h <= U64_MAX:
+                _bad_int(hashes)
+            keys.append(h)
+        elif _HEX.fullmatch(h):  # type: ignore[arg-type]
+            keys.append(int(h, 16) & U64_MAX)  # type: ignore[arg-type]
+        else:  # the JSON decoder checks the pattern; a Python caller may not have
+            raise ClientError(
+                f"block_hashes[{i}]: {h[:80]!r} is not hex of 1 to 64 digits (0x optional)"
+            )
+    return keys
+
+
+def _bad_int(hashes: list[int | str]) -> None:
+    for i, h in enumerate(hashes):
+        if type(h) is int and not 0 <= h <= U64_MAX:
+            raise ClientError(f"block_hashes[{i}]: {h} is not a uint64 (0 to 2**64-1)")
+
+
+def request_body(json_schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of ``/score`` and ``/route``: JSON, or binary tokens."""
+    return {
+        "required": True,
+        "content": {
+            JSON: {"schema": json_schema},
+            OCTET: {
+                "schema": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": "The prompt's token ids as little-endian uint32s, 4 "
+                    "bytes each; the other fields are query parameters (model required).",
+                }
+            },
+        },
+    }
+
+
+def binary_parameters(kind: type[ScoreRequest]) -> list[dict[str, Any]]:
+    """The query parameters a binary body of ``kind`` takes, for the OpenAPI document
+    (a JSON body ignores them)."""
+    notes = {
+        "model": "Binary body only (required there): the model, as the JSON field.",
+        "pods": "Binary body only: candidate pods, repeated or comma-separated.",
+    }
+    return [
+        {
+            "name": name,
+            "in": "query",
+            "required": False,
+            "description": notes.get(name, f"Binary body only: the JSON field {name}."),
+            "schema": {"type": "array", "items": {"type": "string"}}
+            if name == "pods"
+            else {"type": "integer" if name == "max_tokens" else "string"},
+            **({"style": "form", "explode": True} if name == "pods" else {}),
+        }
+        for name in QUERY_FIELDS
+        if name in kind.__struct_fields__
+    ]

@@ -1,0 +1,266 @@
+"""kvindex beside NVIDIA Dynamo's standalone KV indexer, in one run, same events, same queries.
+
+Both peers subscribe to N loopback ZMQ publishers sending vLLM 0.33 KV event batches
+(kvindex's own encoder; real vLLM sha256 block hashes of random prompts, with token ids,
+so kvindex keys by the engine's hashes and Dynamo by its own hashes of the same token
+ids, and a ``token_ids`` query means the same to both). Each peer has its own publisher
+sockets and is measured alone, the other idle, on the same bytes:
+
+* ZMQ -> visible ingest, blocks/s, at 1 and 8 events per message, fresh keys (no payload
+  sent twice): from the first send until the last event of every publisher answers a
+  query (``/score`` / ``/query``, polled one at a time);
+* memory per (block, pod): RSS growth of the server over those ingests / blocks stored;
+* an 8,192-token prompt over 64 pods (pod i holds its first 8·(i+1) blocks): answers of
+  both compared pod for pod on a sample of prompts; 1 client p50/p99; 16 clients req/s.
+  Query prompts share a prefix of varying length with the filled prompt and end in
+  random tokens; a pool of them is cycled.
+
+Prints each figure for both, the ratio, and PASS/FAIL against issue 13's target (each
+figure >= 1.2x Dynamo's); then the floors (pyzmq receive, msgspec decode, SHA-256 alone).
+Needs Dynamo's ``ai-dynamo-runtime`` in some Python (``--dynamo-python``; it pins
+pydantic <= 2.13.5, so a venv of its own keeps kvindex's environment intact).
+
+    python -m bench.compare_peers [--quick] [--dynamo-python .dynvenv/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import zmq
+
+from bench.bench_score import _measure
+from bench.peers import floors
+from bench.peers.feed import BLOCK, EVENT_TOKENS, Batches, Publishers, fresh_batches, prefix_fill
+from bench.peers.servers import DynamoPeer, KvindexPeer, Peer, cpu_seconds, rss_bytes
+
+TARGET = 1.2  # issue 13: every figure >= 1.2x Dynamo's
+
+
+def wait_visible(peer: Peer, client: httpx.Client, last: dict[int, list[int]], timeout_s: float):
+    """Poll, one publisher at a time, until each one's last event answers a query."""
+    deadline = time.monotonic() + timeout_s
+    for pub, tokens in sorted(last.items()):
+        while True:
+            try:
+                if peer.query(client, tokens).get(pub) == len(tokens):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{peer.name}: publisher {pub}'s events not visible in time")
+            time.sleep(0.002)
+    return time.perf_counter()
+
+
+def ingest(peer: Peer, pubs: Publishers, batches: Batches, client, timeout_s: float) -> dict:
+    cpu0 = cpu_seconds(peer.process.pid)
+    started = time.perf_counter()
+    pubs.send(batches.payloads)
+    done = wait_visible(peer, client, batches.last_tokens, timeout_s)
+    return {
+        "blocks_per_s": batches.blocks / (done - started),
+        "cpu_s": cpu_seconds(peer.process.pid) - cpu0,
+        "seconds": done - started,
+        "blocks": batches.blocks,
+    }
+
+
+def fill(peer: Peer, pubs: Publishers, prompt: list[int], pods: int, client, timeout_s) -> None:
+    pubs.send(prefix_fill(prompt, pods))
+    want = {i: min(len(prompt), 8 * BLOCK * (i + 1)) for i in range(pods)}
+    deadline = time.monotonic() + timeout_s
+    while (got := _safe_query(peer, client, prompt)) != want:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{peer.name}: prefix fill not visible: {got}")
+        time.sleep(0.02)
+
+
+def _safe_query(peer: Peer, client, tokens: list[int]) -> dict[int, int] | None:
+    try:
+        return peer.query(client, tokens)
+    except httpx.HTTPError:
+        return None
+
+
+def query_prompts(prompt: list[int], count: int, seed: int) -> list[list[int]]:
+    """The filled prompt's first k blocks, then random tokens: each a different answer."""
+    rng = random.Random(seed)
+    out = [prompt]
+    while len(out) < count:
+        k = rng.randrange(0, len(prompt) // BLOCK)
+        out.append(
+            prompt[: k * BLOCK] + [rng.randrange(150_000) for _ in range(len(prompt) - k * BLOCK)]
+        )
+    return out
+
+
+def verdict(ours: float, theirs: float, higher_better: bool) -> tuple[float, str]:
+    ratio = ours / theirs if higher_better else theirs / ours
+    return ratio, "PASS" if ratio >= TARGET else "FAIL"
+
+
+def dynamo_python(given: str | None) -> str:
+    if given:
+        return given
+    for candidate in (".dynvenv/bin/python", sys.executable):
+        probe = [candidate, "-c", "import dynamo.indexer"]
+        if os.path.exists(candidate) and subprocess.run(probe, capture_output=True).returncode == 0:
+            return candidate
+    raise SystemExit(
+        "no Python with ai-dynamo-runtime: pip install 'kvindex[bench]' or --dynamo-python"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pods", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=8192)
+    parser.add_argument("--blocks", type=int, default=500_000, help="fresh blocks per ingest run")
+    parser.add_argument("--requests", type=int, default=1000, help="1-client requests")
+    parser.add_argument("--seconds", type=float, default=10.0, help="16-client run length")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=256, help="distinct query prompts")
+    parser.add_argument("--check", type=int, default=64, help="prompts whose answers are compared")
+    parser.add_argument("--quick", action="store_true", help="8 pods, 2,048 tokens, small runs")
+    parser.add_argument("--dynamo-python", help="a Python with ai-dynamo-runtime installed")
+    parser.add_argument(
+        "--dynamo-threads", type=int, help="dynamo.indexer --threads (default: its own)"
+    )
+    parser.add_argument(
+        "--kvindex-flag", action="append", default=[], help="extra kvindex serve flag"
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.pods, args.prompt_tokens, args.blocks = 8, 2048, 64_000
+        args.requests, args.seconds, args.prompts, args.check = 200, 3.0, 64, 16
+    python = dynamo_python(args.dynamo_python)
+    ctx = zmq.Context()
+    pubs = {"kvindex": Publishers(ctx, args.pods), "Dynamo": Publishers(ctx, args.pods)}
+    peers: list[Peer] = []
+    try:
+        peers.append(KvindexPeer(pubs["kvindex"].endpoints, args.kvindex_flag))
+        peers.append(DynamoPeer(python, pubs["Dynamo"].endpoints, args.dynamo_threads))
+        return run(args, pubs, peers)
+    finally:
+        for peer in peers:
+            peer.stop()
+        for p in pubs.values():
+            p.close()
+        ctx.term()
+
+
+def run(args, pubs: dict[str, Publishers], peers: list[Peer]) -> int:
+    """Each figure for kvindex then Dynamo, figure by figure: load from other work on a
+    shared machine then hits both alike more than if one peer ran all its figures first."""
+    rng = random.Random(1)
+    prompt = [rng.randrange(150_000) for _ in range(args.prompt_tokens)]
+    print(f"encoding {2 * args.blocks:,} fresh blocks, {args.pods} publishers ...", flush=True)
+    runs = {n: fresh_batches(args.blocks, n, args.pods, seed=n) for n in (1, 8)}
+    prompts = query_prompts(prompt, args.prompts, seed=2)
+    for peer in peers:
+        peer.wait_ready(60)
+        pubs[peer.name].wait_subscribed(30)
+    results: dict[str, dict] = {peer.name: {} for peer in peers}
+    answers: dict[str, list] = {}
+    clients = {peer.name: httpx.Client() for peer in peers}
+    rss0 = {peer.name: rss_bytes(peer.process.pid) for peer in peers}
+    stored = sum(b.blocks for b in runs.values())
+    for n, batches in runs.items():
+        for peer in peers:
+            r = ingest(peer, pubs[peer.name], batches, clients[peer.name], 300)
+            results[peer.name][f"ingest{n}"] = r
+            print(
+                f"  {peer.name:8} ingest {n}/msg: {r['blocks_per_s']:,.0f} blocks/s, "
+                f"{r['cpu_s']:.2f} CPU-s in {r['seconds']:.2f} s",
+                flush=True,
+            )
+    for peer in peers:
+        rss = rss_bytes(peer.process.pid) - rss0[peer.name]
+        results[peer.name]["bytes_per_entry"] = rss / stored
+        fill(peer, pubs[peer.name], prompt, args.pods, clients[peer.name], 60)
+        answers[peer.name] = [peer.query(clients[peer.name], p) for p in prompts[: args.check]]
+        clients[peer.name].close()
+    for label, count, seconds in (("one", 1, None), ("many", args.clients, args.seconds)):
+        for peer in peers:
+            bodies = [peer.body(p) for p in prompts]
+            n = args.requests if count == 1 else None
+            r = _measure(peer.port, bodies, count, seconds=seconds, count=n, path=peer.path)
+            results[peer.name][label] = r
+            print(
+                f"  {peer.name:8} {count:2} client(s): {r['rps']:,.0f} req/s, "
+                f"p50 {r['p50_ms']:.3f} ms, p99 {r['p99_ms']:.3f} ms",
+                flush=True,
+            )
+    return report(args, results, answers, runs, prompt)
+
+
+def rows(args, k: dict, d: dict) -> list[tuple[str, float, float, bool, str]]:
+    """(figure, kvindex, Dynamo, higher is better, format) for every compared figure."""
+    out = []
+    for n in (1, 8):
+        a, b = k[f"ingest{n}"], d[f"ingest{n}"]
+        out.append((f"ingest {n} event(s)/msg, blocks/s", a["blocks_per_s"], b["blocks_per_s"]))
+        per_cpu = (a["blocks"] / max(a["cpu_s"], 0.01), b["blocks"] / max(b["cpu_s"], 0.01))
+        out.append(("  same, blocks per server CPU-s", *per_cpu))
+    table = [(name, ours, theirs, True, ",.0f") for name, ours, theirs in out]
+    table += [
+        ("query 1 client p50, ms", k["one"]["p50_ms"], d["one"]["p50_ms"], False, ".3f"),
+        ("query 1 client p99, ms", k["one"]["p99_ms"], d["one"]["p99_ms"], False, ".3f"),
+        (f"query {args.clients} clients, req/s", k["many"]["rps"], d["many"]["rps"], True, ",.0f"),
+        (
+            "memory per (block, pod), B RSS",
+            k["bytes_per_entry"],
+            d["bytes_per_entry"],
+            False,
+            ".1f",
+        ),
+    ]
+    return table
+
+
+def report(args, results, answers, runs, prompt) -> int:
+    same = answers["kvindex"] == answers["Dynamo"]
+    print(
+        f"\n{args.prompt_tokens}-token prompt, {args.pods} pods, "
+        f"{args.blocks:,} fresh blocks per ingest run"
+    )
+    print(f"{'figure':40} {'kvindex':>12} {'Dynamo':>12} {'ratio':>7}  target >= {TARGET}x")
+    failed = not same
+    for name, ours, theirs, higher, fmt in rows(args, results["kvindex"], results["Dynamo"]):
+        ratio, mark = verdict(ours, theirs, higher)
+        failed |= mark == "FAIL"
+        print(f"{name:40} {ours:>12{fmt}} {theirs:>12{fmt}} {ratio:>6.2f}x  {mark}")
+    print(f"answers identical on {len(answers['kvindex'])} prompts: {'PASS' if same else 'FAIL'}")
+    if not same:
+        pairs = zip(answers["kvindex"], answers["Dynamo"], strict=True)
+        first = next((a, b) for a, b in pairs if a != b)
+        print("  first difference (kvindex, Dynamo):", first)
+    p1 = [p for _, p in runs[1].payloads]
+    p8 = [p for _, p in runs[8].payloads]
+    print("floors (one step alone, this machine):")
+    for name, rate in (
+        ("pyzmq receive, 1 event/msg", floors.zmq_receive(p1, runs[1].blocks)),
+        ("msgspec decode, 1 event/msg", floors.msgspec_decode(p1, runs[1].blocks)),
+        ("msgspec decode, 8 events/msg", floors.msgspec_decode(p8, runs[8].blocks)),
+    ):
+        print(f"  {name:30} {rate:>12,.0f} blocks/s")
+    sha = floors.sha256_prompt(prompt)
+    print(f"  SHA-256 of the prompt's {len(prompt) // BLOCK} blocks: {sha:,.0f} µs")
+    load = os.getloadavg()[0]
+    print(
+        f"  ({EVENT_TOKENS // BLOCK}-block events; load average {load:.1f}, {os.cpu_count()} cores)"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method("spawn")
+    sys.exit(main())

@@ -9,7 +9,8 @@ sockets and is measured alone, the other idle, on the same bytes:
 * ZMQ -> visible ingest, blocks/s, at 1 and 8 events per message, fresh keys (no payload
   sent twice): from the first send until the last event of every publisher answers a
   query (``/score`` / ``/query``, polled one at a time);
-* memory per (block, pod): RSS growth of the server over those ingests / blocks stored;
+* memory per (block, pod): RSS growth of the server over the second ingest run / its blocks
+  (the first burst has set the transient high-water), and over both runs;
 * an 8,192-token prompt over 64 pods (pod i holds its first 8·(i+1) blocks): answers of
   both compared pod for pod on a sample of prompts; 1 client p50/p99; 16 clients req/s.
   Query prompts share a prefix of varying length with the filled prompt and end in
@@ -176,6 +177,7 @@ def run(args, pubs: dict[str, Publishers], peers: list[Peer]) -> int:
     for n, batches in runs.items():
         for peer in peers:
             r = ingest(peer, pubs[peer.name], batches, clients[peer.name], 300)
+            r["rss"] = rss_bytes(peer.process.pid)
             results[peer.name][f"ingest{n}"] = r
             print(
                 f"  {peer.name:8} ingest {n}/msg: {r['blocks_per_s']:,.0f} blocks/s, "
@@ -183,8 +185,11 @@ def run(args, pubs: dict[str, Publishers], peers: list[Peer]) -> int:
                 flush=True,
             )
     for peer in peers:
-        rss = rss_bytes(peer.process.pid) - rss0[peer.name]
-        results[peer.name]["bytes_per_entry"] = rss / stored
+        r = results[peer.name]
+        # The second run's growth: the first burst already set each server's transient
+        # high-water (queued messages, allocator arenas), so this is closer to the index.
+        r["bytes_per_entry"] = (r["ingest8"]["rss"] - r["ingest1"]["rss"]) / runs[8].blocks
+        r["bytes_per_entry_all"] = (r["ingest8"]["rss"] - rss0[peer.name]) / stored
         fill(peer, pubs[peer.name], prompt, args.pods, clients[peer.name], 60)
         answers[peer.name] = [peer.query(clients[peer.name], p) for p in prompts[: args.check]]
         clients[peer.name].close()
@@ -215,14 +220,12 @@ def rows(args, k: dict, d: dict) -> list[tuple[str, float, float, bool, str]]:
         ("query 1 client p50, ms", k["one"]["p50_ms"], d["one"]["p50_ms"], False, ".3f"),
         ("query 1 client p99, ms", k["one"]["p99_ms"], d["one"]["p99_ms"], False, ".3f"),
         (f"query {args.clients} clients, req/s", k["many"]["rps"], d["many"]["rps"], True, ",.0f"),
-        (
-            "memory per (block, pod), B RSS",
-            k["bytes_per_entry"],
-            d["bytes_per_entry"],
-            False,
-            ".1f",
-        ),
     ]
+    for name, key in (
+        ("memory per (block, pod), 2nd run, B", "bytes_per_entry"),
+        ("  same, both runs (incl. 1st burst)", "bytes_per_entry_all"),
+    ):
+        table.append((name, k[key], d[key], False, ".1f"))
     return table
 
 

@@ -291,7 +291,7 @@ def test_small_comparison_through_kvindex(vllm_version: str) -> None:
     assert results["precise"].index["stale_decisions"] == 0
 
     faults = FaultSpec(restarts=2, direct=0.2)
-    for policy in ("precise", "dynamo"):
+    for policy in ("precise", "dynamo", "kvindex-route"):
         lagged = run(
             prepared,
             RunSpec("tiny", policy, cluster, vllm_version=vllm_version, replicas=2, faults=faults),

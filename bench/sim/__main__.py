@@ -44,7 +44,7 @@ from kvindex.indexer.keys import BlockHasher, HashConfig
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "out"
 DEFAULT_LOADS = "0.25,0.5,0.75,1,1.25,1.5,2"
 DEFAULT_POLICIES = ",".join(POLICY_NAMES)
-QUICK_SKIPS = ("random", "session-sticky", "dynamo")
+QUICK_SKIPS = ("random", "session-sticky", "dynamo", "precise")
 DEFAULT_FAULTS = "restarts:4,resets:4,direct:0.2"
 
 
@@ -132,7 +132,7 @@ def plan_spec(args: argparse.Namespace) -> PlanSpec:
     for policy in policies:
         parse_policy(policy)
     if args.quick:
-        if args.policies == DEFAULT_POLICIES:  # fewer runs; dynamo adds a kvindex per request
+        if args.policies == DEFAULT_POLICIES:  # fewer runs, fewer kvindex round trips
             policies = [p for p in policies if p not in QUICK_SKIPS]
         return PlanSpec(
             standard=_names(args.scenarios, [s for s in standard() if s.name == "docqa"]),
@@ -144,7 +144,8 @@ def plan_spec(args: argparse.Namespace) -> PlanSpec:
             replica_counts=[1, 2],
             study_scenario=args.study_scenario,
             study_load=args.study_load / 2,
-            study_policies=[p for p in policies if p in ("approximate", "precise")] or policies,
+            study_policies=[p for p in policies if p in ("approximate", "kvindex-route")]
+            or policies,
             faults=parse_faults("restarts:2,direct:0.2"),
         )
     counts = [int(x) for x in args.replica_counts.split(",") if x]

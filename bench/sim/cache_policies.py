@@ -16,6 +16,7 @@
   comes from KV events, as Dynamo's indexer does: here the real kvindex's ``/score``.
 * ``precise`` - ``POST /score`` to the real kvindex, fed by the pods' ZMQ events (with
   the run's event lag). Pick: :class:`PickRule`.
+* ``kvindex-route`` - ``POST /route`` on the real kvindex (see :class:`KvindexRoute`).
 * ``greedy-perfect`` - the same pick as ``precise`` with every pod's true cache, read
   from its block pool at decision time: greedy with perfect cache knowledge. It is
   *not* a bound (it can be beaten by a policy that plans ahead); the bound on prefill is
@@ -220,3 +221,38 @@ class Dynamo(Policy):
         entry = self._open.pop(job.keyed.request.rid, None)
         if entry is not None:
             self._active_blocks[entry[0]] -= entry[2]
+
+
+class KvindexRoute(Policy):
+    """``POST /route`` on the real kvindex: its cost over the index's prefix match, its
+    in-flight ledger and speculative entries; ``POST /route/{id}/done`` when the request
+    completes. The simulated pods serve no ``/metrics``, so kvindex knows no pod's load
+    (each is costed alike as busy): its load signal here is its own ledger, which every
+    replica shares (one kvindex). A 429 (no pod admissible) falls back to least-loaded
+    and is counted."""
+
+    name = "kvindex-route"
+
+    def __init__(self, client: IndexClient, model: str, pod_ids: Sequence[str], tag: str):
+        self.client = client
+        self.model = model
+        self.pod_ids = list(pod_ids)
+        self._index = {pod: i for i, pod in enumerate(self.pod_ids)}
+        self._tag = tag  # makes route ids unique across runs sharing one kvindex
+        self.refusals = 0
+        self.reasons: dict[str, int] = {}
+
+    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+        rid = f"{self._tag}-{k.request.rid}"
+        answer = self.client.route(
+            self.model, k.request.prompt, self.pod_ids, rid, len(k.request.output)
+        )
+        if answer is None:
+            self.refusals += 1
+            return min(range(len(pods)), key=lambda i: (pods[i].load, i))
+        pod, reason = answer
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        return self._index[pod]
+
+    def finished(self, job: Job) -> None:
+        self.client.route_done(f"{self._tag}-{job.keyed.request.rid}")

@@ -110,6 +110,11 @@ class Cluster:
             due = queue[-1][0]
         queue.append((due, events))
 
+    def announce(self) -> None:
+        """Every pod publishes one empty batch now: kvindex learns its stream."""
+        for pod, publisher in zip(self.pods, self.publishers, strict=True):
+            self._published[pod.pod_id] = publisher.publish([])
+
     def release(self, now: float) -> None:
         """Publish every batch due by ``now``."""
         for pod, queue in zip(self.pods, self._pending, strict=True):

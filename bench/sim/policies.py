@@ -17,7 +17,8 @@ Index-free baselines, here:
   (default 16 = 256 tokens): the same leading content goes to the same pod unless
   that pod holds more than 1.25 x its share of the requests in the system.
 
-Cache-aware policies are in :mod:`bench.sim.cache_policies`.
+Cache-aware policies, ``kvindex-route`` (``POST /route``) among them, are in
+:mod:`bench.sim.cache_policies`.
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ POLICIES: dict[str, tuple[bool, bool]] = {
     "llm-d": (False, True),
     "dynamo": (True, False),
     "precise": (True, False),
+    "kvindex-route": (True, False),
     "greedy-perfect": (False, False),
 }
 POLICY_NAMES = tuple(POLICIES)
@@ -225,4 +227,7 @@ def build_policy(text: str, ctx: PolicyContext) -> Policy:
         raise ValueError(f"the {name} policy needs a running kvindex")
     if name == "dynamo":
         return cp.Dynamo(ctx.client, ctx.model, ctx.pod_ids, seed)
+    if name == "kvindex-route":
+        tag = f"{ctx.pod_ids[0]}-{ctx.seed}-{ctx.replica}"
+        return cp.KvindexRoute(ctx.client, ctx.model, ctx.pod_ids, tag)
     return cp.Precise(ctx.rule, ctx.client, ctx.model, ctx.pod_ids)

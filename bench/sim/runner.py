@@ -19,15 +19,16 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from bench.sim.agreement import check_agreement
-from bench.sim.cache_policies import CacheAware, Precise
+from bench.sim.cache_policies import CacheAware, KvindexRoute, Precise
 from bench.sim.cluster import Cluster, ClusterSpec
 from bench.sim.faults import FaultSpec
 from bench.sim.lag import LagModel
+from bench.sim.metrics import PodMetricsServers
 from bench.sim.pod import Job, Step
 from bench.sim.policies import PickRule, Policy, PolicyContext, build_policy, uses_index
 from bench.sim.progress import SILENT, Progress
@@ -36,6 +37,8 @@ from bench.sim.service import IndexClient, KvindexProcess
 from bench.sim.workloads import KeyedRequest, PreparedWorkload
 
 _STEP, _FAULT, _ARRIVAL = 0, 1, 2
+#: kvindex's --load-interval for kvindex-route runs (wall-clock seconds between scrapes).
+ROUTE_SCRAPE_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +90,15 @@ def run(
     with ExitStack() as stack:
         client: IndexClient | None = None
         endpoint = None
+        routes = spec.policy == "kvindex-route"
         if not uses_index(spec.policy):
             service = None
-        elif service is None:
-            service = stack.enter_context(KvindexProcess(block_size=spec.cluster.block_size))
+        elif service is None or routes:
+            # /route scrapes every pod it knows: a run of its own, scraping often.
+            extra = ("--load-interval", str(ROUTE_SCRAPE_S)) if routes else ()
+            service = stack.enter_context(
+                KvindexProcess(block_size=spec.cluster.block_size, extra_args=extra)
+            )
         if service is not None:
             client = IndexClient(service.url)
             stack.callback(client.close)
@@ -104,6 +112,15 @@ def run(
             seed=spec.seed,
         )
         stack.callback(cluster.close)
+        if routes:
+            stack.callback(PodMetricsServers(cluster.pods, spec.model).close)
+            # Bind mode has no list of pods: /route knows a pod (and scrapes it) once its
+            # stream exists, and costs an unknown pod as busy, so a pod that never got a
+            # request would never get one. An empty batch from each pod stands in for
+            # configuring them (--zmq-connect or discovery), as a deployment would.
+            cluster.announce()
+            assert client is not None
+            cluster.sync(client, spec.sync_timeout_s)
         policies = [
             build_policy(
                 spec.policy,
@@ -130,6 +147,11 @@ def run(
         if client is not None:
             result.index = {
                 "score_calls": client.score_calls,
+                "route_calls": client.route_calls,
+                "route_reasons": _merged(
+                    p.reasons for p in policies if isinstance(p, KvindexRoute)
+                ),
+                "route_refusals": sum(p.refusals for p in policies if isinstance(p, KvindexRoute)),
                 "syncs": cluster.syncs,
                 "sync_waits": client.sync_waits,
                 "sync_timeouts": client.sync_timeouts,
@@ -268,6 +290,14 @@ class _Loop:
                 self.policies[job.replica].finished(job)
             self.result.retried += 1
             self.push(now, _ARRIVAL, (job.keyed, job.arrival_s))
+
+
+def _merged(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def _collect(cluster: Cluster, policies: list[Policy], result: RunResult) -> None:

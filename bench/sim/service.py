@@ -97,13 +97,20 @@ class _ScoreAnswer(msgspec.Struct):
     pods: list[_PodScore]
 
 
+class _RouteAnswer(msgspec.Struct):
+    pod: str
+    reason: str
+
+
 class IndexClient:
     """What a gateway does with kvindex: score prompts, read pod state."""
 
     def __init__(self, url: str, timeout_s: float = 10.0) -> None:
         self._http = httpx.Client(base_url=url, timeout=timeout_s)
         self._score_decoder = msgspec.json.Decoder(_ScoreAnswer)
+        self._route_decoder = msgspec.json.Decoder(_RouteAnswer)
         self.score_calls = 0
+        self.route_calls = 0
         self.sync_waits = 0  # wait_applied calls that found the index behind
         self.sync_timeouts = 0
         self.sync_wait_s = 0.0
@@ -119,6 +126,36 @@ class IndexClient:
         self.score_calls += 1
         answer = self._score_decoder.decode(response.content)
         return {p.pod: p.matched_blocks for p in answer.pods}
+
+    def route(
+        self, model: str, tokens: Sequence[int], pods: Sequence[str], rid: str, max_tokens: int
+    ) -> tuple[str, str] | None:
+        """``POST /route``: (chosen pod, reason), or None when no pod is admissible (429)."""
+        body = msgspec.json.encode(
+            {
+                "model": model,
+                "token_ids": tokens,
+                "pods": pods,
+                "request_id": rid,
+                "max_tokens": max_tokens,
+            }
+        )
+        response = self._http.post(
+            "/route", content=body, headers={"content-type": "application/json"}
+        )
+        if response.status_code == 429:
+            return None
+        if response.status_code != 200:
+            raise ServiceError(f"/route answered {response.status_code}: {response.text[:300]}")
+        self.route_calls += 1
+        answer = self._route_decoder.decode(response.content)
+        return answer.pod, answer.reason
+
+    def route_done(self, rid: str) -> None:
+        """``POST /route/{id}/done``; an id kvindex no longer holds (404) is fine."""
+        response = self._http.post(f"/route/{rid}/done")
+        if response.status_code not in (200, 404):
+            raise ServiceError(f"/route/done answered {response.status_code}")
 
     def pods(self) -> dict[str, dict[str, Any]]:
         """``GET /index/pods`` by pod id."""

@@ -71,6 +71,7 @@ class Cluster:
         self.batches = 0
         self.events = 0
         self.syncs = 0
+        self.nudges = 0
         self.restarts = 0
         self.resets = 0
         self.resets_refused = 0
@@ -122,14 +123,31 @@ class Cluster:
                 _, events = queue.popleft()
                 self._published[pod.pod_id] = self.publishers[pod.index].publish(events)
 
-    def sync(self, client: IndexClient, timeout_s: float) -> bool:
-        """Wait until the index applied every batch published so far (no-op if it did)."""
+    def sync(self, client: IndexClient, timeout_s: float, nudge_s: float = 0.5) -> bool:
+        """Wait until the index applied every batch published so far (no-op if it did).
+
+        A PUB socket may drop a batch (a full queue under CPU pressure); kvindex sees the
+        gap only when the pod's next batch arrives, and a simulated pod between steps
+        sends none. So after ``nudge_s`` the pods still behind publish an empty batch,
+        as a busy engine soon would: kvindex then replays the missing seq.
+        """
         behind = {pod: seq for pod, seq in self._published.items() if self._synced.get(pod) != seq}
         if not behind:
             return True
         self.syncs += 1
-        if not client.wait_applied(behind, timeout_s):
-            return False
+        waited = 0.0
+        while not client.wait_applied(behind, min(nudge_s, timeout_s - waited)):
+            waited += nudge_s
+            if waited >= timeout_s:
+                client.sync_timeouts += 1
+                return False
+            index = {pod.pod_id: pod.index for pod in self.pods}
+            for pod_id, seq in list(behind.items()):
+                if client.applied_seq(pod_id) != seq:
+                    self.nudges += 1
+                    behind[pod_id] = self._published[pod_id] = self.publishers[
+                        index[pod_id]
+                    ].publish([])
         self._synced.update(behind)
         return True
 

@@ -153,6 +153,7 @@ def run(
                 ),
                 "route_refusals": sum(p.refusals for p in policies if isinstance(p, KvindexRoute)),
                 "syncs": cluster.syncs,
+                "nudges": cluster.nudges,
                 "sync_waits": client.sync_waits,
                 "sync_timeouts": client.sync_timeouts,
                 "sync_wait_s": round(client.sync_wait_s, 3),

@@ -112,7 +112,7 @@ class IndexClient:
         self.score_calls = 0
         self.route_calls = 0
         self.sync_waits = 0  # wait_applied calls that found the index behind
-        self.sync_timeouts = 0
+        self.sync_timeouts = 0  # counted by whoever gives up waiting (Cluster.sync)
         self.sync_wait_s = 0.0
 
     def score(self, model: str, tokens: Sequence[int], pods: Sequence[str]) -> dict[str, int]:
@@ -216,7 +216,6 @@ class IndexClient:
                     waited = True
                     self.sync_waits += 1
                 if time.monotonic() >= deadline:
-                    self.sync_timeouts += 1
                     return False
                 time.sleep(pause)
                 pause = min(pause * 2, 0.005)

@@ -27,6 +27,7 @@ from starlette.responses import Response
 
 from kvindex.api.client import AsyncClient, Retries
 from kvindex.api.gateway.bodies import Endpoint, RouteRequests, read_body
+from kvindex.api.gateway.index_transport import IndexTransport
 from kvindex.api.gateway.pod_http import PodBroken, PodConnections
 from kvindex.api.gateway.routes import LocalRoutes, RemoteRoutes, RouteRefused, RouteSource
 from kvindex.api.gateway.upstream import (
@@ -75,10 +76,12 @@ class Gateway:
 
         dirs = tokenizer_dirs(settings)
         check_tokenizer_dirs(dirs)
+        timeout = settings.gateway.index_timeout
         client = AsyncClient(
             index_url,
-            timeout=settings.gateway.index_timeout,
+            timeout=timeout,
             retries=Retries(attempts=2, backoff_s=0.02, max_backoff_s=0.2),
+            transport=IndexTransport(timeout) if index_url.startswith("http://") else None,
         )
         return cls(RemoteRoutes(client), TokenizerRegistry(dirs), settings.gateway)
 

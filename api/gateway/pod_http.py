@@ -145,10 +145,11 @@ class PodConnections:
         self._idle: dict[str, list[_Connection]] = {}
 
     async def send(
-        self, pod: str, path: str, headers: Mapping[str, str], body: bytes
+        self, pod: str, path: str, headers: Mapping[str, str], body: bytes, method: str = "POST"
     ) -> PodResponse:
-        """POST ``body`` to ``http://{pod}{path}``; returns once the headers are in."""
-        head = [f"POST {path} HTTP/1.1\r\nhost: {pod}\r\ncontent-length: {len(body)}\r\n"]
+        """``method`` (POST) ``body`` to ``http://{pod}{path}``; returns once the headers
+        are in."""
+        head = [f"{method} {path} HTTP/1.1\r\nhost: {pod}\r\ncontent-length: {len(body)}\r\n"]
         head += [f"{name}: {value}\r\n" for name, value in headers.items()]
         request = "".join(head).encode("latin-1") + b"\r\n" + body
         connection = self._take(pod)

@@ -8,6 +8,7 @@ gave (and ``Retry-After`` for ``no_capacity``), whatever the transport.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Protocol
 
@@ -82,6 +83,7 @@ class RemoteRoutes:
 
     def __init__(self, client: AsyncClient) -> None:
         self.client = client
+        self._releasing: set[asyncio.Task[None]] = set()
 
     async def route(self, request: RouteRequest) -> RouteResponse:
         try:
@@ -94,6 +96,14 @@ class RemoteRoutes:
             raise RouteRefused(503, "index_unreachable", str(exc)) from None
 
     async def done(self, route_id: str) -> None:
+        """Sent in the background: the server answers a kept-alive connection's next
+        request only once this one's handler returns, so waiting here would add a round
+        trip to the index to the client's next request."""
+        task = asyncio.create_task(self._release(route_id))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _release(self, route_id: str) -> None:
         with contextlib.suppress(KvindexClientError):  # else it expires after --route-ttl
             await self.client.done(route_id)
 
@@ -111,4 +121,6 @@ class RemoteRoutes:
         return True
 
     async def aclose(self) -> None:
+        if self._releasing:  # the last releases, briefly: else they expire by TTL
+            await asyncio.wait(self._releasing, timeout=2.0)
         await self.client.aclose()

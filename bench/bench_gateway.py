@@ -165,9 +165,7 @@ def main() -> int:
         }
         if args.remote:
             command = [sys.executable, "-m", "kvindex.api.cli", "gateway", "--index", server.url]
-            remote = ServeProcess(
-                "--log-level", "warning", command=command, env={**os.environ}
-            )
+            remote = ServeProcess("--log-level", "warning", command=command, env={**os.environ})
             remote.wait_ready(30.0, path="/health")
             urls["remote gateway"] = f"{remote.url}/v1/completions"
         with httpx.Client(timeout=10.0, trust_env=False) as client:

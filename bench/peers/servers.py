@@ -17,10 +17,13 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
+import xxhash
 
 from kvindex.api.testing import ServeProcess, free_port
+from kvindex.indexer.keys import BlockHasher, HashConfig
 
-from .feed import MODEL, pod_name
+from .feed import BLOCK, MODEL, pod_name
 
 DYNAMO_MODEL = "default"  # dynamo.indexer --model-name's default
 
@@ -63,6 +66,7 @@ def cpu_seconds(pid: int) -> float:
 class Peer:
     name = ""
     path = ""
+    hash_path = ""
     process: subprocess.Popen
     port: int
 
@@ -72,10 +76,13 @@ class Peer:
     def matches(self, answer: dict) -> dict[int, int]:
         raise NotImplementedError
 
-    def query(self, client: httpx.Client, tokens: list[int]) -> dict[int, int]:
+    def hash_body(self, tokens: list[int]) -> bytes:
+        raise NotImplementedError
+
+    def query(self, client: httpx.Client, tokens: list[int], by_hash: bool = False):
         response = client.post(
-            f"http://127.0.0.1:{self.port}{self.path}",
-            content=self.body(tokens),
+            f"http://127.0.0.1:{self.port}{self.hash_path if by_hash else self.path}",
+            content=self.hash_body(tokens) if by_hash else self.body(tokens),
             headers={"content-type": "application/json"},
             timeout=10,
         )
@@ -96,7 +103,7 @@ class KvindexPeer(Peer):
     """``kvindex serve`` connected to every publisher (pod and model from the topic)."""
 
     name = "kvindex"
-    path = "/score"
+    path = hash_path = "/score"
 
     def __init__(self, endpoints: list[str], extra: list[str]) -> None:
         flags = ["--log-level", "warning", *extra]
@@ -111,6 +118,11 @@ class KvindexPeer(Peer):
     def body(self, tokens: list[int]) -> bytes:
         return json.dumps({"model": MODEL, "token_ids": tokens}).encode()
 
+    def hash_body(self, tokens: list[int]) -> bytes:
+        """The engine's (vLLM sha256) hashes of the prompt's full blocks."""
+        keys = BlockHasher(HashConfig(block_size=BLOCK)).keys(tokens)
+        return json.dumps({"model": MODEL, "block_hashes": keys}).encode()
+
     def matches(self, answer: dict) -> dict[int, int]:
         index = {pod_name(i): i for i in range(4096)}
         return {index[p["pod"]]: p["matched_tokens"] for p in answer["pods"] if p["matched_tokens"]}
@@ -121,6 +133,7 @@ class DynamoPeer(Peer):
 
     name = "Dynamo"
     path = "/query"
+    hash_path = "/query_by_hash"
 
     def __init__(self, python: str, endpoints: list[str], threads: int | None) -> None:
         self.port = free_port()
@@ -152,6 +165,17 @@ class DynamoPeer(Peer):
 
     def body(self, tokens: list[int]) -> bytes:
         return json.dumps({"model_name": DYNAMO_MODEL, "token_ids": tokens}).encode()
+
+    def hash_body(self, tokens: list[int]) -> bytes:
+        """Dynamo's own per-block hashes: XXH3-64, seed 1337, of the block's token ids as
+        little-endian u32 (checked against its /dump's tokens_hash), sent as i64."""
+        data = np.asarray(tokens[: len(tokens) // BLOCK * BLOCK], dtype="<u4").tobytes()
+        step = 4 * BLOCK
+        hashes = []
+        for i in range(0, len(data), step):
+            h = xxhash.xxh3_64_intdigest(data[i : i + step], seed=1337)
+            hashes.append(h - (1 << 64) if h >= 1 << 63 else h)
+        return json.dumps({"model_name": DYNAMO_MODEL, "block_hashes": hashes}).encode()
 
     def matches(self, answer: dict) -> dict[int, int]:
         out = {}

@@ -82,7 +82,9 @@ def cluster() -> Iterator[Cluster]:
     server = ServeProcess(
         "--zmq-bind", f"tcp://127.0.0.1:{bind}",
         "--model", MODEL,
-        "--load-interval", "0.1",
+        # Scrapes every 0.5 s: a load is stale after three intervals, and 0.3 s (at 0.1)
+        # passed without a scrape on a loaded CI machine, turning answers into fallbacks.
+        "--load-interval", "0.5",
         "--load-timeout", "2",
         "--max-kv-usage", "0.9",
         "--route-ttl", "60",
@@ -236,13 +238,18 @@ def test_backend_down_falls_back_to_load(redis_server: RedisServer) -> None:
     server = ServeProcess(
         "--backend", redis_server.url,
         "--model", MODEL,
-        "--load-interval", "0.1",
+        "--load-interval", "0.5",
         env={**os.environ},
     )  # fmt: skip
     try:
         server.wait_ready(20.0)
         body = {"model": MODEL, "token_ids": TOKENS, "pods": [m.pod for m in metrics]}
-        assert httpx.post(f"{server.url}/route", json=body, timeout=10).json()["reason"] == "load"
+
+        def by_load() -> bool:
+            answer = httpx.post(f"{server.url}/route", json=body, timeout=10)
+            return answer.json()["reason"] == "load"
+
+        eventually(by_load, "a decision by load once both pods are scraped")
         redis_server.stop()  # the index backend goes away under a running kvindex
         answer = httpx.post(f"{server.url}/route", json=body, timeout=10)
         assert answer.status_code == 200, answer.text

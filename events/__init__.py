@@ -6,7 +6,7 @@ behind it are small and each holds one concept (see their docstrings).
 
 from kvindex.events.capture import CaptureError, read_capture, record, replay_capture
 from kvindex.events.config import SubscriberConfig
-from kvindex.events.discovery import DiscoveryError, DiscoveryTarget, KubernetesDiscovery
+from kvindex.events.discovery import DiscoveryError, KubernetesDiscovery
 from kvindex.events.endpoints import PodEndpoint, is_bind_endpoint, offset_endpoint_port
 from kvindex.events.identity import (
     IdentityError,
@@ -25,6 +25,7 @@ from kvindex.events.layouts import (
     WireFormat,
     wire_format,
 )
+from kvindex.events.pod_roster import DiscoveryTarget
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.replay import ReplayResult, fetch_replay
 from kvindex.events.sequence import Action, SequenceTracker, Verdict

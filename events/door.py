@@ -1,0 +1,291 @@
+"""The checks at the door: one received message -> an :class:`Arrival` for its stream, or
+a counted skip.
+
+Per message only what routing needs: framing (3 frames, an 8-byte seq, a payload under
+the limit), the sender's identity (topic or connect endpoint, cached per socket), in
+bind mode whether the sender may speak for that pod (its ``Peer-Address``, discovery,
+the per-sender stream cap: :mod:`kvindex.events.admission`), and the batch's
+data-parallel rank, which in bind mode is the only way to tell a pod's ranks apart
+(each rank is its own stream with its own seq counter). The batch is decoded here once;
+one that does not decode whole takes the envelope path, which counts why.
+
+Owned by the receiver thread (:mod:`kvindex.events.receiver`), which reads the sockets;
+this module never touches one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvindex.events.admission import (
+    SENDER_STREAM_CAP,
+    UNDISCOVERED_POD,
+    Allowlist,
+    sender_problem,
+    stream_cap_problem,
+)
+from kvindex.events.config import SubscriberConfig
+from kvindex.events.endpoints import PodEndpoint, endpoint_host, tcp_endpoint
+from kvindex.events.identity import IdentityError, StreamId, normalize_pod, parse_topic, pod_host
+from kvindex.events.known_pods import KnownPods
+from kvindex.events.ratelog import RateLimitedLog
+from kvindex.events.status import ReasonCounts
+from kvindex.events.wire import (
+    MAX_DP_RANK,
+    BatchDecoder,
+    DecodedBatch,
+    DecodeError,
+    EnvelopeDecoder,
+    Layout,
+)
+
+#: Topics (per socket) and address verdicts remembered before the cache starts over.
+_TOPIC_CACHE_SIZE = 1024
+
+
+@dataclass(slots=True)
+class Arrival:
+    """A message that passed the door checks, attributed to its stream."""
+
+    stream: StreamId
+    model: str
+    seq: int
+    payload: bytes
+    received_at: float
+    replay_endpoint: str | None
+    #: Set when the payload's envelope is unusable (the reason, already counted): the
+    #: message still accounts for its seq, so its stream sees no false gap.
+    bad: str | None = None
+    #: The topic frame as sent (replay replies of vLLM >= 0.26 must repeat it).
+    topic: bytes | None = None
+    #: Received on a connect-mode socket: the pod is configured, not just claimed.
+    connected: bool = False
+    #: The payload, decoded here to read its rank (None: the applier decodes it).
+    decoded: DecodedBatch | None = None
+
+
+@dataclass(slots=True)
+class Source:
+    """One SUB socket: a bind endpoint, or a connect-mode pod endpoint."""
+
+    endpoint: str
+    target: PodEndpoint | None  # None in bind mode
+    # topic bytes -> (pod, model) or a skip reason; bounded, per socket.
+    identities: dict[bytes, tuple[str, str] | str] = field(default_factory=dict)
+    # Pods whose messages arrived here (from topics), so forget_pod finds the socket.
+    pods: set[str] = field(default_factory=set)
+
+
+class Door:
+    """The receiver thread's per-message checks and the state they keep (bind mode: the
+    streams each sender opened, the address verdicts per (pod, sender))."""
+
+    def __init__(
+        self,
+        config: SubscriberConfig,
+        errors: ReasonCounts,
+        ratelog: RateLimitedLog,
+        clock: Callable[[], float],
+        discovered: KnownPods | None = None,
+    ) -> None:
+        self._config = config
+        self._known = discovered
+        self._allowlist = Allowlist.parse(config.bind_allow, config.default_serving_port)
+        self._sender_streams: dict[str, set[StreamId]] = {}
+        self._address_verdicts: dict[tuple[str, str | None], str | None] = {}
+        self._errors = errors
+        self._ratelog = ratelog
+        self._clock = clock
+        self._envelope = EnvelopeDecoder()
+        self._batches = BatchDecoder()
+        self._layout = Layout.ARRAY  # what the last payload was: the first guess
+
+    def forget_pod(self, pod: str) -> None:
+        """The pod's streams no longer count against their senders' caps."""
+        for streams in self._sender_streams.values():
+            streams.difference_update([sid for sid in streams if sid.pod == pod])
+
+    def admit(self, source: Source, frames: list[bytes], peer: str | None) -> Arrival | None:
+        """The message as an Arrival, or None when it is skipped (counted and logged)."""
+        if len(frames) != 3:
+            return self._skip("bad_frame_count", source, "message with %d frames", len(frames))
+        topic, seq_frame, payload = frames
+        if len(seq_frame) != 8:
+            return self._skip("bad_seq_frame", source, "seq frame of %d bytes", len(seq_frame))
+        if len(payload) > self._config.max_payload_bytes:
+            return self._skip(
+                "payload_too_large",
+                source,
+                "payload of %d bytes (max_payload_bytes is %d)",
+                len(payload),
+                self._config.max_payload_bytes,
+            )
+        identity = source.identities.get(topic)
+        if identity is None:
+            identity = self._identify(source, topic)
+            if len(source.identities) >= _TOPIC_CACHE_SIZE:
+                source.identities.clear()
+            source.identities[topic] = identity
+        if isinstance(identity, str):
+            return self._skip(identity, source, "topic %r", topic[:200])
+        pod, model = identity
+        target = source.target
+        if target is None:
+            problem = self._sender_problem(pod, peer)
+            if problem is not None:
+                return self._skip(problem, source, "topic %r from %s", topic[:200], peer)
+        seq = int.from_bytes(seq_frame, "big")
+        # The rank routes the payload to its stream. Decoding the whole batch here, once,
+        # costs less than skipping over its events to read the rank and decoding them
+        # again in the applier (a batch's token ids are most of its bytes). A batch that
+        # does not decode whole takes the envelope path, which counts why.
+        decoded = self._decode(payload)
+        try:
+            rank = (
+                decoded.batch.data_parallel_rank
+                if decoded is not None
+                else self._envelope.decode(payload).data_parallel_rank
+            )
+        except msgspec.DecodeError as exc:
+            reason = (
+                "invalid_batch" if isinstance(exc, msgspec.ValidationError) else "malformed_msgpack"
+            )
+            self._skip(reason, source, "payload %d from %s: %s", seq, pod, exc)
+            if target is None:
+                # Bind mode: without the payload's rank the stream is unknown, and
+                # guessing could make another rank's seq look like a restart. Drop it;
+                # the seq gap it leaves is handled like any other.
+                return None
+            # Connect mode: one socket is one engine, so the stream is known; let the
+            # message account for its seq (it is consumed, not applied).
+            return Arrival(
+                StreamId(pod, target.rank), model, seq, b"", self._clock(),
+                target.replay_endpoint, reason, topic, True,
+            )  # fmt: skip
+        if rank is None:
+            rank = target.rank if target is not None else 0
+        if target is None and not self._admit_stream(StreamId(pod, rank), peer or ""):
+            return self._skip(
+                SENDER_STREAM_CAP,
+                source,
+                "new stream %s from %s (max_streams_per_sender is %d)",
+                StreamId(pod, rank),
+                peer,
+                self._config.max_streams_per_sender,
+            )
+        if target is not None:
+            replay = target.replay_endpoint
+        elif self._config.replay_port:
+            replay = tcp_endpoint(pod_host(pod), self._config.replay_port + rank)
+        else:
+            replay = None
+        return Arrival(
+            StreamId(pod, rank), model, seq, payload, self._clock(), replay,
+            topic=topic, connected=target is not None, decoded=decoded,
+        )  # fmt: skip
+
+    def _decode(self, payload: bytes) -> DecodedBatch | None:
+        """The whole batch, or None when it is not a usable batch with a valid rank."""
+        try:
+            decoded = self._batches.decode(payload, self._layout)
+        except DecodeError:
+            return None
+        rank = decoded.batch.data_parallel_rank
+        if rank is not None and rank > MAX_DP_RANK:
+            return None  # the envelope decoder rejects it, and counts it
+        if decoded.batch.events:
+            self._layout = decoded.layout
+        return decoded
+
+    def _sender_problem(self, pod: str, peer: str | None) -> str | None:
+        """:func:`~kvindex.events.admission.sender_problem`, with the address part (fixed
+        for a pod and sender) remembered; discovery's answer can change, so it is not."""
+        if self._known is not None and pod not in self._known:
+            return UNDISCOVERED_POD
+        key = (pod, peer)
+        try:
+            return self._address_verdicts[key]
+        except KeyError:
+            pass
+        problem = sender_problem(pod, peer, self._allowlist, None)
+        if len(self._address_verdicts) >= _TOPIC_CACHE_SIZE:
+            self._address_verdicts.clear()
+        self._address_verdicts[key] = problem
+        return problem
+
+    def _admit_stream(self, sid: StreamId, peer: str) -> bool:
+        """Whether ``peer`` may send on ``sid``: a stream it opened, or room for one more."""
+        streams = self._sender_streams.get(peer)
+        if streams is None:
+            streams = self._sender_streams[peer] = set()
+        elif sid in streams:
+            return True
+        if stream_cap_problem(True, len(streams), self._config.max_streams_per_sender):
+            return False
+        streams.add(sid)
+        return True
+
+    def _identify(self, source: Source, topic_bytes: bytes) -> tuple[str, str] | str:
+        """(pod, model) for a topic on this socket, or the reason it names no pod."""
+        try:
+            topic = topic_bytes.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bad_topic_encoding"
+        port = self._config.default_serving_port
+        target = source.target
+        try:
+            parsed = parse_topic(topic, port)
+        except IdentityError as exc:
+            if target is None:
+                self._ratelog.warning(
+                    "bad_topic",
+                    "KV events: bind-mode topic names no pod (%s); engines must publish "
+                    "under kv@<pod>@<model> (and set the default serving port if <pod> has "
+                    "no port)",
+                    exc,
+                )
+                return "bad_topic"
+        else:
+            if target is not None:
+                source.pods.add(parsed.pod)
+            return parsed.pod, parsed.model
+        # Connect mode, topic not in the kv@<pod>@<model> convention: the endpoint says.
+        pod = target.pod
+        if pod is None:
+            host = endpoint_host(target.endpoint)
+            if host is None or port is None:
+                self._ratelog.warning(
+                    "unknown_pod",
+                    "KV events from %s name no pod: set the PodEndpoint's pod, the "
+                    "default serving port, or the engine's topic to kv@<pod>@<model>",
+                    target.endpoint,
+                )
+                return "unknown_pod"
+            try:
+                pod = normalize_pod(host, port)
+            except IdentityError:
+                return "unknown_pod"
+        model = target.model or self._config.default_model
+        if model is None:
+            self._ratelog.warning(
+                "unknown_model",
+                "KV events from %s name no model: set the PodEndpoint's model, the "
+                "default model, or the engine's topic to kv@<pod>@<model>",
+                target.endpoint,
+            )
+            return "unknown_model"
+        return pod, model
+
+    def _skip(self, reason: str, source: Source, detail: str, *args: object) -> None:
+        self._errors.add(reason)
+        self._ratelog.warning(
+            reason,
+            "KV events: skipped a message from %s (%s): " + detail,
+            source.endpoint,
+            reason,
+            *args,
+        )
+        return None

@@ -66,3 +66,8 @@ class StreamGate(Protocol):
 
     def release(self, stream: StreamId) -> None:
         """This replica no longer wants ``stream`` (its pod was removed)."""
+
+    def unheard(self, pod: str | None = None) -> list[StreamId]:
+        """Streams (of ``pod``, or all) whose entries this replica restored, e.g. from a
+        snapshot, and that no batch was heard from since. When such a pod is removed
+        there is no stream to reset, so the subscriber resets these."""

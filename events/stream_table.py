@@ -164,9 +164,18 @@ class StreamTable:
         self._forgotten[pod] = self._clock() + self._config.forget_quiet_s
         for stream in victims:
             self._remove(stream, "pod_removed", "forgotten")
+        # Restored (a snapshot) and not heard since: entries in the index, but no stream.
+        restored = self._gate.unheard(pod) if self._gate is not None else []
+        for sid in restored:
+            self._pending_resets[sid] = "pod_removed"
         for sid in [s for s in self._pending_resets if s.pod == pod and s not in self._streams]:
             self._try_reset(sid, "pod_removed")
-        log.info("KV events: forgot pod %s (%d stream(s))", pod, len(victims))
+        log.info(
+            "KV events: forgot pod %s (%d stream(s), %d restored and not heard since)",
+            pod,
+            len(victims),
+            len(restored),
+        )
 
     def reconnected(self: Applier, pod: str) -> None:
         """The pod's endpoint was (re)connected: its streams' positions must be proven

@@ -111,6 +111,11 @@ class RedisLeases:
 
     # -- StreamGate (applier thread; memory only) ------------------------------------------
 
+    def unheard(self, pod: str | None = None) -> list[StreamId]:
+        """None: leases restore nothing locally (a stored position belongs to the shared
+        index, and whichever replica owns the stream resets it)."""
+        return []
+
     def claim(self, stream: StreamId) -> Claim:
         member = stream.member
         now = self._clock()

@@ -145,6 +145,10 @@ class SnapshotGate:
             self._claims.pop(stream, None)
             self._unheard.discard(stream)
 
+    def unheard(self, pod: str | None = None) -> list[StreamId]:
+        with self._cond:
+            return sorted(s for s in self._unheard if pod is None or s.pod == pod)
+
     def purged(self, member: str) -> None:
         """An operator dropped ``member``'s entries: its saved position and marks go too
         (when its engine is heard again, its whole history is needed)."""

@@ -47,6 +47,9 @@ class FakeGate:
         with self._lock:
             self.released.append(stream)
 
+    def unheard(self, pod: str | None = None) -> list[StreamId]:
+        return []
+
     def last_commit(self) -> int | None:
         with self._lock:
             return self.commits[-1][1] if self.commits else None

@@ -77,6 +77,8 @@ class Source:
     identities: dict[bytes, tuple[str, str] | str] = field(default_factory=dict)
     # Pods whose messages arrived here (from topics), so forget_pod finds the socket.
     pods: set[str] = field(default_factory=set)
+    # Connect mode: the connection dropped and ZMQ has not reconnected it yet.
+    dropped: bool = False
 
 
 class Door:

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.door import Arrival, Door, Source
@@ -62,12 +63,16 @@ class Receiver:
         ratelog: RateLimitedLog,
         clock: Callable[[], float],
         discovered: KnownPods | None = None,
+        reconnected: Callable[[str], None] | None = None,
     ) -> None:
         self._ctx = context
+        self._reconnected = reconnected
         self._config = config
         self._door = Door(config, errors, ratelog, clock, discovered)
         self._deliver = deliver
         self._sources: dict[zmq.Socket, Source] = {}
+        # Connect mode: a monitor socket per SUB socket -> that SUB socket.
+        self._monitors: dict[zmq.Socket, zmq.Socket] = {}
         self._poller = zmq.Poller()
         wake = f"inproc://kvindex-receiver-wake-{next(_wake_ids)}"
         self._wake_rx = context.socket(zmq.PAIR)
@@ -156,6 +161,10 @@ class Receiver:
             while not self._stopping:
                 ready = dict(self._poller.poll(1000))
                 arrivals: list[Arrival] = []
+                for sock in ready:  # reconnects first: before the new engine's messages
+                    watched = self._monitors.get(sock)
+                    if watched is not None:
+                        self._watch(sock, watched)
                 for sock in ready:
                     source = self._sources.get(sock)
                     if source is not None:
@@ -193,6 +202,7 @@ class Receiver:
 
     def _close_sockets(self) -> None:
         for sock in list(self._sources):
+            self._stop_monitor(sock)
             sock.close(linger=0)
         self._sources.clear()
         self._wake_rx.close(linger=0)
@@ -237,6 +247,10 @@ class Receiver:
             sock.close(linger=0)
             raise
         self._add(sock, Source(target.endpoint, target))
+        if self._reconnected is not None:
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            self._monitors[monitor] = sock
+            self._poller.register(monitor, zmq.POLLIN)
         log.info("KV events: connected to %s", target.endpoint)
 
     def _add(self, sock: zmq.Socket, source: Source) -> None:
@@ -246,7 +260,41 @@ class Receiver:
     def _remove(self, sock: zmq.Socket) -> None:
         self._poller.unregister(sock)
         del self._sources[sock]
+        self._stop_monitor(sock)
         sock.close(linger=0)
+
+    def _stop_monitor(self, sock: zmq.Socket) -> None:
+        for monitor in [m for m, watched in self._monitors.items() if watched is sock]:
+            del self._monitors[monitor]
+            self._poller.unregister(monitor)
+            sock.disable_monitor()
+            monitor.close(linger=0)
+
+    def _watch(self, monitor: zmq.Socket, sock: zmq.Socket) -> None:
+        """Connection events of a connect-mode socket. ZMQ reconnects a dropped TCP
+        connection by itself, silently: the engine on the other end may be a new
+        incarnation whose seqs happen to continue the old ones (its first batches went
+        out before the reconnect and were dropped). A connect after a disconnect makes
+        the pod's streams prove their position (``reconnected``) before the next
+        message of the socket is applied, instead of only after a long silence."""
+        source = self._sources.get(sock)
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if source is None:
+                continue
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                source.dropped = True
+            elif event["event"] == zmq.EVENT_CONNECTED and source.dropped:
+                source.dropped = False
+                target = source.target
+                pods = {target.pod} if target is not None and target.pod else set(source.pods)
+                log.info("KV events: reconnected to %s", source.endpoint)
+                for pod in sorted(pods):
+                    assert self._reconnected is not None  # monitors exist only with it
+                    self._reconnected(pod)
 
     def _disconnect(self, endpoint: str) -> bool:
         for sock, source in list(self._sources.items()):

@@ -162,7 +162,7 @@ class Subscriber:
         )
         self._receiver = Receiver(
             self._ctx, self._config, self._inbox.put_arrivals, self._errors, self._ratelog, clock,
-            discovered_pods,
+            discovered_pods, self._on_reconnect,
         )  # fmt: skip
         self._started = False
         self._stopped = False
@@ -222,6 +222,10 @@ class Subscriber:
             except IdentityError:
                 return
             self._post(lambda: self._applier.reconnected(pod))
+
+    def _on_reconnect(self, pod: str) -> None:
+        """The receiver saw ZMQ reconnect one of the pod's endpoints (receiver thread)."""
+        self._post(lambda: self._applier.reconnected(pod))
 
     def disconnect(self, endpoint: str) -> bool:
         """Stop listening on an endpoint; the pod's streams and entries stay."""

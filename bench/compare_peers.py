@@ -116,7 +116,8 @@ def dynamo_python(given: str | None) -> str:
         if os.path.exists(candidate) and subprocess.run(probe, capture_output=True).returncode == 0:
             return candidate
     raise SystemExit(
-        "no Python with ai-dynamo-runtime: pip install 'kvindex[bench]' or --dynamo-python"
+        "no Python with ai-dynamo-runtime: python3.11 -m venv .dynvenv && "
+        ".dynvenv/bin/pip install ai-dynamo-runtime==1.6.1, or --dynamo-python"
     )
 
 

@@ -19,6 +19,13 @@ adds at most 0.2 ms at p50; the verdict is printed (PASS / FAIL) and is the exit
 
     python bench/bench_score.py [--requests 2000] [--seconds 10] [--backend memory]
     python bench/bench_score.py --route-only        # only /route vs /score
+    python bench/bench_score.py --forms-only        # only the prompt forms (issue 13)
+
+``--forms-only`` (and every full run) scores the repeated prompt in each of /score's
+forms: JSON ``token_ids``, JSON ``block_hashes`` (ints, and hex strings), and a binary
+body of little-endian uint32 token ids; it first checks that all four give the same
+answer, then prints each form's figures with PASS/FAIL against issue 13's targets
+(``bench/bench_score_forms.py``).
 """
 
 from __future__ import annotations
@@ -36,12 +43,15 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from bench_score_forms import measure_forms  # bench/ is sys.path[0] when run as a script
+
 from kvindex.api.testing import ServeProcess, free_port
 
 BLOCK = 16
 PROMPT_TOKENS = 8192
 PODS = 64
 MODEL = "bench/model"
+JSON = "application/json"
 
 
 def _get(url: str) -> dict:
@@ -130,10 +140,11 @@ async def _client(
     count: int | None,
     latencies: list[float],
     path: str = "/score",
+    content_type: str = JSON,
 ) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
         "Content-Length: {}\r\n\r\n"
     )
     sent = 0
@@ -166,6 +177,7 @@ def _load(
     count: int | None,
     out,
     path: str = "/score",
+    content_type: str = JSON,
 ) -> None:
     async def run() -> tuple[list[float], float]:
         latencies: list[float] = []
@@ -173,7 +185,10 @@ def _load(
         stop_at = None if seconds is None else started + seconds
         per_client = None if count is None else count // clients
         await asyncio.gather(
-            *(_client(port, bodies, stop_at, per_client, latencies, path) for _ in range(clients))
+            *(
+                _client(port, bodies, stop_at, per_client, latencies, path, content_type)
+                for _ in range(clients)
+            )
         )
         return latencies, time.perf_counter() - started
 
@@ -188,8 +203,9 @@ def _measure(
     seconds: float | None = None,
     count: int | None = None,
     path: str = "/score",
+    content_type: str = JSON,
 ) -> dict[str, float]:
-    latencies, elapsed = _run(port, bodies, clients, seconds, count, path)
+    latencies, elapsed = _run(port, bodies, clients, seconds, count, path, content_type)
     return _figures(latencies, elapsed)
 
 
@@ -200,10 +216,11 @@ def _run(
     seconds: float | None,
     count: int | None,
     path: str,
+    content_type: str = JSON,
 ) -> tuple[list[float], float]:
     queue: multiprocessing.Queue = multiprocessing.Queue()
     proc = multiprocessing.Process(
-        target=_load, args=(port, bodies, clients, seconds, count, queue, path)
+        target=_load, args=(port, bodies, clients, seconds, count, queue, path, content_type)
     )
     proc.start()
     latencies, elapsed = queue.get(timeout=600)
@@ -296,6 +313,9 @@ def main() -> None:
         "--route-only", action="store_true", help="only the /route vs /score comparison"
     )
     parser.add_argument("--pairs", type=int, default=2000, help="/route vs /score requests")
+    parser.add_argument(
+        "--forms-only", action="store_true", help="only the prompt forms (issue 13)"
+    )
     args = parser.parse_args()
 
     zport = free_port()
@@ -330,7 +350,13 @@ def main() -> None:
             f"(token_ids), {PODS} pods holding 8..512-block prefixes"
         )
         cases = (("same prompt repeated", repeated), ("new 2nd half each time", fresh))
-        for name, bodies in () if args.route_only else cases:
+        forms_passed = True
+        if not args.route_only:
+            forms_passed = measure_forms(
+                http, MODEL, prompt, BLOCK, args.requests, args.seconds, args.clients, _measure
+            )
+        skip = args.route_only or args.forms_only
+        for name, bodies in () if skip else cases:
             _measure(http, bodies, 1, count=200)  # warm up
             one = _measure(http, bodies, 1, count=args.requests)
             many = _measure(http, bodies, args.clients, seconds=args.seconds)
@@ -344,7 +370,7 @@ def main() -> None:
                 f"p50 {many['p50_ms']:.2f} ms  p99 {many['p99_ms']:.2f} ms  "
                 f"({many['requests']} requests)"
             )
-        passed = _route_vs_score(http, prompt, args.pairs)
+        passed = forms_passed and (args.forms_only or _route_vs_score(http, prompt, args.pairs))
     finally:
         server.stop()
         pages.close()

@@ -97,15 +97,7 @@ for c = 2, #ARGV, 4 do
             end
             if not v and not others then d_keys = d_keys + 1 end
           else
-            local b = band(sbyte(v, at), bnot(mask))
-            local nv
-            if at == #v and b == 0 then
-              local j = at - 1
-              while j > 0 and sbyte(v, j) == 0 do j = j - 1 end
-              nv = ssub(v, 1, j)
-            else
-              nv = ssub(v, 1, at - 1) .. schar(b) .. ssub(v, at + 1)
-            end
+            local nv = without_bit(v, at, mask)
             if nv == '' then call('HDEL', bkey, f) else call('HSET', bkey, f, nv) end
             d_entries = d_entries - 1
             if not elsewhere then d_held = d_held - 1 end

@@ -31,15 +31,7 @@ for i = 1, #chunk, 8 do
       if has_bit(v, at, mask) then
         held_before = true
         if scope[t] then
-          local b = band(sbyte(v, at), bnot(mask))
-          local nv
-          if at == #v and b == 0 then
-            local j = at - 1
-            while j > 0 and sbyte(v, j) == 0 do j = j - 1 end
-            nv = ssub(v, 1, j)
-          else
-            nv = ssub(v, 1, at - 1) .. schar(b) .. ssub(v, at + 1)
-          end
+          local nv = without_bit(v, at, mask)
           if nv == '' then
             call('HDEL', bkey, k .. SUFFIX[t])
           else

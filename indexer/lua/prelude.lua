@@ -31,6 +31,17 @@ local function has_bit(v, at, mask)
 end
 
 local stat, dirty = {}, {}
+-- v with bit `mask` of byte `at` cleared, trailing zero bytes dropped ('' when none left)
+local function without_bit(v, at, mask)
+  local b = band(sbyte(v, at), bnot(mask))
+  if at == #v and b == 0 then
+    local j = at - 1
+    while j > 0 and sbyte(v, j) == 0 do j = j - 1 end
+    return ssub(v, 1, j)
+  end
+  return ssub(v, 1, at - 1) .. schar(b) .. ssub(v, at + 1)
+end
+
 local function get_stat(f)
   local v = stat[f]
   if v == nil then

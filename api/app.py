@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvindex.api.docs import mount_offline_docs
 from kvindex.api.errors import (
     JSON,
+    decode_json,
     drop_validation_errors,
     error_responses,
     install_error_handlers,
@@ -330,14 +331,7 @@ def _unknown_pod(pod_id: str) -> NotFound:
 
 
 def _decode_score(body: bytes) -> ScoreRequest:
-    try:
-        return _score_decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise ClientError(str(exc)) from None
-    except msgspec.DecodeError as exc:
-        raise ClientError(f"body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:
-        raise ClientError("body is nested too deeply", code="invalid_json") from None
+    return decode_json(_score_decoder, body)
 
 
 def _tokens_of(service: Service, req: ScoreRequest, max_tokens: int, max_chars: int) -> list[int]:

@@ -22,7 +22,7 @@ from fastapi import FastAPI, Path, Request
 from fastapi.responses import Response
 
 from kvindex.api.app import _candidates, _json, _tokens_of
-from kvindex.api.errors import JSON, error_response, error_responses
+from kvindex.api.errors import JSON, decode_json, error_response, error_responses
 from kvindex.api.schemas import (
     ErrorBody,
     RouteCandidate,
@@ -39,7 +39,7 @@ from kvindex.api.score_inputs import (
     read_request,
     request_body,
 )
-from kvindex.events.errors import ClientError, NotFound, TooManyRequests, Unavailable
+from kvindex.events.errors import NotFound, TooManyRequests, Unavailable
 from kvindex.events.identity import member_pod
 from kvindex.indexer.backend import BackendUnavailable
 from kvindex.scoring.load import PodLoad
@@ -70,14 +70,7 @@ def install_route(app: FastAPI, service: Service) -> dict[str, Any]:
         return {"description": text, "content": {_JSON: {"schema": error_schema}}}
 
     def decode(body: bytes) -> RouteRequest:
-        try:
-            return decoder.decode(body)
-        except msgspec.ValidationError as exc:
-            raise ClientError(str(exc)) from None
-        except msgspec.DecodeError as exc:
-            raise ClientError(f"body is not valid JSON: {exc}", code="invalid_json") from None
-        except RecursionError:
-            raise ClientError("body is nested too deeply", code="invalid_json") from None
+        return decode_json(decoder, body)
 
     @app.post(
         "/route",

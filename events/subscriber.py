@@ -134,8 +134,11 @@ class Subscriber:
     ) -> None:
         self._config = config if config is not None else SubscriberConfig()
         self._clock = clock
-        self._own_context = context is None
-        self._ctx = context if context is not None else zmq.Context()
+        # The process-wide context, not one of our own: a private Context that the garbage
+        # collector reaches inside a reference cycle (a Subscriber dropped without stop())
+        # runs Context.__del__ -> term() after the cycle's weakrefs are cleared, so it
+        # closes none of our sockets and blocks whatever thread collected it, for good.
+        self._ctx = context if context is not None else zmq.Context.instance()
         self._errors = ReasonCounts()
         self._ratelog = RateLimitedLog(log, self._config.log_interval_s)
         self._resolver = replay_resolver
@@ -275,18 +278,14 @@ class Subscriber:
         if self._stopped:
             return
         self._stopped = True
-        receiver_done = self._receiver.stop(timeout_s)
+        self._receiver.stop(timeout_s)
         self._inbox.stop()
-        applier_done = True
         thread = self._applier.thread
         if thread is not None:
             thread.join(timeout_s)
-            applier_done = not thread.is_alive()
-            if not applier_done:
+            if thread.is_alive():
                 log.warning("applier thread did not stop within %.1fs", timeout_s)
         self._applier.shutdown_workers()
-        if self._own_context and receiver_done and applier_done:
-            self._ctx.term()
 
     def is_running(self) -> bool:
         """True while both threads run: the readiness signal."""

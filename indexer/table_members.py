@@ -106,7 +106,9 @@ class _Members:
             codes = np.fromiter(self.copies, np.int64, len(self.copies))
             slot, mid, tier = _code_fields(codes)
             for code, s, t in zip(
-                codes[mid == old].tolist(), slot[mid == old].tolist(), tier[mid == old].tolist(),
+                codes[mid == old].tolist(),
+                slot[mid == old].tolist(),
+                tier[mid == old].tolist(),
                 strict=True,
             ):
                 (recoded,) = _copy_codes(np.array([s]), new, t)

@@ -38,9 +38,7 @@ class _Updates:
             m = self.masks[tier] = np.zeros((self.keys.size, self.width), np.uint64)
         return m.reshape(-1)
 
-    def update(
-        self, tier: Tier, keys: U64s, mid: int | Slots, op: int | Ops, tick: int
-    ) -> None:
+    def update(self, tier: Tier, keys: U64s, mid: int | Slots, op: int | Ops, tick: int) -> None:
         """Apply one op per key for member ``mid`` in ``tier`` (``STORE`` adds a copy,
         ``REMOVE`` takes one away but never below zero, ``ANNOUNCE`` makes the count at
         least one), in order per (key, member). Raises NeedRoom or TableFull, after

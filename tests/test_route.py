@@ -109,10 +109,13 @@ def cluster() -> Iterator[Cluster]:
             other = list(range(base, base + 16))
             pub.publish([BlockStored(HASHER.keys(other), None, other, 16)])
         eventually(
-            lambda: sorted(
-                p["pod"] for p in httpx.get(f"{server.url}/index/pods", timeout=5).json()["pods"]
-            )
-            == sorted(m.pod for m in metrics),
+            lambda: (
+                sorted(
+                    p["pod"]
+                    for p in httpx.get(f"{server.url}/index/pods", timeout=5).json()["pods"]
+                )
+                == sorted(m.pod for m in metrics)
+            ),
             "three pods indexed",
         )
         cluster.set_pages()
@@ -179,6 +182,7 @@ def test_no_admissible_pod_is_429_with_retry_after(cluster: Cluster) -> None:
     full = page(running=50, kv=0.97)
     for server in cluster.metrics:
         server.page = full
+
     def refused() -> bool:
         answer = cluster.route(COLD)
         if answer.status_code == 200:  # not scraped yet: release it, later tests count

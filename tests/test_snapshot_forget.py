@@ -42,6 +42,9 @@ def test_forgetting_a_restored_pod_needs_no_running_applier() -> None:
     gate = SnapshotGate()
     gate.restore([(GONE, StreamPosition(0, None, "m"), False)])
     sub = Subscriber(gate.wrap(Ingestor(backend, ModelCatalog())), SubscriberConfig(), gate=gate)
-    sub.forget_pod(GONE.pod)  # before start: runs inline
-    assert backend.member_keys(GONE.member, "m") == []
-    assert gate.unheard() == []
+    try:
+        sub.forget_pod(GONE.pod)  # before start: runs inline
+        assert backend.member_keys(GONE.member, "m") == []
+        assert gate.unheard() == []
+    finally:
+        sub.stop()

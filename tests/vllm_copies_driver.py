@@ -71,9 +71,7 @@ class Engine:
     def request(self, prompt: list[int], mode: str) -> Request:
         self.next_id += 1
         params = SamplingParams(max_tokens=64, extra_args={"kv_cache_report_mode": mode})
-        return Request(
-            f"r{self.next_id}", prompt, params, None, block_hasher=self.hasher
-        )
+        return Request(f"r{self.next_id}", prompt, params, None, block_hasher=self.hasher)
 
     def admit(self, request: Request) -> bool:
         blocks, hit, _ = self.manager.get_computed_blocks(request)

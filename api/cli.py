@@ -245,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     score.set_defaults(run=run_score)
 
     rec = commands.add_parser("record", help="capture what a KV-event endpoint publishes")
-    rec.add_argument("endpoint", help="e.g. tcp://10.0.0.5:5557 (tcp://*:5557 to let pods connect)")
+    rec.add_argument(
+        "endpoint", help="e.g. tcp://127.0.0.2:5557 (tcp://*:5557 to let pods connect)"
+    )
     rec.add_argument("file")
     rec.add_argument("--count", type=int, help="stop after this many messages")
     rec.add_argument("--duration", type=float, help="stop after this many seconds")

@@ -226,7 +226,7 @@ def static_roles(settings: Settings) -> dict[str, Role]:
         pod, sep, role = spec.rpartition("=")
         try:
             if not sep:
-                raise ValueError("give POD=ROLE, e.g. 10.0.0.7:8000=prefill")
+                raise ValueError("give POD=ROLE, e.g. 127.0.0.7:8000=prefill")
             roles[normalize_pod(pod, settings.events.serving_port)] = parse_role(role)
         except (ValueError, IdentityError) as exc:
             raise ConfigError(f"--pod-role {spec!r}: {exc}") from None

@@ -88,7 +88,7 @@ class EventsSettings(_Section):
     zmq_connect: Annotated[
         list[str],
         doc(
-            "connect to a pod's publisher, e.g. tcp://10.0.0.5:5557; the pod "
+            "connect to a pod's publisher, e.g. tcp://127.0.0.2:5557; the pod "
             "and model come from a kv@<pod>@<model> topic, else from POD@MODEL=, "
             "else from the endpoint host with --serving-port and --model; "
             "';replay=tcp://HOST:RPORT' names its replay endpoint; repeatable",

@@ -62,7 +62,7 @@ def backend(make_backend: Callable[[], IndexBackend]) -> IndexBackend:
 
 
 M = "model-a"
-A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+A, B, C = "127.10.0.1:8000", "127.10.0.2:8000", "127.10.0.3:8000"
 GPU, CPU, STORAGE = Tier.GPU, Tier.CPU, Tier.STORAGE
 BIG = [2**63, 2**63 + 1, 2**64 - 1, 2**64 - 2]
 
@@ -451,7 +451,7 @@ def test_lookup_repeats_a_key(backend: IndexBackend) -> None:
 
 def test_many_members(backend: IndexBackend) -> None:
     """More members than one 64-bit word: every member keeps its own prefix length."""
-    members = [f"10.0.{i // 250}.{i % 250}:8000" for i in range(150)]
+    members = [f"127.10.{i // 250}.{i % 250}:8000" for i in range(150)]
     chain = list(range(1000, 1200))
     backend.apply([store(m, chain[: i + 1]) for i, m in enumerate(members)])
     found = backend.lookup(M, chain)
@@ -705,7 +705,7 @@ def test_larger_random_batches_match_reference(make_backend: Callable[[], IndexB
     repeated keys across members in one call, thousands of keys, with mixed tiers."""
     rng = random.Random(7)
     backend, ref = make_backend(), Reference()
-    members = [f"10.1.{i // 100}.{i % 100}:8000" for i in range(80)]
+    members = [f"127.11.{i // 100}.{i % 100}:8000" for i in range(80)]
     pool = [rng.getrandbits(64) for _ in range(3000)] + [0, 2**64 - 1, 2**63]
     models = ["m1", "m2"]
     for round_no in range(20):

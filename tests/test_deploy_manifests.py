@@ -345,7 +345,7 @@ def test_vllm_example_publishes_what_discovery_expects() -> None:
             "spec": template["spec"],
             "status": {
                 "phase": "Running",
-                "podIP": "10.0.0.7",
+                "podIP": "127.10.0.7",
                 "conditions": [{"type": "Ready", "status": "True"}],
             },
         }
@@ -353,12 +353,12 @@ def test_vllm_example_publishes_what_discovery_expects() -> None:
     facts = PodFacts.from_pod(pod)
     assert facts.serving
     plan = plan_pod(facts, DiscoveryConfig())
-    topic = parse_topic(config["topic"].replace("$(POD_IP)", "10.0.0.7"))
-    assert plan.pod_id == topic.pod == "10.0.0.7:8000"
+    topic = parse_topic(config["topic"].replace("$(POD_IP)", "127.10.0.7"))
+    assert plan.pod_id == topic.pod == "127.10.0.7:8000"
     assert plan.model == topic.model == MODEL
     (endpoint,) = plan.endpoints
-    assert endpoint.endpoint == "tcp://10.0.0.7:5557"
-    assert endpoint.replay_endpoint == "tcp://10.0.0.7:5558"
+    assert endpoint.endpoint == "tcp://127.10.0.7:5557"
+    assert endpoint.replay_endpoint == "tcp://127.10.0.7:5558"
 
 
 # -- monitoring ----------------------------------------------------------------------------

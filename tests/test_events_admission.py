@@ -45,15 +45,15 @@ NOBODY = Allowlist()
 @pytest.mark.parametrize(
     ("pod", "peer", "problem"),
     [
-        ("10.0.0.1:8000", "10.0.0.1", None),
-        ("10.0.0.1:8000", "10.0.0.2", SENDER_MISMATCH),
-        ("10.0.0.1:8000", "::ffff:10.0.0.1", None),  # dual-stack socket, IPv4 sender
+        ("127.10.0.1:8000", "127.10.0.1", None),
+        ("127.10.0.1:8000", "127.10.0.2", SENDER_MISMATCH),
+        ("127.10.0.1:8000", "::ffff:127.10.0.1", None),  # dual-stack socket, IPv4 sender
         ("[fd00::1]:8000", "fd00::1", None),
         ("[fd00::1]:8000", "fd00::2", SENDER_MISMATCH),
-        ("vllm-0.svc:8000", "10.0.0.1", SENDER_UNVERIFIABLE),
-        ("10.0.0.1:8000", "garbage", SENDER_MISMATCH),
-        ("10.0.0.1:8000", None, None),  # ipc/inproc: local processes only
-        ("10.0.0.1:8000", "", None),
+        ("vllm-0.svc:8000", "127.10.0.1", SENDER_UNVERIFIABLE),
+        ("127.10.0.1:8000", "garbage", SENDER_MISMATCH),
+        ("127.10.0.1:8000", None, None),  # ipc/inproc: local processes only
+        ("127.10.0.1:8000", "", None),
     ],
 )
 def test_sender_must_be_the_pods_host(pod: str, peer: str | None, problem: str | None) -> None:
@@ -61,30 +61,30 @@ def test_sender_must_be_the_pods_host(pod: str, peer: str | None, problem: str |
 
 
 def test_allowlist_by_pod_and_by_network() -> None:
-    allow = Allowlist.parse(["10.0.0.1", "fd00::/64", "192.168.0.0/16", "vllm-0.svc:8000"], 8000)
-    assert allow.pods == {"10.0.0.1:8000", "vllm-0.svc:8000"}
-    for pod in ("10.0.0.1:8000", "[fd00::7]:8000", "192.168.3.4:9000", "vllm-0.svc:8000"):
+    allow = Allowlist.parse(["127.10.0.1", "fd00::/64", "192.168.0.0/16", "vllm-0.svc:8000"], 8000)
+    assert allow.pods == {"127.10.0.1:8000", "vllm-0.svc:8000"}
+    for pod in ("127.10.0.1:8000", "[fd00::7]:8000", "192.168.3.4:9000", "vllm-0.svc:8000"):
         assert sender_problem(pod, "127.0.0.9", allow, None) is None, pod
-    assert sender_problem("10.0.0.1:8001", "127.0.0.9", allow, None) == SENDER_MISMATCH
-    assert sender_problem("10.0.0.2:8000", "127.0.0.9", allow, None) == SENDER_MISMATCH
-    for bad in ("10.0.0.0/33", "not a host", "a/b"):
+    assert sender_problem("127.10.0.1:8001", "127.0.0.9", allow, None) == SENDER_MISMATCH
+    assert sender_problem("127.10.0.2:8000", "127.0.0.9", allow, None) == SENDER_MISMATCH
+    for bad in ("127.10.0.0/33", "not a host", "a/b"):
         with pytest.raises(AllowlistError):
             Allowlist.parse([bad], 8000)
     with pytest.raises(ValueError):
-        SubscriberConfig(bind_allow=("10.0.0.0/99",))
+        SubscriberConfig(bind_allow=("127.10.0.0/99",))
 
 
 def test_discovery_is_asked_first_and_the_allowlist_does_not_bypass_it() -> None:
     known = KnownPods()
-    allow = Allowlist.parse(["10.0.0.1:8000"], 8000)
-    assert sender_problem("10.0.0.1:8000", "10.0.0.1", NOBODY, known) == UNDISCOVERED_POD
-    assert sender_problem("10.0.0.1:8000", "10.9.9.9", allow, known) == UNDISCOVERED_POD
-    known.learn("10.0.0.1:8000")
-    assert sender_problem("10.0.0.1:8000", "10.0.0.1", NOBODY, known) is None
-    assert sender_problem("10.0.0.1:8000", "10.9.9.9", NOBODY, known) == SENDER_MISMATCH
-    assert sender_problem("10.0.0.1:8000", "10.9.9.9", allow, known) is None
-    known.forget("10.0.0.1:8000")
-    assert sender_problem("10.0.0.1:8000", "10.0.0.1", NOBODY, known) == UNDISCOVERED_POD
+    allow = Allowlist.parse(["127.10.0.1:8000"], 8000)
+    assert sender_problem("127.10.0.1:8000", "127.10.0.1", NOBODY, known) == UNDISCOVERED_POD
+    assert sender_problem("127.10.0.1:8000", "127.19.9.9", allow, known) == UNDISCOVERED_POD
+    known.learn("127.10.0.1:8000")
+    assert sender_problem("127.10.0.1:8000", "127.10.0.1", NOBODY, known) is None
+    assert sender_problem("127.10.0.1:8000", "127.19.9.9", NOBODY, known) == SENDER_MISMATCH
+    assert sender_problem("127.10.0.1:8000", "127.19.9.9", allow, known) is None
+    known.forget("127.10.0.1:8000")
+    assert sender_problem("127.10.0.1:8000", "127.10.0.1", NOBODY, known) == UNDISCOVERED_POD
 
 
 def test_stream_cap() -> None:
@@ -245,9 +245,9 @@ def test_with_discovery_only_discovered_pods_are_accepted(door) -> None:
 
 
 def test_allowlisted_pod_may_send_from_elsewhere(door) -> None:
-    d = door(bind_allow=("10.0.0.9:8000",), default_serving_port=8000)
-    d.publisher("127.0.0.1", "10.0.0.9").publish(stored(5))
-    d.publisher("127.0.0.1", "10.0.0.8").publish(stored(6))
+    d = door(bind_allow=("127.10.0.9:8000",), default_serving_port=8000)
+    d.publisher("127.0.0.1", "127.10.0.9").publish(stored(5))
+    d.publisher("127.0.0.1", "127.10.0.8").publish(stored(6))
     assert d.sink.wait_for_count(1, 5.0)
     assert wait_until(lambda: d.errors(SENDER_MISMATCH) == 1, 5.0)
-    assert [x.stream for x in d.sink.deliveries] == [StreamId("10.0.0.9:8000")]
+    assert [x.stream for x in d.sink.deliveries] == [StreamId("127.10.0.9:8000")]

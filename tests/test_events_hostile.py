@@ -169,7 +169,7 @@ def test_bad_replies_among_good_ones_are_counted_and_the_stream_ends_exact(
             engine.reply(0),  # the anchor: same digest, same engine
             [TOPIC, seq_frame(10**12), engine.sent[1]],  # far ahead
             [b"x"],  # not a reply at all
-            [b"kv@10.6.6.6:8000@m", seq_frame(1), engine.sent[1]],  # another stream's
+            [b"kv@127.16.6.6:8000@m", seq_frame(1), engine.sent[1]],  # another stream's
             engine.reply(1),
             [TOPIC, seq_frame(2), b"\xc1 not msgpack"],
             [TOPIC, seq_frame(0), engine.sent[0]],  # repeated
@@ -365,16 +365,16 @@ def test_history_past_the_replay_buffer_is_incomplete(ctx, sink, make_sub) -> No
 
 
 def test_a_flood_of_fake_pods_does_not_lock_out_a_real_one(ctx, sink, make_sub) -> None:
-    # The table, not bind mode's door, is under test: pods in 10/8 may send from loopback,
+    # The table, not bind mode's door, is under test: pods in 127/8 may send from loopback,
     # with no per-sender stream cap (the flood and the real pod share 127.0.0.1).
     sub = make_sub(
         max_streams=4, stream_evict_idle_s=0.5, default_serving_port=8000,
-        bind_allow=("10.0.0.0/8",), max_streams_per_sender=1_000_000,
+        bind_allow=("127.0.0.0/8",), max_streams_per_sender=1_000_000,
     )  # fmt: skip
     endpoint = sub.bind(LOOPBACK)
     sub.start()
-    real_pod = "10.0.0.7:8000"
-    flood = EnginePublisher(endpoint, topic=make_topic("10.9.0.1", "m"), context=ctx)
+    real_pod = "127.10.0.7:8000"
+    flood = EnginePublisher(endpoint, topic=make_topic("127.19.0.1", "m"), context=ctx)
     real = EnginePublisher(endpoint, topic=make_topic(real_pod, "m"), context=ctx)
     assert flood.wait_for_subscribers(1) and real.wait_for_subscribers(1)
     payload = flood.encode(stored(1))
@@ -382,7 +382,7 @@ def test_a_flood_of_fake_pods_does_not_lock_out_a_real_one(ctx, sink, make_sub) 
 
     def fake() -> None:  # one batch under a made-up pod's topic
         n = next(fakes)
-        topic = make_topic(f"10.9.{n // 200}.{n % 200 + 1}", "m").encode()
+        topic = make_topic(f"127.19.{n // 200}.{n % 200 + 1}", "m").encode()
         flood.send_frames([topic, seq_frame(0), payload])
 
     for _ in range(4):
@@ -415,22 +415,22 @@ def test_a_flood_of_fake_pods_does_not_lock_out_a_real_one(ctx, sink, make_sub) 
 
 
 def test_idle_unpinned_streams_are_evicted_pinned_ones_stay(ctx, sink, make_sub) -> None:
-    sub = make_sub(stream_idle_s=0.3, default_serving_port=8000, bind_allow=("10.0.0.0/8",))
+    sub = make_sub(stream_idle_s=0.3, default_serving_port=8000, bind_allow=("127.0.0.0/8",))
     endpoint = sub.bind(LOOPBACK)
     sub.start()
     with (
-        EnginePublisher(endpoint, topic=make_topic("10.0.0.1", "m"), context=ctx) as bound,
+        EnginePublisher(endpoint, topic=make_topic("127.10.0.1", "m"), context=ctx) as bound,
         EnginePublisher(LOOPBACK, bind=True, context=ctx) as connected,
     ):
-        sub.connect(PodEndpoint(connected.endpoint, pod="10.0.0.2:8000", model="m"))
+        sub.connect(PodEndpoint(connected.endpoint, pod="127.10.0.2:8000", model="m"))
         assert bound.wait_for_subscribers(1) and connected.wait_for_subscribers(1)
         bound.publish(stored(1))
         connected.publish(stored(2))
         assert sink.wait_for_count(2)
         assert sink.wait_for(lambda s: len(s.resets) == 1)
     (reset,) = sink.resets
-    assert reset.stream.pod == "10.0.0.1:8000" and reset.reason == "stream_evicted"
-    assert [s.pod for s in sub.streams()] == ["10.0.0.2:8000"]
+    assert reset.stream.pod == "127.10.0.1:8000" and reset.reason == "stream_evicted"
+    assert [s.pod for s in sub.streams()] == ["127.10.0.2:8000"]
 
 
 def test_a_resubscribed_pod_is_verified_before_it_reads_live(ctx, sink, make_sub) -> None:
@@ -464,24 +464,24 @@ def test_a_pod_discovered_after_its_stream_opened_keeps_it(ctx, sink) -> None:
     discovered: set[str] = set()
     config = SubscriberConfig(
         **{**FAST, "stream_idle_s": 0.3, "default_serving_port": 8000},
-        bind_allow=("10.0.0.0/8",),  # pods in 10/8 may send from loopback
+        bind_allow=("127.0.0.0/8",),  # pods in 127/8 may send from loopback
     )
     sub = Subscriber(sink, config, pod_known=lambda pod: pod in discovered)
     endpoint = sub.bind(LOOPBACK)
     sub.start()
     try:
         with (
-            EnginePublisher(endpoint, topic=make_topic("10.0.0.1", "m"), context=ctx) as known,
-            EnginePublisher(endpoint, topic=make_topic("10.0.0.3", "m"), context=ctx) as stranger,
+            EnginePublisher(endpoint, topic=make_topic("127.10.0.1", "m"), context=ctx) as known,
+            EnginePublisher(endpoint, topic=make_topic("127.10.0.3", "m"), context=ctx) as stranger,
         ):
             assert known.wait_for_subscribers(1) and stranger.wait_for_subscribers(1)
             known.publish(stored(1))
             stranger.publish(stored(2))
             assert sink.wait_for_count(2)
-            discovered.add("10.0.0.1:8000")  # discovery saw the pod only now
+            discovered.add("127.10.0.1:8000")  # discovery saw the pod only now
             assert sink.wait_for(lambda s: len(s.resets) == 1)
-        assert [r.stream.pod for r in sink.resets] == ["10.0.0.3:8000"]
-        assert [s.pod for s in sub.streams()] == ["10.0.0.1:8000"]
+        assert [r.stream.pod for r in sink.resets] == ["127.10.0.3:8000"]
+        assert [s.pod for s in sub.streams()] == ["127.10.0.1:8000"]
     finally:
         sub.stop()
 

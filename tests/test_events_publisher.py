@@ -69,7 +69,7 @@ def replay_frames(ctx: zmq.Context, endpoint: str, start: int) -> list[list[byte
         ("tcp://[::]:5557", True),
         ("ipc:///tmp/kv.sock", True),
         ("inproc://kv", True),
-        ("tcp://10.0.0.1:5557", False),
+        ("tcp://127.10.0.1:5557", False),
         ("tcp://kvindex.default.svc:5557", False),
     ],
 )
@@ -80,7 +80,7 @@ def test_vllm_bind_rule(endpoint: str, binds: bool) -> None:
 def test_offset_endpoint_port() -> None:
     assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
     assert offset_endpoint_port("tcp://*:5557", 3) == "tcp://*:5560"
-    assert offset_endpoint_port("tcp://10.0.0.1:5557", 1) == "tcp://10.0.0.1:5558"
+    assert offset_endpoint_port("tcp://127.10.0.1:5557", 1) == "tcp://127.10.0.1:5558"
     assert offset_endpoint_port("tcp://*:0", 2) == "tcp://*:0"
     assert offset_endpoint_port("inproc://kv", 2) == "inproc://kv_dp2"
     with pytest.raises(ValueError):
@@ -89,7 +89,7 @@ def test_offset_endpoint_port() -> None:
 
 def test_frames_and_seq_from_zero(ctx: zmq.Context) -> None:
     with EnginePublisher(
-        "tcp://127.0.0.1:0", bind=True, topic="kv@10.0.0.1:8000@m", context=ctx
+        "tcp://127.0.0.1:0", bind=True, topic="kv@127.10.0.1:8000@m", context=ctx
     ) as pub:
         assert not pub.endpoint.endswith(":0")  # the real port was discovered
         sub, _ = sub_socket(ctx, bind=False, endpoint=pub.endpoint)
@@ -98,7 +98,7 @@ def test_frames_and_seq_from_zero(ctx: zmq.Context) -> None:
         assert seqs == [0, 1, 2]
         for i in range(3):
             topic, seq, payload = recv(sub)
-            assert topic == b"kv@10.0.0.1:8000@m"
+            assert topic == b"kv@127.10.0.1:8000@m"
             assert seq == i.to_bytes(8, "big")
             batch = BatchDecoder().decode(payload).batch
             assert batch.ts == 10.0 + i

@@ -24,37 +24,37 @@ from kvindex.events.testing import RecordingSink
 def test_the_rule_in_order() -> None:
     known = KnownPods()
     replays = ReplayEndpoints(
-        {"10.0.0.1:8000": "tcp://10.0.0.1:6000"}, replay_port=5558, known=known
+        {"127.10.0.1:8000": "tcp://127.10.0.1:6000"}, replay_port=5558, known=known
     )
     # 1. the operator's --replay-endpoint, offset by the rank as vLLM offsets its ports
-    assert replays(StreamId("10.0.0.1:8000")) == "tcp://10.0.0.1:6000"
-    assert replays(StreamId("10.0.0.1:8000", 3)) == "tcp://10.0.0.1:6003"
+    assert replays(StreamId("127.10.0.1:8000")) == "tcp://127.10.0.1:6000"
+    assert replays(StreamId("127.10.0.1:8000", 3)) == "tcp://127.10.0.1:6003"
     # 2. the pod's annotation as discovery learned it; the flag still wins for its pod
-    known.learn("10.0.0.1:8001", "tcp://10.0.0.1:7000")
-    known.learn("10.0.0.1:8000", "tcp://10.0.0.1:7100")
-    assert replays(StreamId("10.0.0.1:8001", 1)) == "tcp://10.0.0.1:7001"
-    assert replays(StreamId("10.0.0.1:8000")) == "tcp://10.0.0.1:6000"
+    known.learn("127.10.0.1:8001", "tcp://127.10.0.1:7000")
+    known.learn("127.10.0.1:8000", "tcp://127.10.0.1:7100")
+    assert replays(StreamId("127.10.0.1:8001", 1)) == "tcp://127.10.0.1:7001"
+    assert replays(StreamId("127.10.0.1:8000")) == "tcp://127.10.0.1:6000"
     # 3. the host:port rule, only as the fallback
-    assert replays(StreamId("10.0.0.2:8000", 2)) == "tcp://10.0.0.2:5560"
+    assert replays(StreamId("127.10.0.2:8000", 2)) == "tcp://127.10.0.2:5560"
     assert replays(StreamId("[fd00::1]:8000")) == "tcp://[fd00::1]:5558"
-    known.forget("10.0.0.1:8001")
-    assert replays(StreamId("10.0.0.1:8001")) == "tcp://10.0.0.1:5558"
+    known.forget("127.10.0.1:8001")
+    assert replays(StreamId("127.10.0.1:8001")) == "tcp://127.10.0.1:5558"
     # 4. nothing: the gap is counted as missed
-    assert ReplayEndpoints()(StreamId("10.0.0.1:8000")) is None
+    assert ReplayEndpoints()(StreamId("127.10.0.1:8000")) is None
     assert stream_replay_endpoint(StreamId("p:1", 2), None, None) is None
 
 
 def test_specs_parse_or_say_why() -> None:
-    assert parse_pod_replay_endpoint("10.0.0.1=tcp://10.0.0.1:6000", 8000) == (
-        "10.0.0.1:8000",
-        "tcp://10.0.0.1:6000",
+    assert parse_pod_replay_endpoint("127.10.0.1=tcp://127.10.0.1:6000", 8000) == (
+        "127.10.0.1:8000",
+        "tcp://127.10.0.1:6000",
     )
     assert split_connect_spec("tcp://h:5557;replay=tcp://h:6000") == (
         "tcp://h:5557",
         "tcp://h:6000",
     )
     assert split_connect_spec("tcp://h:5557") == ("tcp://h:5557", None)
-    for bad in ("tcp://10.0.0.1:6000", "p:1=tcp://*:6000", "p:1=ipc:///x", "p:1=tcp://h:x",
+    for bad in ("tcp://127.10.0.1:6000", "p:1=tcp://*:6000", "p:1=ipc:///x", "p:1=tcp://h:x",
                 "p:1=tcp://h:70000", "=tcp://h:1"):  # fmt: skip
         with pytest.raises(ReplayEndpointError):
             parse_pod_replay_endpoint(bad, 8000)
@@ -64,17 +64,19 @@ def test_specs_parse_or_say_why() -> None:
 
 def test_settings_reach_connect_targets() -> None:
     settings = from_flags(
-        replay_port=5558, replay_endpoint=["10.0.0.2:8000=tcp://10.0.0.2:6100"], model="m"
+        replay_port=5558, replay_endpoint=["127.10.0.2:8000=tcp://127.10.0.2:6100"], model="m"
     )
     replays = replay_endpoints(settings, None)
-    own = parse_connect("10.0.0.1:8000@m=tcp://10.0.0.1:5557;replay=tcp://10.0.0.1:6000", settings)
+    own = parse_connect(
+        "127.10.0.1:8000@m=tcp://127.10.0.1:5557;replay=tcp://127.10.0.1:6000", settings
+    )
     assert (own.endpoint, own.pod, own.replay_endpoint) == (
-        "tcp://10.0.0.1:5557", "10.0.0.1:8000", "tcp://10.0.0.1:6000",
+        "tcp://127.10.0.1:5557", "127.10.0.1:8000", "tcp://127.10.0.1:6000",
     )  # fmt: skip
-    flagged = parse_connect("tcp://10.0.0.2:5557", settings, replays)
-    assert flagged.replay_endpoint == "tcp://10.0.0.2:6100"
-    fallback = parse_connect("tcp://10.0.0.3:5557", settings, replays)
-    assert fallback.replay_endpoint == "tcp://10.0.0.3:5558"
+    flagged = parse_connect("tcp://127.10.0.2:5557", settings, replays)
+    assert flagged.replay_endpoint == "tcp://127.10.0.2:6100"
+    fallback = parse_connect("tcp://127.10.0.3:5557", settings, replays)
+    assert fallback.replay_endpoint == "tcp://127.10.0.3:5558"
     with pytest.raises(ConfigError, match="replay-endpoint"):
         replay_endpoints(from_flags(replay_endpoint=["nope"]), None)
     with pytest.raises(ConfigError, match="zmq-connect"):

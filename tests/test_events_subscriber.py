@@ -141,14 +141,14 @@ def test_every_layout_through_the_live_subscriber(ctx, sink, make_sub, version) 
 
 
 def test_bind_mode_two_pods_by_topic(ctx, sink, make_sub) -> None:
-    # 10.0.0.x cannot send from loopback: allowlisted, as pods behind NAT would be.
-    sub = make_sub(default_serving_port=8000, bind_allow=("10.0.0.0/24",))
+    # 127.10.0.x pods send from 127.0.0.1, not their host: allowlisted, as pods behind NAT would be.
+    sub = make_sub(default_serving_port=8000, bind_allow=("127.10.0.0/24",))
     endpoint = sub.bind(LOOPBACK)
     assert not endpoint.endswith(":0")
     sub.start()
     pubs = [
         EnginePublisher(endpoint, topic=make_topic(pod, "org/model@v2"), context=ctx)
-        for pod in ("10.0.0.1", "10.0.0.2:9000")
+        for pod in ("127.10.0.1", "127.10.0.2:9000")
     ]
     for pub in pubs:
         assert pub.wait_for_subscribers(1)
@@ -159,7 +159,7 @@ def test_bind_mode_two_pods_by_topic(ctx, sink, make_sub) -> None:
             pub.publish(stored(100 * n + i))
     assert sink.wait_for_count(6)
     by_pod = {(d.stream.pod, d.seq) for d in sink.deliveries}
-    assert by_pod == {(p, s) for p in ("10.0.0.1:8000", "10.0.0.2:9000") for s in range(3)}
+    assert by_pod == {(p, s) for p in ("127.10.0.1:8000", "127.10.0.2:9000") for s in range(3)}
     assert {d.model for d in sink.deliveries} == {"org/model@v2"}
     assert sub.error_counts() == {"bad_topic": 1}
     for pub in pubs:
@@ -171,11 +171,11 @@ def test_connect_mode_identity_sources(ctx, sink, make_sub) -> None:
     sub.start()
     with (
         publisher(ctx, topic="") as plain,
-        publisher(ctx, topic="kv@10.9.9.9:7000@from-topic") as topical,
+        publisher(ctx, topic="kv@127.19.9.9:7000@from-topic") as topical,
         publisher(ctx, topic="") as anonymous,
     ):
-        attach(sub, plain, pod="10.0.0.5", model=None)  # normalised with the default port
-        attach(sub, topical, pod="10.0.0.6:8000", model="ignored")  # the topic wins
+        attach(sub, plain, pod="127.10.0.5", model=None)  # normalised with the default port
+        attach(sub, topical, pod="127.10.0.6:8000", model="ignored")  # the topic wins
         sub.connect(PodEndpoint(anonymous.endpoint))  # pod from the endpoint's host
         assert anonymous.wait_for_subscribers(1)
         for pub in (plain, topical, anonymous):
@@ -183,8 +183,8 @@ def test_connect_mode_identity_sources(ctx, sink, make_sub) -> None:
         assert sink.wait_for_count(3)
     got = {(d.stream.pod, d.model) for d in sink.deliveries}
     assert got == {
-        ("10.0.0.5:8000", "fallback"),
-        ("10.9.9.9:7000", "from-topic"),
+        ("127.10.0.5:8000", "fallback"),
+        ("127.19.9.9:7000", "from-topic"),
         ("127.0.0.1:8000", "fallback"),
     }
 
@@ -390,32 +390,34 @@ def test_forget_pod_with_batches_in_flight(ctx, make_sub) -> None:
     sub = make_sub(gated, batches_per_turn=2, forget_quiet_s=60.0)
     sub.start()
     with publisher(ctx) as doomed, publisher(ctx) as other:
-        attach(sub, doomed, pod="10.0.0.1:8000")
-        attach(sub, other, pod="10.0.0.2:8000")
+        attach(sub, doomed, pod="127.10.0.1:8000")
+        attach(sub, other, pod="127.10.0.2:8000")
         for i in range(50):
             doomed.publish(stored(i))
         assert gated.entered.wait(5)
-        assert wait_until(lambda: stat(sub, "queue_depth", "10.0.0.1:8000") > 0)
-        forget = threading.Thread(target=sub.forget_pod, args=("10.0.0.1:8000",))
+        assert wait_until(lambda: stat(sub, "queue_depth", "127.10.0.1:8000") > 0)
+        forget = threading.Thread(target=sub.forget_pod, args=("127.10.0.1:8000",))
         forget.start()
         gated.release.set()
         forget.join(10)
         assert not forget.is_alive()
         doomed.publish(stored(999))  # its socket is gone; nothing may come back
         other.publish(stored(7))
-        assert gated.wait_for(lambda s: any(d.stream.pod == "10.0.0.2:8000" for d in s.deliveries))
+        assert gated.wait_for(
+            lambda s: any(d.stream.pod == "127.10.0.2:8000" for d in s.deliveries)
+        )
     reset_at = [i for i, (kind, _) in enumerate(gated.log) if kind == "reset"]
     assert len(reset_at) == 1
     reset = gated.log[reset_at[0]][1]
-    assert reset.stream == StreamId("10.0.0.1:8000") and reset.reason == "pod_removed"
+    assert reset.stream == StreamId("127.10.0.1:8000") and reset.reason == "pod_removed"
     after = [item for kind, item in gated.log[reset_at[0] :] if kind == "deliver"]
-    assert all(d.stream.pod != "10.0.0.1:8000" for d in after)
-    assert [s.pod for s in sub.streams()] == ["10.0.0.2:8000"]
+    assert all(d.stream.pod != "127.10.0.1:8000" for d in after)
+    assert [s.pod for s in sub.streams()] == ["127.10.0.2:8000"]
     assert len(sub.endpoints()) == 1
     # Totals keep what the forgotten pod's stream counted.
     delivered_before_reset = sum(1 for d in gated.log[: reset_at[0]] if d[0] == "deliver")
     assert sub.totals()["delivered"] == delivered_before_reset + stat(
-        sub, "delivered", "10.0.0.2:8000"
+        sub, "delivered", "127.10.0.2:8000"
     )
 
 
@@ -595,9 +597,9 @@ def test_stop_while_a_replay_hangs(ctx, sink, make_sub) -> None:
 
 def test_configure_and_forget_before_start(sink) -> None:
     sub = Subscriber(sink, SubscriberConfig())
-    sub.connect(PodEndpoint("tcp://127.0.0.1:1", pod="10.0.0.1:8000", model="m"))
+    sub.connect(PodEndpoint("tcp://127.0.0.1:1", pod="127.10.0.1:8000", model="m"))
     assert len(sub.endpoints()) == 1
-    sub.forget_pod("10.0.0.1:8000")
+    sub.forget_pod("127.10.0.1:8000")
     assert sub.endpoints() == []
     assert not sub.is_running()
     sub.stop()

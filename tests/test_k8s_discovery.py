@@ -374,20 +374,20 @@ def test_replay_endpoint_annotation_beats_the_port_rule() -> None:
     annotation = "kvindex.io/replay-endpoint"
     plan = plan_pod(
         facts(
-            annotations={annotation: "tcp://10.1.2.3:7000", "kvindex.io/data-parallel-size": "2"}
+            annotations={annotation: "tcp://127.11.2.3:7000", "kvindex.io/data-parallel-size": "2"}
         ),
         DiscoveryConfig(),
     )
     assert [e.replay_endpoint for e in plan.endpoints] == [
-        "tcp://10.1.2.3:7000", "tcp://10.1.2.3:7001",
+        "tcp://127.11.2.3:7000", "tcp://127.11.2.3:7001",
     ]  # fmt: skip
-    assert plan.replay_endpoint == "tcp://10.1.2.3:7000"
+    assert plan.replay_endpoint == "tcp://127.11.2.3:7000"
     bind = plan_pod(
         facts(annotations={annotation: "tcp://*:7000"}), DiscoveryConfig(mode=DiscoveryMode.BIND)
     )
-    assert bind.endpoints == () and bind.replay_endpoint == "tcp://10.1.2.3:7000"
+    assert bind.endpoints == () and bind.replay_endpoint == "tcp://127.11.2.3:7000"
     assert plan_pod(facts(), DiscoveryConfig()).replay_endpoint is None
-    for bad in ("7000", "tcp://10.1.2.3", "ipc:///tmp/r", "tcp://h:99999"):
+    for bad in ("7000", "tcp://127.11.2.3", "ipc:///tmp/r", "tcp://h:99999"):
         with pytest.raises(PodConfigError, match=annotation):
             plan_pod(facts(annotations={annotation: bad}), DiscoveryConfig())
 
@@ -457,7 +457,7 @@ def test_events_flow_from_a_discovered_pod(api, start) -> None:
 
 def facts(**kw: Any) -> PodFacts:
     base: dict[str, Any] = {
-        "namespace": NS, "name": "p", "uid": "u", "ip": "10.1.2.3", "phase": "Running",
+        "namespace": NS, "name": "p", "uid": "u", "ip": "127.11.2.3", "phase": "Running",
         "ready": True, "terminating": False, "node": None, "annotations": {}, "ports": {},
     }  # fmt: skip
     return PodFacts(**{**base, **kw})
@@ -466,9 +466,9 @@ def facts(**kw: Any) -> PodFacts:
 def test_annotations_beat_named_ports_beat_defaults() -> None:
     config = DiscoveryConfig()
     plan = plan_pod(facts(ports={"http": 9000, "kv-events": 6000, "kv-replay": 6100}), config)
-    assert plan.pod_id == "10.1.2.3:9000"
-    assert plan.endpoints[0].endpoint == "tcp://10.1.2.3:6000"
-    assert plan.endpoints[0].replay_endpoint == "tcp://10.1.2.3:6100"
+    assert plan.pod_id == "127.11.2.3:9000"
+    assert plan.endpoints[0].endpoint == "tcp://127.11.2.3:6000"
+    assert plan.endpoints[0].replay_endpoint == "tcp://127.11.2.3:6100"
     plan = plan_pod(
         facts(
             ports={"http": 9000, "kv-events": 6000},
@@ -476,10 +476,10 @@ def test_annotations_beat_named_ports_beat_defaults() -> None:
         ),
         config,
     )
-    assert plan.pod_id == "10.1.2.3:8001" and plan.endpoints[0].replay_endpoint is None
+    assert plan.pod_id == "127.11.2.3:8001" and plan.endpoints[0].replay_endpoint is None
     plan = plan_pod(facts(), DiscoveryConfig(model="m"))
-    assert plan.pod_id == "10.1.2.3:8000" and plan.model == "m"
-    assert plan.endpoints[0].endpoint == "tcp://10.1.2.3:5557"
+    assert plan.pod_id == "127.11.2.3:8000" and plan.model == "m"
+    assert plan.endpoints[0].endpoint == "tcp://127.11.2.3:5557"
 
 
 def test_ipv6_pods_and_port_mistakes() -> None:

@@ -15,7 +15,7 @@ from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.memory_table import CHUNK_KEYS, MIN_CAP, PAD
 
 M = "model-a"
-A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+A, B = "127.10.0.1:8000", "127.10.0.2:8000"
 GPU, CPU, STORAGE = Tier.GPU, Tier.CPU, Tier.STORAGE
 SEED = 12345
 _MULT = int(memory_table._MULT)  # white-box: tests craft keys that collide on purpose
@@ -258,7 +258,7 @@ def test_member_slots_are_reused_and_masks_narrow_when_members_go() -> None:
     backend = MemoryBackend()
     backend.apply([store("keeper-a:1", [1, 2]), store("keeper-a:1", [2])])
     for wave in range(3):
-        pods = [f"10.9.{wave}.{i}:8000" for i in range(2000)]
+        pods = [f"127.19.{wave}.{i}:8000" for i in range(2000)]
         backend.apply([store(pod, [10_000 + i]) for i, pod in enumerate(pods)])
         if wave == 0:  # a survivor with a high id, in two tiers, with a second copy
             backend.apply([store("keeper-b:1", [1, 2, 3]), store("keeper-b:1", [3], CPU)])

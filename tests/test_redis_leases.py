@@ -15,7 +15,7 @@ from kvindex.indexer.leases import RedisLeases
 from kvindex.indexer.redis_backend import RedisBackend
 from tests.redis_fixtures import REDIS_URL, delete_prefix, shared_redis
 
-STREAM = StreamId("10.0.0.1:8000")
+STREAM = StreamId("127.10.0.1:8000")
 
 
 class FakeClock:
@@ -147,7 +147,7 @@ def test_unreachable_redis_keeps_the_gate_answering(make_leases) -> None:
 
 def test_leases_on_redis_cluster(redis_cluster) -> None:
     prefix = f"kvtest-leases-{uuid.uuid4().hex[:8]}"
-    streams = [StreamId(f"10.0.0.{i}:8000") for i in range(6)]  # spread over the slots
+    streams = [StreamId(f"127.10.0.{i}:8000") for i in range(6)]  # spread over the slots
     a = RedisLeases(RedisBackend.from_url(redis_cluster.url, prefix=prefix), "replica-a")
     b = RedisLeases(RedisBackend.from_url(redis_cluster.url, prefix=prefix), "replica-b")
     try:

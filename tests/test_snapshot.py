@@ -93,17 +93,17 @@ def _filled_backend(capacity: int | None = None) -> MemoryBackend:
     backend = MemoryBackend(capacity)
     rng = np.random.default_rng(7)
     for i in range(70):  # more than 64 members: two mask words
-        backend.apply([Change(Op.STORE, f"10.0.0.{i}:8000", "m", Tier.GPU,
+        backend.apply([Change(Op.STORE, f"127.10.0.{i}:8000", "m", Tier.GPU,
                               rng.integers(1, 2**64 - 1, 500, dtype=np.uint64))])  # fmt: skip
     backend.apply(
         [
-            Change(Op.STORE, "10.0.0.1:8000", "m", Tier.CPU, [0, 1, 2]),  # key 0: its own slot
-            Change(Op.STORE, "10.0.0.2:8000/dp1", "other", Tier.STORAGE, [5, 6]),
-            Change(Op.STORE, "10.0.0.6:8000", "m", Tier.GPU, [7, 8, 9]),  # held twice over
-            Change(Op.STORE, "10.0.0.6:8000", "m", Tier.GPU, [7, 8]),
-            Change(Op.CLEAR, "10.0.0.3:8000", "m", None),  # a freed member id
-            Change(Op.REMOVE, "10.0.0.4:8000", "m", Tier.GPU, backend.member_keys(
-                "10.0.0.4:8000", "m")[:100]),
+            Change(Op.STORE, "127.10.0.1:8000", "m", Tier.CPU, [0, 1, 2]),  # key 0: its own slot
+            Change(Op.STORE, "127.10.0.2:8000/dp1", "other", Tier.STORAGE, [5, 6]),
+            Change(Op.STORE, "127.10.0.6:8000", "m", Tier.GPU, [7, 8, 9]),  # held twice over
+            Change(Op.STORE, "127.10.0.6:8000", "m", Tier.GPU, [7, 8]),
+            Change(Op.CLEAR, "127.10.0.3:8000", "m", None),  # a freed member id
+            Change(Op.REMOVE, "127.10.0.4:8000", "m", Tier.GPU, backend.member_keys(
+                "127.10.0.4:8000", "m")[:100]),
         ]
     )  # fmt: skip
     return backend
@@ -126,14 +126,14 @@ def test_backend_state_round_trip_gives_the_same_index_that_keeps_working() -> N
     assert restored.members() == original.members()
     before, after = original.stats(), restored.stats()
     assert (after.keys, after.members, after.blocks) == (before.keys, before.members, before.blocks)
-    chain = original.member_keys("10.0.0.1:8000", "m", Tier.CPU)
+    chain = original.member_keys("127.10.0.1:8000", "m", Tier.CPU)
     assert restored.lookup("m", chain) == original.lookup("m", chain)
     # The restored index goes on: the same changes give the same index.
-    gone = original.member_keys("10.0.0.5:8000", "m")
+    gone = original.member_keys("127.10.0.5:8000", "m")
     more = [
         Change(Op.STORE, "new:8000", "m", Tier.GPU, list(range(1, 5000))),
-        Change(Op.REMOVE, "10.0.0.5:8000", "m", Tier.GPU, gone),
-        Change(Op.REMOVE, "10.0.0.6:8000", "m", Tier.GPU, [7, 8, 9]),  # one removal each
+        Change(Op.REMOVE, "127.10.0.5:8000", "m", Tier.GPU, gone),
+        Change(Op.REMOVE, "127.10.0.6:8000", "m", Tier.GPU, [7, 8, 9]),  # one removal each
     ]
     original.apply(more)
     restored.apply(more)
@@ -197,19 +197,19 @@ def test_copies_survive_a_round_trip_in_the_index_and_the_token_key_map() -> Non
     original = _filled_backend()
     original.apply(
         [
-            Change(Op.STORE, "10.0.0.1:8000", "m", Tier.GPU, [7, 8]),
-            Change(Op.STORE, "10.0.0.1:8000", "m", Tier.GPU, [8]),
-            Change(Op.STORE, "10.0.0.1:8000", "m", Tier.CPU, [8, 8]),
+            Change(Op.STORE, "127.10.0.1:8000", "m", Tier.GPU, [7, 8]),
+            Change(Op.STORE, "127.10.0.1:8000", "m", Tier.GPU, [8]),
+            Change(Op.STORE, "127.10.0.1:8000", "m", Tier.CPU, [8, 8]),
         ]
     )
     restored = MemoryBackend()
     restored.from_state(original.to_state())
-    removal = [Change(Op.REMOVE, "10.0.0.1:8000", "m", t, [7, 8]) for t in (Tier.GPU, Tier.CPU)]
+    removal = [Change(Op.REMOVE, "127.10.0.1:8000", "m", t, [7, 8]) for t in (Tier.GPU, Tier.CPU)]
     restored.apply(removal)
     original.apply(removal)
     assert _contents(restored) == _contents(original)
-    assert 8 in restored.member_keys("10.0.0.1:8000", "m", Tier.GPU)
-    assert restored.member_keys("10.0.0.1:8000", "m", Tier.CPU) == [0, 1, 2, 8]
+    assert 8 in restored.member_keys("127.10.0.1:8000", "m", Tier.GPU)
+    assert restored.member_keys("127.10.0.1:8000", "m", Tier.CPU) == [0, 1, 2, 8]
 
     catalog = ModelCatalog(ModelKeying(key_mode=KeyMode.TOKENS))
     backend = MemoryBackend()

@@ -55,6 +55,7 @@ from kvindex.events.errors import (
 )
 from kvindex.events.identity import normalize_pod
 from kvindex.indexer.backend import Tier
+from kvindex.scoring.scorer import ScoreResult
 from kvindex.scoring.speculative import annotate
 from kvindex.scoring.tokenize import ChatOptions
 
@@ -149,20 +150,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
     async def score(request: Request) -> Response:
         started = time.perf_counter()
         req = await read_request(request, ScoreRequest, _decode_score)
-        if req.block_hashes is not None:
-            keys = hashed_keys(service, req, limits.max_prompt_tokens)
-            candidates = _candidates(req.pods, serving_port, limits.max_pods)
-            result = service.scorer.score_keys(req.model, keys, candidates=candidates)
-        else:
-            tokens = _tokens_of(service, req, limits.max_prompt_tokens, limits.max_prompt_chars)
-            candidates = _candidates(req.pods, serving_port, limits.max_pods)
-            result = service.scorer.score(
-                req.model,
-                tokens,
-                lora_name=req.lora_name,
-                cache_salt=req.cache_salt,
-                candidates=candidates,
-            )
+        result, candidates = await service.index_work.run(score_index, service, req)
         annotate(result, service.speculative, candidates)  # apart from the confirmed counts
         warnings = [*result.warnings, *service.directory.warnings(req.model, candidates)]
         response = ScoreResponse(
@@ -254,7 +242,7 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> FastAPI:
         summary="Liveness: the process answers",
         responses={"200": ok("Alive", health_schema)},
     )
-    def healthz() -> Response:
+    async def healthz() -> Response:  # on the loop: no thread to wait for, ever
         return _json({"status": "ok"})
 
     @app.get(
@@ -332,6 +320,28 @@ def _unknown_pod(pod_id: str) -> NotFound:
 
 def _decode_score(body: bytes) -> ScoreRequest:
     return decode_json(_score_decoder, body)
+
+
+def score_index(service: Service, req: ScoreRequest) -> tuple[ScoreResult, list[str] | None]:
+    """What the index says about ``req``, and its candidate pods: the part of /score that
+    may wait on the backend or the tokenizer, so it runs under ``service.index_work``
+    (thread-safe: it reads caches and the backend, and writes only memos)."""
+    limits = service.settings.http
+    serving_port = service.settings.events.serving_port
+    if req.block_hashes is not None:
+        keys = hashed_keys(service, req, limits.max_prompt_tokens)
+        candidates = _candidates(req.pods, serving_port, limits.max_pods)
+        return service.scorer.score_keys(req.model, keys, candidates=candidates), candidates
+    tokens = _tokens_of(service, req, limits.max_prompt_tokens, limits.max_prompt_chars)
+    candidates = _candidates(req.pods, serving_port, limits.max_pods)
+    result = service.scorer.score(
+        req.model,
+        tokens,
+        lora_name=req.lora_name,
+        cache_salt=req.cache_salt,
+        candidates=candidates,
+    )
+    return result, candidates
 
 
 def _tokens_of(service: Service, req: ScoreRequest, max_tokens: int, max_chars: int) -> list[int]:

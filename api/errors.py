@@ -64,7 +64,8 @@ DESCRIPTIONS = {
     415: "Content-Type is not application/json (or, on /score and /route, "
     "application/octet-stream)",
     429: "Too many requests in flight (--max-in-flight); retry shortly",
-    503: "Index backend or tokenizer unavailable; fall back to default balancing",
+    503: "Index backend unavailable, too slow (backend_timeout) or busy (backend_busy), "
+    "or tokenizer unavailable; fall back to default balancing",
 }
 
 

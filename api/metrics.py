@@ -9,7 +9,6 @@ label (and tier or state), so cardinality is bounded by the number of pods.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -21,11 +20,12 @@ from prometheus_client.registry import Collector
 from kvindex.events.identity import StreamId
 from kvindex.events.sink import BatchSink, Delivery
 from kvindex.events.timestamps import TIMESTAMP_PROBLEMS, timestamp_problem
-from kvindex.indexer.backend import BackendError, Tier
+from kvindex.indexer.backend import MemberStats, Tier
 
 if TYPE_CHECKING:
+    from kvindex.api.index_figures import IndexFigures
+    from kvindex.api.offload import IndexWork
     from kvindex.events.subscriber import Subscriber
-    from kvindex.indexer.backend import IndexBackend
     from kvindex.indexer.ingest import Ingestor
     from kvindex.indexer.leases import RedisLeases
     from kvindex.indexer.redis_backend import RedisBackend
@@ -185,13 +185,13 @@ class ServiceCollector(Collector):
         self,
         subscriber: Subscriber,
         ingestor: Ingestor,
-        backend: IndexBackend,
+        figures: Callable[[], IndexFigures | None],
         verifier: HashVerifier | None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._subscriber = subscriber
         self._ingestor = ingestor
-        self._backend = backend
+        self._figures = figures  # bounded: a hung backend cannot hold the scrape
         self._verifier = verifier
         self._clock = clock
 
@@ -254,33 +254,29 @@ class ServiceCollector(Collector):
             value=counts.blocks_removed,
         )
 
-        try:
-            stats = self._backend.stats()
-        except BackendError:  # Redis down: scrape the rest, /readyz tells why
-            yield from self._pod_metrics(index=False)
-            return
-        blocks = GaugeMetricFamily(
-            "kvindex_index_blocks", "(block, pod) entries in the index, by tier.", labels=["tier"]
-        )
-        for tier in Tier:
-            blocks.add_metric([tier.label], stats.blocks.get(tier, 0))
-        yield blocks
-        yield GaugeMetricFamily(
-            "kvindex_index_keys", "Distinct block keys held by any pod.", value=stats.keys
-        )
-        yield CounterMetricFamily(
-            "kvindex_index_evictions",
-            "Block keys dropped by the index's capacity bound.",
-            value=stats.evictions,
-        )
-        yield from self._pod_metrics()
+        figures = self._figures()
+        if figures is not None:  # None: the backend did not answer; /readyz says why
+            stats = figures.stats
+            blocks = GaugeMetricFamily(
+                "kvindex_index_blocks",
+                "(block, pod) entries in the index, by tier.",
+                labels=["tier"],
+            )
+            for tier in Tier:
+                blocks.add_metric([tier.label], stats.blocks.get(tier, 0))
+            yield blocks
+            yield GaugeMetricFamily(
+                "kvindex_index_keys", "Distinct block keys held by any pod.", value=stats.keys
+            )
+            yield CounterMetricFamily(
+                "kvindex_index_evictions",
+                "Block keys dropped by the index's capacity bound.",
+                value=stats.evictions,
+            )
+        yield from self._pod_metrics(figures.members if figures is not None else {})
 
-    def _pod_metrics(self, index: bool = True) -> Iterator:
+    def _pod_metrics(self, members: dict[str, MemberStats]) -> Iterator:
         streams = self._subscriber.streams()
-        members: set[str] = set()
-        if index:
-            with contextlib.suppress(BackendError):  # Redis down: no per-pod block series
-                members = set(self._backend.members())
         pods = {s.pod for s in streams} | {m.split("/dp", 1)[0] for m in members}
         yield GaugeMetricFamily(
             "kvindex_pods", "Pods with a stream or index entries.", value=len(pods)
@@ -291,13 +287,7 @@ class ServiceCollector(Collector):
             "Blocks each pod (or DP rank) holds, by tier.",
             labels=["pod", "tier"],
         )
-        for member in sorted(members):
-            try:
-                stats = self._backend.member_stats(member)
-            except BackendError:
-                break
-            if stats is None:
-                continue
+        for member, stats in sorted(members.items()):
             for tier in Tier:
                 pod_blocks.add_metric([member, tier.label], stats.total(tier))
         yield pod_blocks
@@ -337,6 +327,25 @@ class ServiceCollector(Collector):
                     [s.member], 1.0 if self._verifier.status(s.member).state == "mismatch" else 0.0
                 )
             yield check
+
+
+class IndexWorkCollector(Collector):
+    """/score's and /route's index work waiting or running on threads (Redis backend):
+    near ``--backend-max-in-flight`` means the backend is slow or hung."""
+
+    def __init__(self, work: IndexWork) -> None:
+        self._work = work
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator:
+        yield GaugeMetricFamily(
+            "kvindex_backend_work_in_flight",
+            "Index lookups of /score and /route waiting or running on threads, abandoned "
+            "ones (past --backend-deadline) included.",
+            value=self._work.in_flight,
+        )
 
 
 class RedisCollector(Collector):

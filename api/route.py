@@ -23,6 +23,7 @@ from fastapi.responses import Response
 
 from kvindex.api.app import _candidates, _json, _tokens_of
 from kvindex.api.errors import JSON, decode_json, error_response, error_responses
+from kvindex.api.offload import BackendBusy, BackendTimeout
 from kvindex.api.schemas import (
     ErrorBody,
     RouteCandidate,
@@ -45,7 +46,7 @@ from kvindex.indexer.backend import BackendUnavailable
 from kvindex.scoring.load import PodLoad
 from kvindex.scoring.pd import Role, decide_pd, disaggregated, of_role
 from kvindex.scoring.router import Decision, Reason
-from kvindex.scoring.scorer import PodScore
+from kvindex.scoring.scorer import PodScore, ScoreResult
 from kvindex.scoring.speculative import annotate
 from kvindex.scoring.targets import Target, build_targets
 from kvindex.scoring.tokenize import TokenizerUnavailable
@@ -92,7 +93,7 @@ def install_route(app: FastAPI, service: Service) -> dict[str, Any]:
     async def route(request: Request) -> Response:
         req = await read_request(request, RouteRequest, decode)
         try:
-            answer = route_request(service, req)
+            answer = decide_route(service, req, await route_inputs(service, req))
         except NoCapacity as exc:
             return error_response(
                 429, exc.code, exc.detail, headers={"Retry-After": str(exc.retry_after)}
@@ -132,15 +133,54 @@ def route_request(service: Service, req: RouteRequest) -> RouteResponse:
     """Decide where ``req`` goes and enter it in the in-flight ledger (and its prompt in
     the speculative entries): ``POST /route`` without HTTP, for the gateway running in
     the same process. Raises NoCapacity (429), ClientError (400) or Unavailable (503, no
-    pods known or none of the asked role)."""
+    pods known or none of the asked role). Blocks while the index is asked; the
+    ``/route`` handler runs :func:`index_inputs` off the event loop instead."""
+    return decide_route(service, req, index_inputs(service, req))
+
+
+@dataclass(slots=True)
+class RouteInputs:
+    """What a decision needs from the index: the candidate pods and what it says."""
+
+    pods: list[str]
+    view: _IndexView
+
+
+async def route_inputs(service: Service, req: RouteRequest) -> RouteInputs:
+    """:func:`index_inputs` under ``service.index_work``'s deadline and cap; past them,
+    the pods known without the index and a load-only decision (``fallback`` backend
+    down), as when the backend refuses."""
+    try:
+        return await service.index_work.run(index_inputs, service, req)
+    except (BackendTimeout, BackendBusy) as exc:
+        settings = service.settings
+        named = _candidates(req.pods, settings.events.serving_port, settings.http.max_pods)
+        pods = list(dict.fromkeys(named)) if named else service.route_view.last_pods()
+        given = len(req.token_ids or [])
+        return RouteInputs(pods, _IndexView(given, fallback=DOWN, warnings=[exc.detail]))
+
+
+def index_inputs(service: Service, req: RouteRequest) -> RouteInputs:
+    """The candidate pods (named, or known: that may read the index) and the index's
+    view of ``req``: the part of a route that may wait on the backend or the tokenizer.
+    Thread-safe: it reads caches and the backend, and writes only memos."""
     settings = service.settings
     named = _candidates(req.pods, settings.events.serving_port, settings.http.max_pods)
     pods = list(dict.fromkeys(named)) if named else service.route_view.pods()  # known: unique
+    return RouteInputs(pods, _index_view(service, req, pods) if pods else _IndexView(0))
+
+
+def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> RouteResponse:
+    """The decision over ``inputs``, entered in the ledger and the speculative entries.
+    In memory only, and it never awaits: concurrent requests see each other's routes."""
+    settings = service.settings
+    pods = inputs.pods
     if not pods:
         raise Unavailable(
             "no pods given and none known (configured, discovered or indexed)", code="no_pods"
         )
-    view = _index_view(service, req, pods)
+    view = inputs.view
+    view.speculative = annotate(view.result, service.speculative) if view.result else {}
     block_size = service.catalog.keying(req.model).hash.block_size
     targets = build_targets(
         pods, view.matches, view.speculative, service.load.snapshot(pods),
@@ -235,6 +275,8 @@ class _IndexView:
     speculative: dict[str, int] = field(default_factory=dict)
     fallback: Reason | None = None
     warnings: list[str] = field(default_factory=list)
+    # The lookup's answer, for the speculative entries: annotated on the event loop.
+    result: ScoreResult | None = None
 
 
 def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> _IndexView:
@@ -281,8 +323,7 @@ def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> _IndexV
         )
     wanted = set(pods)
     matches = {p.pod: p for p in result.pods if p.pod in wanted or member_pod(p.pod) in wanted}
-    speculative = annotate(result, service.speculative)
-    view = _IndexView(prompt_tokens, result.keys, matches, speculative)
+    view = _IndexView(prompt_tokens, result.keys, matches, result=result)
     doubts = service.route_view.doubts(req.model, pods)
     for pod, lag in service.event_lag.lagging(pods, settings.scoring.max_event_lag).items():
         doubts.setdefault(

@@ -34,6 +34,11 @@ class _Recent(Generic[T]):
         self._value = (now, value)  # one assignment: a racing reader sees either
         return value
 
+    def last(self, default: T) -> T:
+        """The value as last read, however old, without reading again."""
+        cached = self._value
+        return default if cached is None else cached[1]
+
 
 class RouteView:
     """Known pods, and per model the pods whose index entries are in doubt, each
@@ -53,6 +58,11 @@ class RouteView:
 
     def pods(self) -> list[str]:
         return self._pods.get()
+
+    def last_pods(self) -> list[str]:
+        """The known pods as last read (none before the first read): what /route
+        chooses among when reading them again would wait on a backend that hangs."""
+        return self._pods.last([])
 
     def doubts(self, model: str, pods: Collection[str]) -> dict[str, str]:
         """Of ``pods``, those whose entries for ``model`` are in doubt, with why."""

@@ -26,7 +26,9 @@ from kvindex.api.config import (
     tokenizer_dirs,
 )
 from kvindex.api.health import BackendHealthLog
+from kvindex.api.index_figures import LatestFigures, read_figures
 from kvindex.api.metrics import (
+    IndexWorkCollector,
     InstrumentedSink,
     RedisCollector,
     ScoreMetrics,
@@ -34,6 +36,7 @@ from kvindex.api.metrics import (
     SnapshotCollector,
     register_process_metrics,
 )
+from kvindex.api.offload import IndexWork
 from kvindex.api.route_metrics import (
     EventLagCollector,
     LoadCollector,
@@ -105,6 +108,24 @@ def make_leases(settings: Settings, backend: IndexBackend) -> RedisLeases | None
     if settings.index.lease_ttl <= 0:
         raise ConfigError(f"--lease-ttl {settings.index.lease_ttl}: must be at least 1 second")
     return RedisLeases(backend, settings.index.replica_id, float(settings.index.lease_ttl))
+
+
+def make_index_work(settings: Settings, backend: IndexBackend) -> IndexWork:
+    """Where /score and /route do their index work: inline over the memory backend
+    (nothing in it can hang), else on threads under ``--backend-deadline`` and
+    ``--backend-max-in-flight`` (:mod:`kvindex.api.offload`)."""
+    index = settings.index
+    for flag, value in (
+        ("--backend-deadline", index.backend_deadline),
+        ("--backend-max-in-flight", index.backend_max_in_flight),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{flag} {value}: must be positive")
+    return IndexWork(
+        inline=isinstance(backend, MemoryBackend),
+        deadline_s=index.backend_deadline,
+        max_in_flight=index.backend_max_in_flight,
+    )
 
 
 def snapshot_backend(settings: Settings, backend: IndexBackend) -> MemoryBackend | None:
@@ -259,6 +280,7 @@ class Service:
         check_tokenizer_dirs(tokenizer_dirs(settings))
         self.backend = backend or make_backend(settings)
         self.leases = make_leases(settings, self.backend)
+        self.index_work = make_index_work(settings, self.backend)
         # `*_created` series double every counter's series; no dashboard here uses them.
         disable_created_metrics()
         self.registry = registry or CollectorRegistry()
@@ -312,8 +334,17 @@ class Service:
         self.metrics = ScoreMetrics(self.registry)
         register_process_metrics(self.registry, VERSION, settings.index.backend)
         self.registry.register(
-            ServiceCollector(self.subscriber, self.ingestor, self.backend, self.verifier)
+            ServiceCollector(
+                self.subscriber,
+                self.ingestor,
+                LatestFigures(
+                    lambda: read_figures(self.backend),
+                    inline=isinstance(self.backend, MemoryBackend),
+                ).get,
+                self.verifier,
+            )
         )
+        self.registry.register(IndexWorkCollector(self.index_work))
         if self.leases is not None:
             self.registry.register(RedisCollector(self.leases.backend, self.leases))
             owners = owners or self.leases.owners
@@ -408,6 +439,7 @@ class Service:
         if self.leases is not None:
             self.leases.close()  # final positions; another replica takes over within a second
         self.backend_health.stop()
+        self.index_work.close()
         self.backend.close()
 
     def purge_pod(self, pod: str) -> tuple[list[str], int]:

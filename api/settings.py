@@ -172,6 +172,17 @@ class IndexSettings(_Section):
     lease_ttl: Annotated[
         int, doc("redis backend: seconds before a dead replica's streams are taken over")
     ] = 5
+    backend_deadline: Annotated[
+        float,
+        doc(
+            "redis backend: seconds /score and /route wait for the index; past it /score "
+            "answers 503 backend_timeout and /route decides on load alone"
+        ),
+    ] = 0.5
+    backend_max_in_flight: Annotated[
+        int,
+        doc("redis backend: index lookups waiting or running at once; more get 503 backend_busy"),
+    ] = 64
 
 
 class K8sSettings(_Section):

@@ -78,6 +78,17 @@ def unpack_keys(packed: bytes) -> list[int]:
     return words.tolist()
 
 
+def lookup_reply(packed: bytes) -> list[MemberMatch]:
+    """The lookup script's msgpack reply as matches, best first."""
+    reply = _decode_flat(packed)
+    out = [
+        MemberMatch(reply[i], reply[i + 1], (reply[i + 2], reply[i + 3], reply[i + 4]))
+        for i in range(0, len(reply), 5)
+    ]
+    out.sort(key=lambda m: (-m.matched_blocks, -m.by_tier[0], m.member))
+    return out
+
+
 def model_tag(model: str) -> str:
     """The model as a Redis Cluster hash tag: its name, unless that could not be one
     (empty, or holding a brace), then a digest of it."""
@@ -172,15 +183,9 @@ class RedisBackend:
             argv += list(members)
             if len(argv) == 1:
                 return []
-        reply = _decode_flat(
+        return lookup_reply(
             self.connection.call("lookup", *_LOOKUP.args(self.meta_key(model), argv))
         )
-        out = [
-            MemberMatch(reply[i], reply[i + 1], (reply[i + 2], reply[i + 3], reply[i + 4]))
-            for i in range(0, len(reply), 5)
-        ]
-        out.sort(key=lambda m: (-m.matched_blocks, -m.by_tier[0], m.member))
-        return out
 
     def presence(
         self, model: str, keys: Sequence[int], members: Collection[str] | None = None

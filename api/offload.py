@@ -1,0 +1,134 @@
+"""The index work of ``/score`` and ``/route``, kept off the event loop: a deadline, a cap.
+
+Why: the handlers are coroutines on one event loop. With the Redis backend a lookup is
+a network round trip, and done on the loop it stops everything else: with a Redis that
+accepted connections but never answered, 8 concurrent ``/score`` calls finished one
+after another over 8.2 s and ``/healthz`` took 8.0 s, long enough for a liveness probe
+to kill a healthy replica during a Redis brownout (issue 13).
+
+So the part of a request that can wait on something outside the process (the model
+check, which may read the index's model list; the tokenizer; block hashing; the lookup)
+runs on a small pool of threads, and the handler awaits it:
+
+* **Deadline.** Past ``deadline_s`` the request gets a fast 503 ``backend_timeout``.
+  The thread itself cannot be cancelled: it ends when Redis answers or when the
+  connection's socket timeout (the URL's ``timeout=``, 1 s by default) passes.
+* **Cap.** Work submitted and not yet finished, abandoned work included, is counted;
+  past ``max_in_flight`` a request gets a 503 ``backend_busy`` at once instead of
+  queueing behind a Redis that does not answer.
+
+Threads rather than an async Redis client: the same lookup pipelined over
+``redis.asyncio`` with a connection pool gave no more lookups per second than the
+threads (Redis runs the lookup script on its one thread, and that is the bottleneck;
+``bench/bench_redis.py`` measures both side by side), and only threads also take the
+tokenizer, the model list and the hybrid presence query off the loop without a second,
+async copy of the backend.
+
+The memory backend runs inline (``inline=True``): its lookup holds the GIL throughout,
+so a thread adds the hop's cost (about 0.1 ms) to every request and overlaps nothing;
+neither a deadline nor a cap applies to work that cannot hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
+
+from kvindex.events.errors import Unavailable
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: Threads doing index work at once. Redis answers one script at a time, so more
+#: threads only queue there; a few keep it busy while others parse and hash.
+THREADS = 8
+
+
+class BackendTimeout(Unavailable):
+    """The index backend did not answer within the request's deadline."""
+
+    code = "backend_timeout"
+
+
+class BackendBusy(Unavailable):
+    """Too much index work is waiting on the backend; this request was not queued."""
+
+    code = "backend_busy"
+
+
+class IndexWork:
+    """Runs a request's index work: inline, or on threads under a deadline and a cap."""
+
+    def __init__(
+        self,
+        *,
+        inline: bool,
+        deadline_s: float,
+        max_in_flight: int,
+        threads: int = THREADS,
+    ) -> None:
+        if deadline_s <= 0 or max_in_flight <= 0:
+            raise ValueError("the deadline and the in-flight cap must be positive")
+        self.inline = inline
+        self.deadline_s = deadline_s
+        self.max_in_flight = max_in_flight
+        self._threads = max(1, min(threads, max_in_flight))
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # finished work is counted down on its own thread
+        self.in_flight = 0
+        self.timeouts = 0
+        self.refused = 0
+
+    async def run(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """``work(*args, **kwargs)``'s result or exception; BackendTimeout (503) past the
+        deadline, BackendBusy (503) when ``max_in_flight`` pieces are not finished."""
+        if self.inline:
+            return work(*args, **kwargs)
+        with self._lock:
+            if self.in_flight >= self.max_in_flight:
+                self.refused += 1
+                raise BackendBusy(
+                    f"{self.in_flight} index lookups are waiting on the backend "
+                    f"(--backend-max-in-flight {self.max_in_flight}); retry shortly"
+                )
+            self.in_flight += 1
+        try:
+            future = self._executor().submit(work, *args, **kwargs)
+        except BaseException:
+            self._finished(None)
+            raise
+        future.add_done_callback(self._finished)
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                return await asyncio.wrap_future(future)
+        except TimeoutError:
+            future.cancel()  # still queued: it never runs; running: it finishes on its own
+            with self._lock:
+                self.timeouts += 1
+            raise BackendTimeout(
+                f"the index backend did not answer within {self.deadline_s:g} s "
+                "(--backend-deadline)"
+            ) from None
+
+    def _finished(self, _: Future[object] | None) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def _executor(self) -> ThreadPoolExecutor:
+        pool = self._pool
+        if pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="index")
+                pool = self._pool
+        return pool
+
+    def close(self) -> None:
+        """Stop the threads; work still queued never runs."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

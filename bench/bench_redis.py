@@ -15,7 +15,13 @@ Four figures, each with the workload it was measured on:
   pods: the Lua script the backend uses, against two pipeline designs (every block in
   one pipeline; 64-block pipelines that stop when no pod is left);
 * ``/score`` over HTTP p50/p99 for the 8,192-token prompt, from a ``kvindex serve
-  --backend redis://...`` subprocess over the same index.
+  --backend redis://...`` subprocess over the same index;
+* how to keep lookups off the event loop (issue 13): 16 concurrent callers on one
+  asyncio loop, the lookup run inline (one round trip at a time, as before), on a pool
+  of threads, or over ``redis.asyncio`` with a connection pool, side by side;
+* issue 13's Redis target: ``/score`` requests/s with 16 clients and p50 with one,
+  ``token_ids`` and ``block_hashes`` bodies, from a load generator in its own process,
+  with PASS/FAIL (the exit status is 1 on FAIL). ``--target-only`` runs just this.
 
 The private server runs with ``--save '' --appendonly no`` so disk I/O does not enter
 the figures; a deployment with AOF (``deploy/overlays/redis``) adds its fsync cost to
@@ -25,6 +31,7 @@ ingest only.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -34,21 +41,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import redis
+import redis.asyncio as aredis
 
 from kvindex.api.testing import ServeProcess, free_port
 from kvindex.indexer.backend import Change, MemberMatch, Op, Tier
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from kvindex.indexer.redis_backend import RedisBackend, pack_keys
+from kvindex.indexer.redis_backend import RedisBackend, lookup_reply, pack_keys
 from kvindex.indexer.redis_conn import RedisConnection, RedisOptions
+from kvindex.indexer.redis_scripts import SCRIPTS
 
 MODEL = "bench/model"
 EVENT_BLOCKS = 32  # blocks per BlockStored (one scheduler step of a busy pod)
 EVENTS_PER_CALL = 64  # the applier's batches_per_turn: one stream's turn is one apply
 PROMPT_TOKENS = 8192
+OFF_LOOP_CALLERS, OFF_LOOP_ROUNDS = 16, 5
+TARGET_CLIENTS, TARGET_RPS, TARGET_P50_MS = 16, 2_000, 2.0  # issue 13, Redis backend
 BLOCK_SIZE = 16
 
 
@@ -348,6 +360,126 @@ def _score_seconds(conn: http.client.HTTPConnection) -> float:
     return 0.0
 
 
+# -- off the event loop (issue 13) --------------------------------------------------------------
+
+
+def bench_off_loop(
+    args: argparse.Namespace, backend: RedisBackend, url: str, chain: list[int]
+) -> None:
+    """Lookups per second with 16 callers on one event loop, three ways to wait for
+    Redis: inline (the loop blocks for each round trip), a pool of threads, redis.asyncio."""
+    script, meta = SCRIPTS["lookup"], backend.meta_key(MODEL)
+    expected = backend.lookup(MODEL, chain)
+    n = args.lookups
+
+    async def drive(call: Callable[[], Awaitable[list[MemberMatch]]], n: int) -> float:
+        left = iter(range(n))
+
+        async def caller() -> None:
+            for _ in left:
+                await call()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(OFF_LOOP_CALLERS)))
+        return n / (time.perf_counter() - t0)
+
+    async def run() -> dict[str, list[float]]:
+        loop = asyncio.get_running_loop()
+        pools = {threads: ThreadPoolExecutor(threads) for threads in (4, 8, 16)}
+        client = aredis.Redis.from_url(
+            RedisOptions.from_url(url).url, max_connections=OFF_LOOP_CALLERS
+        )
+        packed = pack_keys(chain)
+        await client.script_load(script.source)
+
+        async def inline() -> list[MemberMatch]:
+            return backend.lookup(MODEL, chain)
+
+        def threaded(pool: ThreadPoolExecutor) -> Callable[[], Awaitable[list[MemberMatch]]]:
+            return lambda: loop.run_in_executor(pool, backend.lookup, MODEL, chain)
+
+        async def pooled() -> list[MemberMatch]:
+            return lookup_reply(await client.execute_command(*script.args(meta, [packed])))
+
+        ways = {"inline on the loop (before)": inline}
+        ways.update({f"{t} threads": threaded(pool) for t, pool in pools.items()})
+        ways["redis.asyncio, pooled"] = pooled
+        rates: dict[str, list[float]] = {name: [] for name in ways}
+        try:
+            for call in ways.values():
+                assert await call() == expected, "a lookup answered differently"
+            for _ in range(OFF_LOOP_ROUNDS):  # interleaved, so load changes hit every way
+                for name, call in ways.items():
+                    rates[name].append(await drive(call, n // OFF_LOOP_ROUNDS))
+        finally:
+            for pool in pools.values():
+                pool.shutdown()
+            await client.aclose()
+        return rates
+
+    print(
+        f"off the event loop: {OFF_LOOP_CALLERS} concurrent callers on one asyncio loop, "
+        f"{n} lookups of the 512-block chain each way in {OFF_LOOP_ROUNDS} interleaved "
+        f"rounds; load average {_load_average()}"
+    )
+    for name, rates in asyncio.run(run()).items():
+        print(
+            f"  {name:<30} {statistics.median(rates):8,.0f} lookups/s "
+            f"(rounds: {', '.join(f'{r:,.0f}' for r in rates)})"
+        )
+
+
+def bench_target(args: argparse.Namespace, url: str, prefix: str, tokens: list[int]) -> bool:
+    """Issue 13's Redis figure: /score req/s with 16 clients, p50 with one; PASS/FAIL."""
+    from bench_score import _measure  # bench/ is sys.path[0] when run as a script
+
+    keys = BlockHasher(HashConfig()).keys(tokens)
+    bodies = {
+        "token_ids": json.dumps({"model": MODEL, "token_ids": tokens}).encode(),
+        "block_hashes": json.dumps({"model": MODEL, "block_hashes": keys}).encode(),
+    }
+    server = ServeProcess(
+        "--backend", url, "--redis-prefix", prefix, "--model", MODEL, "--log-level", "warning"
+    )  # fmt: skip
+    redis_client = redis.Redis.from_url(RedisOptions.from_url(url).url)
+    passed = True
+    try:
+        server.wait_ready()
+        print(
+            f"/score with the Redis backend (issue 13 target: >= {TARGET_RPS:,} req/s with "
+            f"{TARGET_CLIENTS} clients, p50 <= {TARGET_P50_MS} ms with one); load "
+            f"generator in its own process; load average before: {_load_average()}"
+        )
+        for name, body in bodies.items():
+            _measure(server.port, [body], 1, count=100)  # warm up
+            one = _measure(server.port, [body], 1, count=args.requests)
+            redis_client.config_resetstat()
+            many = _measure(server.port, [body], TARGET_CLIENTS, seconds=args.seconds)
+            scripts = redis_client.info("commandstats").get("cmdstat_evalsha", {})
+            per_lookup = scripts.get("usec", 0) / max(1, scripts.get("calls", 1)) / 1000
+            ok_rps, ok_p50 = many["rps"] >= TARGET_RPS, one["p50_ms"] <= TARGET_P50_MS
+            passed = passed and ok_rps and ok_p50
+            print(
+                f"  {name:<13} {TARGET_CLIENTS} clients {many['rps']:7,.0f} req/s "
+                f"(p50 {many['p50_ms']:6.2f} ms) {'PASS' if ok_rps else 'FAIL'};   1 client "
+                f"p50 {one['p50_ms']:6.3f} ms p99 {one['p99_ms']:6.3f} ms "
+                f"{'PASS' if ok_p50 else 'FAIL'}"
+            )
+            print(
+                f"  {'':<13} Redis busy {per_lookup:.3f} ms per script call under load: "
+                f"its one thread caps this at ~{1000 / per_lookup if per_lookup else 0:,.0f}/s"
+            )
+        print(f"  load average after: {_load_average()}")
+    finally:
+        server.stop()
+        redis_client.close()
+    return passed
+
+
+def _load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs"
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -394,11 +526,16 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--seconds", type=float, default=10.0, help="16-client run length")
+    parser.add_argument(
+        "--target-only", action="store_true", help="only issue 13's /score figure (PASS/FAIL)"
+    )
     parser.add_argument("--buckets", type=int, help="buckets per model (URL option buckets=)")
     args = parser.parse_args()
     if args.quick:
         args.blocks_per_member, args.background = 1024, 16384
         args.lookups = args.requests = 200
+        args.seconds = 3.0
 
     private = None
     url = args.redis_url
@@ -417,14 +554,20 @@ def main() -> None:
             f"{' (private, no persistence)' if private else ''}; "
             f"{os.cpu_count()} CPUs; prefix {prefix}\n"
         )
-        bench_ingest(args, backend, client)
-        bench_memory_shared(args, backend, client)
-        print()
+        if not args.target_only:
+            bench_ingest(args, backend, client)
+            bench_memory_shared(args, backend, client)
+            print()
         tokens = populate_prompt(args, backend)
-        bench_lookup(args, backend, tokens)
-        print()
-        if not args.skip_http:
-            bench_http(args, url, prefix, tokens)
+        if not args.target_only:
+            bench_lookup(args, backend, tokens)
+            print()
+            bench_off_loop(args, backend, url, BlockHasher(HashConfig()).keys(tokens))
+            print()
+            if not args.skip_http:
+                bench_http(args, url, prefix, tokens)
+                print()
+        passed = bench_target(args, url, prefix, tokens)
     finally:
         if private is not None:
             private.terminate()
@@ -434,6 +577,7 @@ def main() -> None:
             client = redis.Redis.from_url(RedisOptions.from_url(url).url)
             for key in client.scan_iter(match=f"{prefix}*", count=1000):
                 client.delete(key)  # bench cleanup only
+    sys.exit(0 if passed else 1)
 
 
 if __name__ == "__main__":

@@ -200,10 +200,9 @@ class PipelineLookup:
 
     def __init__(self, backend: RedisBackend, model: str) -> None:
         self.client = backend.connection.client()
-        meta = backend.meta_key(model)
-        self.base = meta[: -len("meta")]
-        self.buckets = int(self.client.hget(meta, "buckets"))
-        names = self.client.hgetall(self.base + "names")
+        self.keys = backend.keys.model(model)
+        self.buckets = int(self.client.hget(self.keys.meta, "buckets"))
+        names = self.client.hgetall(self.keys.names)
         self.names = {int(k): v.decode() for k, v in names.items()}
 
     def lookup(self, keys: Sequence[int], chunk: int | None) -> list[MemberMatch]:
@@ -217,7 +216,7 @@ class PipelineLookup:
             pipe = self.client.pipeline(transaction=False)
             part = fields[start : start + step]
             for f in part:
-                pipe.hget(f"{self.base}b:{int.from_bytes(f[6:8], 'big') % self.buckets}", f)
+                pipe.hget(self.keys.bucket(int.from_bytes(f[6:8], "big") % self.buckets), f)
             for offset, value in enumerate(pipe.execute()):
                 held = int.from_bytes(value, "little") if value else 0
                 now = held if alive is None else alive & held
@@ -368,7 +367,7 @@ def bench_off_loop(
 ) -> None:
     """Lookups per second with 16 callers on one event loop, three ways to wait for
     Redis: inline (the loop blocks for each round trip), a pool of threads, redis.asyncio."""
-    script, meta = SCRIPTS["lookup"], backend.meta_key(MODEL)
+    script, keys = SCRIPTS["lookup"], backend.keys.model(MODEL).script_keys()
     expected = backend.lookup(MODEL, chain)
     n = args.lookups
 
@@ -399,7 +398,7 @@ def bench_off_loop(
             return lambda: loop.run_in_executor(pool, backend.lookup, MODEL, chain)
 
         async def pooled() -> list[MemberMatch]:
-            return lookup_reply(await client.execute_command(*script.args(meta, [packed])))
+            return lookup_reply(await client.execute_command(*script.args(keys, [packed])))
 
         ways = {"inline on the loop (before)": inline}
         ways.update({f"{t} threads": threaded(pool) for t, pool in pools.items()})

@@ -94,7 +94,6 @@ class RedisLeases:
         self.interval_s = interval_s or min(1.0, ttl_s / 5)
         self.backend = backend
         self._connection = backend.connection
-        self._prefix = backend.prefix
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
@@ -106,8 +105,9 @@ class RedisLeases:
         self.errors = 0
 
     def keys(self, member: str) -> tuple[str, str, str]:
-        base = f"{self._prefix}:stream:{{{member}}}:"
-        return base + "lease", base + "pos", base + "digest"
+        """The stream's lease, position and digest keys: the lease scripts' ``KEYS``."""
+        keys = self.backend.keys.stream(member)
+        return keys.lease, keys.position, keys.digest
 
     # -- StreamGate (applier thread; memory only) ------------------------------------------
 

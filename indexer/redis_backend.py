@@ -16,7 +16,6 @@ prompt length. No ``KEYS`` and no ``SCAN`` anywhere.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from array import array
 from collections.abc import Collection, Sequence
@@ -36,6 +35,7 @@ from kvindex.indexer.backend import (
     Tier,
 )
 from kvindex.indexer.redis_conn import RedisConnection, RedisOptions
+from kvindex.indexer.redis_keys import KeySpace
 from kvindex.indexer.redis_scripts import SCRIPTS
 
 #: Most keys one script call touches: bounds how long one call holds Redis (~2 ms).
@@ -89,14 +89,6 @@ def lookup_reply(packed: bytes) -> list[MemberMatch]:
     return out
 
 
-def model_tag(model: str) -> str:
-    """The model as a Redis Cluster hash tag: its name, unless that could not be one
-    (empty, or holding a brace), then a digest of it."""
-    if model and "{" not in model and "}" not in model:
-        return model
-    return "#" + hashlib.sha1(model.encode()).hexdigest()[:16]
-
-
 class RedisBackend:
     """An :class:`~kvindex.indexer.backend.IndexBackend` in Redis (or Redis Cluster).
 
@@ -107,13 +99,11 @@ class RedisBackend:
     def __init__(
         self, connection: RedisConnection, prefix: str = "kvindex", buckets: int | None = None
     ) -> None:
-        if not prefix or "{" in prefix or "}" in prefix:
-            raise ValueError(f"Redis key prefix {prefix!r} must be non-empty, without braces")
+        self.keys = KeySpace(prefix)  # ValueError for a prefix that cannot be one
         self.connection = connection
         self.prefix = prefix
         self._buckets = buckets or connection.options.buckets
-        self._models_key = f"{prefix}:models"
-        self._meta: dict[str, str] = {}
+        self._models_key = self.keys.models
         self._known_models: list[str] = []  # as last read; a guess, never trusted alone
 
     @classmethod
@@ -124,10 +114,10 @@ class RedisBackend:
 
     def meta_key(self, model: str) -> str:
         """The model's ``meta`` key; every other key of the model shares its tag."""
-        key = self._meta.get(model)
-        if key is None:
-            key = self._meta[model] = f"{self.prefix}:{{{model_tag(model)}}}:meta"
-        return key
+        return self.keys.model(model).meta
+
+    def _script_keys(self, model: str) -> tuple[str, ...]:
+        return self.keys.model(model).script_keys()
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -144,8 +134,8 @@ class RedisBackend:
         commands: list[tuple[Any, ...]] = [("SADD", self._models_key, *run)]
         default = str(self._buckets).encode()
         for model, calls in run.items():
-            key = self.meta_key(model)
-            commands += [_APPLY.args(key, [default, *argv]) for argv in calls]
+            keys = self._script_keys(model)
+            commands += [_APPLY.args(keys, [default, *argv]) for argv in calls]
         results = self.connection.pipeline("apply", commands)
         for model, result in zip(_models_of(run), results[1:], strict=True):
             for member in result:
@@ -157,11 +147,11 @@ class RedisBackend:
 
     def _chunked(self, model: str, member: str, which: bytes) -> int:
         """Run the clear/compaction script over the member's whole reverse record."""
-        key = self.meta_key(model)
+        keys = self._script_keys(model)
         offset, dropped = 0, 0
         while offset >= 0:
             n, offset = self.connection.call(
-                "clear", *_CLEAR.args(key, [member, which, offset, CLEAR_CHUNK])
+                "clear", *_CLEAR.args(keys, [member, which, offset, CLEAR_CHUNK])
             )
             dropped += n
         return dropped
@@ -184,7 +174,7 @@ class RedisBackend:
             if len(argv) == 1:
                 return []
         return lookup_reply(
-            self.connection.call("lookup", *_LOOKUP.args(self.meta_key(model), argv))
+            self.connection.call("lookup", *_LOOKUP.args(self._script_keys(model), argv))
         )
 
     def presence(
@@ -198,7 +188,8 @@ class RedisBackend:
             argv += list(members)
             if len(argv) == 1:
                 return []
-        ids, blocks = self.connection.call("presence", *_PRESENCE.args(self.meta_key(model), argv))
+        keys = self._script_keys(model)
+        ids, blocks = self.connection.call("presence", *_PRESENCE.args(keys, argv))
         names = {int(ids[i]): ids[i + 1].decode() for i in range(0, len(ids), 2)}
         masks: dict[str, list[int]] = {}
         for i in range(0, len(blocks), 4):
@@ -231,14 +222,15 @@ class RedisBackend:
         guess = self._known_models
         results = self.connection.pipeline(
             op,
-            [("SMEMBERS", self._models_key)] + [script.args(self.meta_key(m), argv) for m in guess],
+            [("SMEMBERS", self._models_key)]
+            + [script.args(self._script_keys(m), argv) for m in guess],
         )
         models = sorted(n.decode() for n in results[0])
         found = dict(zip(guess, results[1:], strict=True))
         missing = [m for m in models if m not in found]
         if missing:
             more = self.connection.pipeline(
-                op, [script.args(self.meta_key(m), argv) for m in missing]
+                op, [script.args(self._script_keys(m), argv) for m in missing]
             )
             found.update(zip(missing, more, strict=True))
         self._known_models = models
@@ -253,13 +245,13 @@ class RedisBackend:
         return stats if stats.blocks else None
 
     def member_keys(self, member: str, model: str, tier: Tier | None = None) -> list[int]:
-        key = self.meta_key(model)
+        keys = self._script_keys(model)
         which = b"" if tier is None else _TIER_ARG[tier]
         found: set[int] = set()
         offset = 0
         while offset >= 0:
             packed, offset = self.connection.call(
-                "member_keys", *_MEMBER_KEYS.args(key, [member, which, offset, CLEAR_CHUNK])
+                "member_keys", *_MEMBER_KEYS.args(keys, [member, which, offset, CLEAR_CHUNK])
             )
             found.update(unpack_keys(packed))
         return sorted(found)

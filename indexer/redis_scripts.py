@@ -12,9 +12,12 @@ and stops at the first block no candidate holds, which a pipeline cannot do (it 
 fetch all 512 blocks of an 8k-token prompt every time; ``bench/bench_redis.py`` measures
 both).
 
-Every index script gets one key, the model's ``meta`` key, and derives the model's
-other keys from it: they share its hash tag, so in Redis Cluster they live in its slot
-(see the README, "Shared index in Redis"). Layout, with ``B`` = ``<prefix>:{<model>}:``:
+Every index script gets the model's fixed keys in ``KEYS`` (``meta``, ``stats``, ``ids``,
+``names``, ``free``, ``copies``: :meth:`kvindex.indexer.redis_keys.ModelKeys.script_keys`)
+and derives the bucket and reverse-record keys from the same base; all share the
+model's hash tag, so in Redis Cluster they live in one slot (see the README, "Shared
+index in Redis"). The names are made in one place, :mod:`kvindex.indexer.redis_keys`.
+Layout, with ``B`` = ``<prefix>:{<model>}:``:
 
 * ``B meta``   hash: ``buckets`` (fixed when the model is first written), ``next_id``.
 * ``B b:<n>``  hash, one of ``buckets``: field = block key (8 bytes, big-endian) for

@@ -11,7 +11,8 @@ import pytest
 from kvindex.api.testing import free_port
 from kvindex.indexer.backend import BackendUnavailable, Change, MemberMatch, Op, Tier
 from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.redis_backend import CLEAR_CHUNK, RedisBackend, model_tag
+from kvindex.indexer.redis_backend import CLEAR_CHUNK, RedisBackend
+from kvindex.indexer.redis_keys import model_tag
 from tests.redis_fixtures import RedisClusterProcess, RedisServer, delete_prefix
 
 M = "acme/model-7b"
@@ -123,7 +124,7 @@ def test_member_ids_are_reused_so_bitmaps_stay_short(
     backend: RedisBackend, redis_server: RedisServer
 ) -> None:
     client = redis_server.client()
-    ids = backend.meta_key(M).replace(":meta", ":ids")
+    ids = backend.keys.model(M).ids
     backend.apply([store(A, [1])])
     assert client.hget(ids, A) == b"0"
     backend.apply([remove(A, [1])])  # A leaves: id 0 is free again

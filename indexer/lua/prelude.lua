@@ -1,11 +1,10 @@
 -- Shared by every index script: key names, bitmaps, counters, member ids.
-local META = KEYS[1]
+-- KEYS: the model's meta, stats, ids, names, free and copies keys (KeySpace's
+-- ModelKeys.script_keys, indexer/redis_keys.py). The bucket ('b:<n>') and reverse-record
+-- ('log:<id>') keys share their base and hash tag; which ones a call touches is known
+-- only here, so they are derived from the base.
+local META, STATS, IDS, NAMES, FREE, COPIES = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local BASE = string.sub(META, 1, -5)
-local STATS = BASE .. 'stats'
-local IDS = BASE .. 'ids'
-local NAMES = BASE .. 'names'
-local FREE = BASE .. 'free'
-local COPIES = BASE .. 'copies'
 local SUFFIX = {[0] = '', [1] = '\1', [2] = '\2'}
 local band, bor, bnot = bit.band, bit.bor, bit.bnot
 local sbyte, schar, ssub = string.byte, string.char, string.sub

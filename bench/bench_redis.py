@@ -65,7 +65,7 @@ BLOCK_SIZE = 16
 
 
 def member_ids(n: int) -> list[str]:
-    return [f"10.0.{i // 200}.{i % 200 + 1}:8000" for i in range(n)]
+    return [f"127.10.{i // 200}.{i % 200 + 1}:8000" for i in range(n)]  # loopback only
 
 
 def random_keys(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from kvindex.indexer.redis_scripts import SCRIPTS
 from tests.redis_fixtures import RedisServer
 
 M, OTHER = "acme/model-7b", "a{b}"
-A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+A, B = "127.10.0.1:8000", "127.10.0.2:8000"
 
 
 def _named(keyspace: KeySpace, models: list[str], buckets: int, members: list[str]) -> set[str]:

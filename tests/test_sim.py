@@ -23,7 +23,7 @@ from bench.sim.pod import Job, SimPod
 from bench.sim.policies import PrefixHash
 from bench.sim.pool import BlockPool, PoolBusy
 from bench.sim.runner import RunSpec, run
-from bench.sim.service import IndexClient
+from bench.sim.service import IndexClient, KvindexProcess
 from bench.sim.workloads import (
     ChatSpec,
     DocQASpec,
@@ -317,6 +317,40 @@ def test_small_comparison_through_kvindex(vllm_version: str) -> None:
     if results["precise"].ghost_blocks == 0:
         assert seen["sim"] == seen["truth"]
     assert seen["cleared"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_runs_sharing_one_kvindex_stay_within_its_per_sender_stream_cap() -> None:
+    """Many runs share one ``kvindex serve`` (``python -m bench.sim``), and in bind mode
+    kvindex lets one sender address open only ``--max-streams-per-sender`` streams.
+    Each run's pods send from a loopback host of their own, so kvindex hears every run's
+    pods however many runs came before: here three runs of two pods against a cap of two
+    (pods all on 127.0.0.1 were refused from the second run on, and every decision then
+    waited out the sync deadline)."""
+    spec = ChatSpec(users=3, turns=2, system_tokens=32, user_tokens=20, output_tokens=8)
+    prepared = prepare(spec.build(1, "chat"), hasher(16))
+    base = ClusterSpec(pods=2, blocks_per_pod=64, block_size=16)
+    with KvindexProcess(extra_args=("--max-streams-per-sender", "2")) as service:
+        hosts: dict[str, set[str]] = {}
+        for n in range(3):
+            cluster = base.for_run(n)
+            result = run(
+                prepared,
+                RunSpec("tiny", "precise", cluster, lag=LagModel(0.0), sync_timeout_s=3.0),
+                service=service,
+            )
+            assert result.index is not None
+            assert result.index["sync_timeouts"] == 0
+            assert result.index["agreement"]["agrees"], result.index["agreement"]
+            hosts.setdefault(cluster.host, set()).update(cluster.pod_ids())
+        client = IndexClient(service.url)
+        known = set(client.pods())
+        refused = client.event_errors().get("sender_stream_cap", 0)
+        client.close()
+    assert refused == 0
+    assert len(hosts) == 3 and all(len(pods) == 2 for pods in hosts.values())
+    assert {pod.partition(":")[0] for pod in known} == set(hosts)  # each run was heard
 
 
 def test_command_line_runs_a_partial_comparison(tmp_path: Path) -> None:

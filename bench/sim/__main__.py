@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             if uses_index(cell.policy) and service is None:
                 service = stack.enter_context(KvindexProcess(block_size=args.block_size))
             bar.describe(cell.label())
-            cluster = replace(scenario.cluster, first_port=10_000 + n * 16)
+            cluster = scenario.cluster.for_run(n)
             spec = RunSpec(
                 scenario.name,
                 cell.policy,

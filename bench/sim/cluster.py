@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bench.sim.costs import CostModel
 from bench.sim.lag import LagModel
@@ -30,7 +30,9 @@ from kvindex.events.publisher import EnginePublisher
 
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
-    """The pods of a run. Pod ids are ``host:first_port``, ``host:first_port+1``, ..."""
+    """The pods of a run. Pod ids are ``host:first_port``, ``host:first_port+1``, ...;
+    each pod publishes its events from ``host`` (the ZMQ connection's source address), as
+    an engine sends from its pod's IP."""
 
     pods: int = 4
     blocks_per_pod: int = 16_384
@@ -41,6 +43,22 @@ class ClusterSpec:
 
     def pod_ids(self) -> list[str]:
         return [f"{self.host}:{self.first_port + i}" for i in range(self.pods)]
+
+    def for_run(self, n: int) -> ClusterSpec:
+        """The spec for run ``n`` of many sharing one kvindex: its own loopback host
+        (127.1.0.1, 127.1.0.2, ...) and ports.
+
+        Pod ids must differ between runs (a shared index still holds the last run's
+        pods), and so must their host: in bind mode kvindex lets one sender address
+        open at most ``max_streams_per_sender`` (64) streams, and a stream outlives its
+        engine for ``stream_idle_s`` (an hour). Pods of every run on 127.0.0.1 filled
+        that cap after 16 runs of 4 pods; from then on kvindex dropped every event of
+        the new pods and each decision waited out the sync deadline.
+        """
+        if not 0 <= n < 250 * 256:
+            raise ValueError(f"run number {n} out of range")
+        host = f"127.1.{n // 250}.{n % 250 + 1}"
+        return replace(self, host=host, first_port=10_000 + (n % 2_000) * 16)
 
 
 class Cluster:
@@ -76,14 +94,17 @@ class Cluster:
         self.resets = 0
         self.resets_refused = 0
         if zmq_endpoint is not None:
+            # ZMQ's "tcp://source;destination": the pod's own host is the sender address.
+            source = f"tcp://{spec.host}:0;{zmq_endpoint.removeprefix('tcp://')}"
             try:
                 for pod in self.pods:
                     self.publishers.append(
                         EnginePublisher(
-                            zmq_endpoint,
+                            source,
                             topic=make_topic(pod.pod_id, model),
                             vllm_version=vllm_version,
-                            replay_endpoint="tcp://127.0.0.1:0",
+                            replay_endpoint=f"tcp://{spec.host}:0",
+                            bind=False,
                         )
                     )
                 # A PUB drops what it sends before the subscription arrives (slow joiner).
@@ -140,6 +161,7 @@ class Cluster:
             waited += nudge_s
             if waited >= timeout_s:
                 client.sync_timeouts += 1
+                self._check_streams(client, behind)
                 return False
             index = {pod.pod_id: pod.index for pod in self.pods}
             for pod_id, seq in list(behind.items()):
@@ -150,6 +172,17 @@ class Cluster:
                     ].publish([])
         self._synced.update(behind)
         return True
+
+    def _check_streams(self, client: IndexClient, behind: dict[str, int]) -> None:
+        """After a sync timed out: a pod kvindex has no stream for at all will never
+        catch up (its events are skipped at the door), so fail now, saying why, rather
+        than let every later decision wait out the deadline."""
+        unknown = sorted(pod for pod in behind if client.applied_seq(pod) < 0)
+        if unknown:
+            raise ServiceError(
+                f"kvindex has no stream for pod(s) {', '.join(unknown)} after "
+                f"{self.syncs} syncs; its skipped events by reason: {client.event_errors()}"
+            )
 
     def restart_pod(self, index: int) -> list:
         """The pod's engine restarts: cache lost, seq back to 0, batches in flight lost.

@@ -73,8 +73,8 @@ def run(
     service: KvindexProcess | None = None,
 ) -> RunResult:
     """Simulate ``prepared`` under ``spec``; a run whose policy asks kvindex uses
-    ``service`` or starts its own (a shared service must see distinct pod ids per run:
-    give each run's cluster its own ``first_port``).
+    ``service`` or starts its own (a shared service must see distinct pods, on a host of
+    their own, per run: :meth:`ClusterSpec.for_run`).
 
     ``inspect`` (kvindex runs) is called with the pods and the index client after the
     run and its agreement check, before kvindex stops: tests look at the service there.

@@ -192,6 +192,20 @@ class IndexClient:
             raise ServiceError(f"/index/pods/{pod} answered {response.status_code}")
         return int(response.json()["last_seq"].get(pod, -1))
 
+    def event_errors(self) -> dict[str, float]:
+        """``kvindex_event_errors_total`` from ``/metrics``, by reason (why kvindex skipped
+        events: a refused sender, a full stream table, bad payloads...)."""
+        response = self._http.get("/metrics")
+        if response.status_code != 200:
+            raise ServiceError(f"/metrics answered {response.status_code}")
+        errors: dict[str, float] = {}
+        for line in response.text.splitlines():
+            if line.startswith("kvindex_event_errors_total{"):
+                labels, _, value = line.rpartition(" ")
+                reason = labels.partition('reason="')[2].partition('"')[0]
+                errors[reason] = errors.get(reason, 0.0) + float(value)
+        return errors
+
     def wait_applied(self, expected: Mapping[str, int], timeout_s: float = 10.0) -> bool:
         """Wait until every member's applied seq equals ``expected``; False on timeout.
 

@@ -125,6 +125,7 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
         self._ready: dict[StreamId, None] = {}  # an ordered set, for round-robin turns
         self._stalled: set[StreamId] = set()
         self._pending_resets: dict[StreamId, str] = {}
+        self._verify_at: dict[StreamId, float] = {}  # reconnected streams: prove by then
         self._forgotten: dict[str, float] = {}
         self._orphan_retry_at = 0.0
         self._ownership_check_at = 0.0
@@ -157,6 +158,7 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
                     self._arrived(sid)
                 self._check_ownership()
                 self._retry_due()
+                self._verify_when_due()
                 self._evict_idle()
                 for sid in list(self._ready):
                     stream = self._streams.get(sid)
@@ -200,7 +202,12 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
     def _wait_timeout(self) -> float:
         if self._ready:
             return 0.0
-        due = min(self._next_retry(), self._next_ownership_check(), self._idle_scan_at)
+        due = min(
+            self._next_retry(),
+            self._next_ownership_check(),
+            self._idle_scan_at,
+            self._next_verify(),
+        )
         return min(_IDLE_WAIT_S, max(0.0, due - self._clock()))
 
     def _next_ownership_check(self) -> float:

@@ -55,6 +55,12 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     #: applied seq, whose digest must match) before its next batch applies: a restart
     #: during the silence may have left seqs that happen to continue the old ones.
     verify_after_silence_s: float = 10.0
+    #: After ZMQ (re)connects a known pod (either topology), its streams prove their
+    #: position this long later even when no batch comes to trigger it: a new
+    #: incarnation may have published everything before the subscription reached it
+    #: (ZMQ's slow joiner drops those batches at the publisher; only its replay buffer
+    #: has them), and an idle stream must not read ``live`` on the old engine's blocks.
+    verify_after_reconnect_s: float = 0.5
     #: First and longest wait before retrying a stream whose sink delivery failed.
     retry_initial_s: float = 0.5
     retry_max_s: float = 10.0
@@ -83,6 +89,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             "max_streams": self.max_streams,
             "stream_idle_s": self.stream_idle_s,
             "verify_after_silence_s": self.verify_after_silence_s,
+            "verify_after_reconnect_s": self.verify_after_reconnect_s,
             "retry_initial_s": self.retry_initial_s,
             "retry_max_s": self.retry_max_s,
             "max_streams_per_sender": self.max_streams_per_sender,

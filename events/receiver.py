@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -64,14 +66,16 @@ class Receiver:
         clock: Callable[[], float],
         discovered: KnownPods | None = None,
         reconnected: Callable[[str], None] | None = None,
+        accepted: Callable[[str], None] | None = None,
     ) -> None:
         self._ctx = context
         self._reconnected = reconnected
+        self._accepted = accepted
         self._config = config
         self._door = Door(config, errors, ratelog, clock, discovered)
         self._deliver = deliver
         self._sources: dict[zmq.Socket, Source] = {}
-        # Connect mode: a monitor socket per SUB socket -> that SUB socket.
+        # A monitor socket per SUB socket -> that SUB socket (connections come and go).
         self._monitors: dict[zmq.Socket, zmq.Socket] = {}
         self._poller = zmq.Poller()
         wake = f"inproc://kvindex-receiver-wake-{next(_wake_ids)}"
@@ -223,6 +227,8 @@ class Receiver:
             sock.close(linger=0)
             raise
         self._add(sock, Source(bound, None))
+        if self._accepted is not None:
+            self._monitor(sock, zmq.EVENT_ACCEPTED)
         log.info("KV events: bound %s (topic filter %r)", bound, self._config.topic_filter)
         return bound
 
@@ -248,10 +254,13 @@ class Receiver:
             raise
         self._add(sock, Source(target.endpoint, target))
         if self._reconnected is not None:
-            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            self._monitors[monitor] = sock
-            self._poller.register(monitor, zmq.POLLIN)
+            self._monitor(sock, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         log.info("KV events: connected to %s", target.endpoint)
+
+    def _monitor(self, sock: zmq.Socket, events: int) -> None:
+        monitor = sock.get_monitor_socket(events)
+        self._monitors[monitor] = sock
+        self._poller.register(monitor, zmq.POLLIN)
 
     def _add(self, sock: zmq.Socket, source: Source) -> None:
         self._sources[sock] = source
@@ -271,12 +280,17 @@ class Receiver:
             monitor.close(linger=0)
 
     def _watch(self, monitor: zmq.Socket, sock: zmq.Socket) -> None:
-        """Connection events of a connect-mode socket. ZMQ reconnects a dropped TCP
-        connection by itself, silently: the engine on the other end may be a new
-        incarnation whose seqs happen to continue the old ones (its first batches went
-        out before the reconnect and were dropped). A connect after a disconnect makes
-        the pod's streams prove their position (``reconnected``) before the next
-        message of the socket is applied, instead of only after a long silence."""
+        """Connection events of a SUB socket. ZMQ (re)connects by itself, silently: the
+        engine on the other end may be a new incarnation whose first batches went out
+        before the subscription reached it (dropped at its PUB), and whose seqs may even
+        continue the old ones. So the pods a new connection may belong to prove their
+        position (``reconnected``) instead of reading ``live`` on a guess:
+
+        * connect mode: a connect after a disconnect, for the socket's pod;
+        * bind mode: an accepted connection, for the streams of its sender's host
+          (several engines on one host all verify; a pod behind NAT, whose sender
+          address is not its host, is verified only after a silence).
+        """
         source = self._sources.get(sock)
         while True:
             try:
@@ -285,16 +299,20 @@ class Receiver:
                 return
             if source is None:
                 continue
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            kind = event["event"]
+            if kind == zmq.EVENT_DISCONNECTED:
                 source.dropped = True
-            elif event["event"] == zmq.EVENT_CONNECTED and source.dropped:
+            elif kind == zmq.EVENT_CONNECTED and source.dropped and self._reconnected:
                 source.dropped = False
                 target = source.target
                 pods = {target.pod} if target is not None and target.pod else set(source.pods)
                 log.info("KV events: reconnected to %s", source.endpoint)
                 for pod in sorted(pods):
-                    assert self._reconnected is not None  # monitors exist only with it
                     self._reconnected(pod)
+            elif kind == zmq.EVENT_ACCEPTED and self._accepted is not None:
+                host = _peer_host(event["value"])
+                if host is not None:
+                    self._accepted(host)
 
     def _disconnect(self, endpoint: str) -> bool:
         for sock, source in list(self._sources.items()):
@@ -336,6 +354,28 @@ class Receiver:
             arrival = self._door.admit(source, frames, peer)
             if arrival is not None:
                 out.append(arrival)
+
+
+def _peer_host(fd: int) -> str | None:
+    """The remote address of an accepted connection's file descriptor (a monitor event
+    reports the fd, not the address). Read through a duplicate, so ZMQ's descriptor is
+    never closed here; None when it is already gone."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        conn = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+    try:
+        address = conn.getpeername()
+    except OSError:
+        return None
+    finally:
+        conn.close()
+    return address[0] if isinstance(address, tuple) else None
 
 
 def _peer_address(frame: zmq.Frame) -> str | None:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvindex.events.identity import pod_host
 from kvindex.events.recovery import eviction_victim, idle_victims
 from kvindex.events.stream import COUNTERS, Stream
 
@@ -39,6 +41,7 @@ class StreamTable:
     _retired: dict[str, int]
     _forgotten: dict[str, float]
     _idle_scan_at: float
+    _verify_at: dict[StreamId, float]
 
     def streams(self: Applier) -> list[Stream]:
         with self._table_lock:
@@ -179,7 +182,58 @@ class StreamTable:
 
     def reconnected(self: Applier, pod: str) -> None:
         """The pod's endpoint was (re)connected: its streams' positions must be proven
-        to belong to the engine now publishing before they read ``live`` again."""
+        to belong to the engine now publishing before they read ``live`` again. The
+        next batch proves it; if none comes within ``verify_after_reconnect_s``, a
+        replay of the anchor does (see :meth:`_verify_when_due`)."""
+        self._reconnected_where(lambda sid: sid.pod == pod)
+
+    def reconnected_host(self: Applier, host: str) -> None:
+        """A bind-mode connection came from ``host``: one of its engines may be a new
+        incarnation, and which pod it is shows only in its messages, so every stream
+        of the host proves its position (a stream of another engine there just
+        passes)."""
+        marked = self._reconnected_where(lambda sid: pod_host(sid.pod).strip("[]") == host)
+        if marked:
+            log.info("KV events: an engine on %s connected; verifying %d stream(s)", host, marked)
+
+    def _reconnected_where(self: Applier, chosen: Callable[[StreamId], bool]) -> int:
+        due = self._clock() + self._config.verify_after_reconnect_s
+        marked = 0
         for sid, stream in self._streams.items():
-            if sid.pod == pod and stream.recovery.anchor is not None and stream.replay_endpoint:
+            if chosen(sid) and stream.recovery.anchor is not None and stream.replay_endpoint:
                 stream.recovery.unverified = True
+                self._verify_at[sid] = due
+                marked += 1
+        return marked
+
+    def _verify_when_due(self: Applier) -> None:
+        """Prove the position of streams a reconnect left unverified and no batch has
+        come for. An engine that restarted and published only while nobody was
+        subscribed would otherwise keep its old incarnation's entries, unverified, until
+        it publishes again: the anchor's replay finds the restart and fetches the new
+        engine's buffer."""
+        if not self._verify_at:
+            return
+        now = self._clock()
+        for sid, due in list(self._verify_at.items()):
+            if due > now:
+                continue
+            del self._verify_at[sid]
+            stream = self._streams.get(sid)
+            if stream is None or not stream.recovery.unverified:
+                continue
+            if stream.blocked or stream.held or stream.lane.queue:
+                continue  # a replay runs or a batch waits: that path verifies
+            self._guarded(stream, self._verify_idle)
+
+    def _verify_idle(self: Applier, stream: Stream) -> None:
+        if not self._owns(stream) or not self._ensure_reset(stream):
+            return
+        if not self._can_replay(stream):  # the endpoint failed recently: after the cooldown
+            self._verify_at[stream.sid] = stream.recovery.cooldown_until
+            return
+        self._verify(stream, [])
+        self._refresh_ready(stream)
+
+    def _next_verify(self: Applier) -> float:
+        return min(self._verify_at.values(), default=float("inf"))

@@ -165,7 +165,7 @@ class Subscriber:
         )
         self._receiver = Receiver(
             self._ctx, self._config, self._inbox.put_arrivals, self._errors, self._ratelog, clock,
-            discovered_pods, self._on_reconnect,
+            discovered_pods, self._on_reconnect, self._on_accept,
         )  # fmt: skip
         self._started = False
         self._stopped = False
@@ -229,6 +229,10 @@ class Subscriber:
     def _on_reconnect(self, pod: str) -> None:
         """The receiver saw ZMQ reconnect one of the pod's endpoints (receiver thread)."""
         self._post(lambda: self._applier.reconnected(pod))
+
+    def _on_accept(self, host: str) -> None:
+        """A bind-mode socket accepted a connection from ``host`` (receiver thread)."""
+        self._post(lambda: self._applier.reconnected_host(host))
 
     def disconnect(self, endpoint: str) -> bool:
         """Stop listening on an endpoint; the pod's streams and entries stay."""

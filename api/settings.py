@@ -323,6 +323,16 @@ class GatewaySettings(_Section):
         msgspec.Meta(gt=0),
         doc("kvindex gateway: seconds one call to the index may take", metavar="SECONDS"),
     ] = 2.0
+    pd_mode: Annotated[
+        Literal["kv-transfer", "sidecar"],
+        doc(
+            "P/D: how a request reaches its prefill pod. kv-transfer: the gateway prefills "
+            "it there (max_tokens 1, kv_transfer_params) and passes the answer's "
+            "kv_transfer_params to the decode pod, as vLLM's P/D proxies do; sidecar: the "
+            "decode pod runs llm-d's routing sidecar, told the prefill pod in the "
+            "x-prefiller-host-port header"
+        ),
+    ] = "kv-transfer"
 
 
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

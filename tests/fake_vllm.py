@@ -11,6 +11,13 @@ a gateway that tokenizes differently routes to the wrong pod and the tests see i
 The answer text is made up (``w0 w1 ...``); streamed answers are server-sent events
 with a short pause between chunks, and the pod records the chunks it sent, the bodies it
 received and the requests whose client went away, for the tests to compare.
+
+Disaggregated prefill as vLLM's NixlConnector does it: a request whose
+``kv_transfer_params`` has ``do_remote_decode`` is prefilled and its answer carries
+``kv_transfer_params`` naming the blocks held for the decode pod (``do_remote_prefill``,
+``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``); a pod
+built with ``kv_transfer=False`` answers without them, as a vLLM started without
+``--kv-transfer-config`` does.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class FakeVllmPod:
         *,
         num_blocks: int = 4096,
         chunk_pause_s: float = 0.01,
+        kv_transfer: bool = True,
     ) -> None:
         import transformers
 
@@ -57,6 +65,8 @@ class FakeVllmPod:
         self.hasher = BlockHasher(HashConfig(block_size=BLOCK_SIZE))
         self.pool = BlockPool(num_blocks, BLOCK_SIZE)
         self.chunk_pause_s = chunk_pause_s
+        self.kv_transfer = kv_transfer
+        self.engine_id = uuid.uuid4().hex
         self.received: list[tuple[str, bytes, dict[str, str]]] = []
         self.sent_chunks: dict[str, list[bytes]] = {}
         self.prompts: list[list[int]] = []
@@ -167,7 +177,19 @@ class FakeVllmPod:
         }
         if not body.get("stream"):
             self.release(blocks)
-            return JSONResponse(_whole(endpoint, request_id, self.model, words, usage))
+            answer = _whole(endpoint, request_id, self.model, words, usage)
+            asked = body.get("kv_transfer_params") or {}
+            if self.kv_transfer and asked.get("do_remote_decode"):
+                host, _, port = self.pod.rpartition(":")
+                answer["kv_transfer_params"] = {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_engine_id": self.engine_id,
+                    "remote_block_ids": blocks,
+                    "remote_host": host,
+                    "remote_port": int(port),
+                }
+            return JSONResponse(answer)
         self.running += 1
         sent = self.sent_chunks.setdefault(request_id, [])
 

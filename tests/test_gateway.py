@@ -231,6 +231,39 @@ def test_models_health_and_refusals_in_openai_shape(cluster) -> None:
     assert "prompt is an empty list" in str(refused.value)
 
 
+def metric(url: str, line: str) -> float:
+    """The value of the sample ``line`` (name and labels) on /metrics, 0 if absent."""
+    for sample in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if sample.startswith(line + " "):
+            return float(sample.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_count_outcomes_retries_upstream_errors_and_added_time(cluster) -> None:
+    """What the tests above did, as /metrics counts it (they ran first, in this module)."""
+    url = cluster.server.url
+
+    def outcome(name: str) -> float:
+        return metric(url, f'kvindex_gateway_requests_total{{outcome="{name}"}}')
+
+    ok = outcome("ok")
+    assert ok >= 7  # every answered request above
+    assert outcome("invalid_request") >= 1  # the empty prompt list
+    assert outcome("client_left") >= 1  # the client that left mid-stream
+    assert metric(url, "kvindex_gateway_retries_total") >= 1  # the dead pod skipped
+    assert metric(url, 'kvindex_gateway_upstream_errors_total{kind="connect"}') >= 1
+    # One more request moves exactly the counters it should.
+    count = metric(url, "kvindex_gateway_added_seconds_count")
+    cluster.openai().completions.create(model=MODEL, prompt="count me", max_tokens=1)
+    eventually(lambda: outcome("ok") == ok + 1, "the request counted when its relay ended")
+    assert metric(url, "kvindex_gateway_added_seconds_count") == count + 1
+    assert metric(url, "kvindex_gateway_added_seconds_sum") > 0
+    with pytest.raises(openai.BadRequestError):
+        cluster.openai().completions.create(model=MODEL, prompt=[], max_tokens=1)
+    assert outcome("ok") == ok + 1
+    cluster.wait_released()
+
+
 def test_a_separate_gateway_routes_over_http(cluster) -> None:
     command = [sys.executable, "-m", "kvindex.api.cli", "gateway", "--index", cluster.server.url]
     with ServeProcess(
@@ -249,6 +282,8 @@ def test_a_separate_gateway_routes_over_http(cluster) -> None:
         assert cluster.pod(holder).received[-1][1].startswith(b"{")
         assert json.loads(cluster.pod(holder).received[-1][1])["prompt"] == prompt + " again"
         cluster.wait_released()
+        # Alone, the gateway serves its own /metrics.
+        assert metric(gateway.url, 'kvindex_gateway_requests_total{outcome="ok"}') == 2
 
 
 README = Path(__file__).resolve().parents[1] / "README.md"

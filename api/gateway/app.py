@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kvindex.api.client import AsyncClient, Retries
 from kvindex.api.gateway.bodies import Endpoint, RouteRequests, read_body
 from kvindex.api.gateway.index_transport import IndexTransport
+from kvindex.api.gateway.metrics import GatewayMetrics, Outcome
+from kvindex.api.gateway.pd import PdMode, PrefillOutcome
 from kvindex.api.gateway.pod_http import PodBroken, PodConnections
 from kvindex.api.gateway.routes import LocalRoutes, RemoteRoutes, RouteRefused, RouteSource
 from kvindex.api.gateway.upstream import (
@@ -51,14 +55,21 @@ _MODELS_TIMEOUT_S = 2.0
 
 class Gateway:
     """The parts one gateway needs: where decisions come from, how prompts become
-    tokens, and one pooled HTTP client for the pods."""
+    tokens, one pooled HTTP client for the pods, and the registry its metrics go to."""
 
     def __init__(
-        self, routes: RouteSource, tokenizers: TokenizerRegistry, settings: GatewaySettings
+        self,
+        routes: RouteSource,
+        tokenizers: TokenizerRegistry,
+        settings: GatewaySettings,
+        registry: CollectorRegistry,
     ) -> None:
         self.routes = routes
         self.requests = RouteRequests(tokenizers)
         self.settings = settings
+        self.pd_mode = PdMode(settings.pd_mode)
+        self.registry = registry
+        self.metrics = GatewayMetrics(registry)
         self.pods = PodConnections(settings.connect_timeout, settings.read_timeout)
         # /v1/models only: rare, so httpx's cost does not matter there.
         self.http = httpx.AsyncClient(trust_env=False)  # pods are dialled directly
@@ -66,7 +77,9 @@ class Gateway:
     @classmethod
     def in_process(cls, service: Service) -> Gateway:
         """For ``kvindex serve --gateway``: the service's own router and tokenizers."""
-        return cls(LocalRoutes(service), service.tokenizers, service.settings.gateway)
+        return cls(
+            LocalRoutes(service), service.tokenizers, service.settings.gateway, service.registry
+        )
 
     @classmethod
     def remote(cls, index_url: str, settings: Settings) -> Gateway:
@@ -83,7 +96,8 @@ class Gateway:
             retries=Retries(attempts=2, backoff_s=0.02, max_backoff_s=0.2),
             transport=IndexTransport(timeout) if index_url.startswith("http://") else None,
         )
-        return cls(RemoteRoutes(client), TokenizerRegistry(dirs), settings.gateway)
+        registry = CollectorRegistry(auto_describe=True)
+        return cls(RemoteRoutes(client), TokenizerRegistry(dirs), settings.gateway, registry)
 
     async def aclose(self) -> None:
         await self.pods.aclose()
@@ -91,10 +105,12 @@ class Gateway:
         await self.routes.aclose()
 
     async def proxy(self, endpoint: Endpoint, request: Request) -> Any:
+        started = time.perf_counter()
+        metrics = self.metrics
         body = await request.body()
         try:
             route_request = self.requests.build(read_body(endpoint, body), uuid.uuid4().hex)
-            decision, upstream, failed = await open_upstream(
+            opened = await open_upstream(
                 self.pods,
                 self.routes,
                 route_request,
@@ -102,26 +118,54 @@ class Gateway:
                 body,
                 forward_headers(request.headers),
                 self.settings.attempts,
+                self.pd_mode,
             )
         except ClientError as exc:
+            metrics.ended(Outcome.INVALID_REQUEST)
             return openai_error(400, exc.code, exc.detail)
         except RouteRefused as exc:
             headers = {}
             if exc.retry_after is not None:
                 headers["retry-after"] = str(max(1, round(exc.retry_after)))
+            full = exc.code == "no_capacity"
+            metrics.ended(Outcome.NO_CAPACITY if full else Outcome.ROUTE_REFUSED)
             return openai_error(exc.status, exc.code, exc.detail, headers)
         except PodsUnreachable as exc:
+            metrics.upstream_error("connect", len(exc.failed))
+            metrics.retries.inc(len(exc.failed) - 1)
+            metrics.ended(Outcome.UNREACHABLE)
             return openai_error(502, "pods_unreachable", str(exc))
         except PodBroken as exc:  # the pod began to answer, then failed
+            metrics.upstream_error("broken")
+            metrics.ended(Outcome.POD_FAILED)
             return openai_error(502, "pod_failed", str(exc))
+        decision, failed, prefill = opened.decision, opened.failed, opened.prefill
+        added = time.perf_counter() - started
+        if prefill is not None:
+            added -= prefill.prefill_seconds
+            metrics.prefill.labels(prefill.outcome.value).inc()
+            if prefill.outcome is PrefillOutcome.FAILED:
+                metrics.upstream_error("prefill")
+        metrics.added_seconds.observe(added)
         route_id = decision.route_id
         extra = [
             (b"x-kvindex-pod", decision.pod.encode("latin-1")),
             (b"x-kvindex-route-reason", decision.reason.encode("latin-1")),
         ]
+        if decision.prefill_pod is not None:
+            extra.append((b"x-kvindex-prefill-pod", decision.prefill_pod.encode("latin-1")))
         if failed:  # the pods skipped because connecting to them failed
+            metrics.upstream_error("connect", len(failed))
+            metrics.retries.inc(len(failed))
             extra.append((b"x-kvindex-failed-pods", ",".join(failed).encode("latin-1")))
-        return RelayedResponse(upstream, extra, lambda: self.routes.done(route_id))
+
+        async def finish(outcome: Outcome) -> None:
+            metrics.ended(outcome)
+            if outcome is Outcome.POD_FAILED:
+                metrics.upstream_error("broken")
+            await self.routes.done(route_id)
+
+        return RelayedResponse(opened.answer, extra, finish)
 
     async def models(self) -> Response:
         """Every model the known pods serve, each listed once (first pod's entry)."""
@@ -141,6 +185,10 @@ class Gateway:
                 merged.setdefault(model["id"], model)
         body = {"object": "list", "data": [merged[k] for k in sorted(merged)]}
         return Response(_encoder.encode(body), media_type="application/json")
+
+    async def metrics_page(self) -> Response:
+        """The gateway's registry in Prometheus text (``kvindex gateway`` alone)."""
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def health(self) -> Response:
         if await self.routes.healthy():

@@ -5,7 +5,8 @@ and FastAPI's route machinery (dependency solving, its middleware stack) costs a
 part of that on the benchmark machine, for endpoints whose bodies are not ours to
 validate anyway (the pod does). The four paths are matched in a dict; everything else
 goes to the inner app (``kvindex serve --gateway``: /score, /route, /metrics ...), or is
-a 404 in the OpenAI error shape when the gateway runs alone.
+a 404 in the OpenAI error shape when the gateway runs alone (which then answers
+``GET /metrics`` itself: :mod:`.metrics`).
 
 The gateway's requests get their own :class:`kvindex.api.limits.RequestLimits` (body size
 and pace, and an in-flight cap of their own), so long streamed answers never use up the
@@ -51,6 +52,8 @@ class GatewayApp:
             ("GET", "/v1/models"): lambda r: gateway.models(),
             ("GET", "/health"): lambda r: gateway.health(),
         }
+        if inner is None:  # alone: its own metrics (in front of kvindex: the index's page)
+            self._routes[("GET", "/metrics")] = lambda r: gateway.metrics_page()
         self._limited = RequestLimits(
             self._serve,
             max_body_bytes=settings.http.max_body_bytes,

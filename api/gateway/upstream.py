@@ -23,11 +23,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from starlette.responses import Response
 
+from kvindex.api.gateway.metrics import Outcome
+from kvindex.api.gateway.pd import DecodeLeg, PdMode, prepare_decode
 from kvindex.api.gateway.pod_http import PodBroken, PodConnections, PodResponse, PodUnreachable
 from kvindex.api.gateway.routes import RouteRefused, RouteSource
 from kvindex.api.schemas import RouteRequest, RouteResponse
@@ -66,6 +69,20 @@ _RANK_HEADER = "x-data-parallel-rank"
 class PodsUnreachable(Exception):
     """Every pod tried failed before answering; the message lists them."""
 
+    def __init__(self, failed: list[str]) -> None:
+        super().__init__(f"no pod answered (tried {', '.join(failed)})")
+        self.failed = failed
+
+
+@dataclass(slots=True)
+class Opened:
+    """A routed request whose pod has begun to answer."""
+
+    decision: RouteResponse
+    answer: PodResponse
+    failed: list[str]  # pods skipped because connecting to them failed, in order
+    prefill: DecodeLeg | None  # P/D: how the prompt was prefilled; None without P/D
+
 
 def forward_headers(headers: Any) -> dict[str, str]:
     """The client's request headers the pod should see (auth, content type, ids)."""
@@ -80,25 +97,34 @@ async def open_upstream(
     body: bytes,
     headers: dict[str, str],
     attempts: int,
-) -> tuple[RouteResponse, PodResponse, list[str]]:
-    """Route ``request`` and open the chosen pod's answer (status and headers read,
-    body not yet), with the pods that failed first. Raises RouteRefused, or
-    PodsUnreachable once ``attempts`` pods (or every candidate) failed; either way no
+    pd_mode: PdMode = PdMode.KV_TRANSFER,
+) -> Opened:
+    """Route ``request`` and open the chosen pod's answer (status and headers read, body
+    not yet); under P/D the prefill leg comes first (:mod:`.pd`). Raises RouteRefused,
+    or PodsUnreachable once ``attempts`` pods (or every candidate) failed; either way no
     route is left open."""
     decision = await routes.route(request)
     failed: list[str] = []
     while True:
         pod = decision.pod
+        prefill = None
         try:
-            answer = await pods.send(pod, path, _with_rank(headers, decision), body)
-            return decision, answer, failed
+            send_body, send_headers = body, _with_rank(headers, decision)
+            if decision.prefill_pod is not None:
+                prefill = await prepare_decode(
+                    pd_mode, pods, decision.prefill_pod, path, body, send_headers,
+                    decision.route_id,
+                )  # fmt: skip
+                send_body, send_headers = prefill.body, prefill.headers
+            answer = await pods.send(pod, path, send_headers, send_body)
+            return Opened(decision, answer, failed, prefill)
         except PodUnreachable as exc:
             log.info("gateway: %s; trying another pod", exc)
             failed.append(pod)
             left = list(dict.fromkeys(c.pod for c in decision.candidates if c.pod not in failed))
             if len(failed) >= attempts or not left:
                 await routes.done(decision.route_id)
-                raise PodsUnreachable(f"no pod answered (tried {', '.join(failed)})") from None
+                raise PodsUnreachable(failed) from None
         except BaseException:
             await routes.done(decision.route_id)
             raise
@@ -119,14 +145,15 @@ def _with_rank(headers: dict[str, str], decision: RouteResponse) -> dict[str, st
 
 
 class RelayedResponse(Response):
-    """An ASGI response relaying ``upstream`` unchanged; ``release`` runs once at the end.
-    (A Starlette ``Response`` only so that FastAPI hands it to the server as it is.)"""
+    """An ASGI response relaying ``upstream`` unchanged; ``release`` runs once at the end,
+    with how the relay ended. (A Starlette ``Response`` only so that FastAPI hands it to
+    the server as it is.)"""
 
     def __init__(
         self,
         upstream: PodResponse,
         extra_headers: list[tuple[bytes, bytes]],
-        release: Callable[[], Awaitable[None]],
+        release: Callable[[Outcome], Awaitable[None]],
     ) -> None:
         self.upstream = upstream
         self.status_code = upstream.status
@@ -139,6 +166,7 @@ class RelayedResponse(Response):
             if name not in _HOP or name == b"content-length"
         ] + extra_headers
         self.release = release
+        self.outcome = Outcome.OK if 200 <= upstream.status < 300 else Outcome.POD_ERROR
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = {
@@ -153,6 +181,12 @@ class RelayedResponse(Response):
                 await send(start)
                 body = b"".join([chunk async for chunk in self.upstream.iter_body()])
                 await send({"type": "http.response.body", "body": body, "more_body": False})
+            except PodBroken:
+                self.outcome = Outcome.POD_FAILED
+                raise
+            except BaseException:  # the client's connection failed under the write
+                self.outcome = Outcome.CLIENT_LEFT
+                raise
             finally:
                 await asyncio.shield(self._close())
             return
@@ -185,10 +219,12 @@ class RelayedResponse(Response):
                 raise
             if task is not None:
                 task.uncancel()
+            self.outcome = Outcome.CLIENT_LEFT
             log.debug("gateway: the client left; closing its pod connection")
         except PodBroken as exc:
             # The pod failed mid-answer: too late for another pod or another status.
             log.warning("gateway: %s", exc)
+            self.outcome = Outcome.POD_FAILED
             raise
         finally:
             watcher.cancel()
@@ -200,4 +236,4 @@ class RelayedResponse(Response):
         try:
             await self.upstream.aclose()
         finally:
-            await self.release()
+            await self.release(self.outcome)

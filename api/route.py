@@ -167,6 +167,8 @@ def index_inputs(service: Service, req: RouteRequest) -> RouteInputs:
     settings = service.settings
     named = _candidates(req.pods, settings.events.serving_port, settings.http.max_pods)
     pods = list(dict.fromkeys(named)) if named else service.route_view.pods()  # known: unique
+    if named:  # scraped from now on, even a pod kvindex has not heard from
+        service.load.ask(pods)
     return RouteInputs(pods, _index_view(service, req, pods) if pods else _IndexView(0))
 
 

@@ -162,7 +162,12 @@ class RouteCandidate(msgspec.Struct):
         float, _doc("Blocks to prefill, the cached ones weighted by their tier.")
     ]
     load: Annotated[
-        str, msgspec.Meta(description="known, stale or not_scraped (unknown is costed busy)")
+        str,
+        msgspec.Meta(
+            description="known, stale or not_scraped (unknown: costed busy), or pending "
+            "(to be scraped, first scrape not tried: costed as one waiting request and an "
+            "empty cache)"
+        ),
     ]
     running: Annotated[int | None, _doc("Requests running on the pod (scraped; null: unknown).")]
     waiting: Annotated[int | None, _doc("Requests waiting on the pod (scraped; null: unknown).")]

@@ -19,6 +19,13 @@ Interface for the router (``/route``, issue 11)::
   ``interval_s``, all pods concurrently, each with ``timeout_s`` and a body limit.
 - A pod whose last good scrape is older than ``stale_after_s`` (or that never had one)
   is ``Unknown``, with the reason and the last error: a pod we cannot see is not idle.
+  The one exception is ``pending``: a pod to be scraped whose first scrape has not been
+  tried yet. Nothing is known against it, so the router may choose it (see
+  :mod:`kvindex.scoring.targets`); once a scrape fails it is ``not_scraped``.
+- Pods a request names (``ask``) are scraped too, from a round started at once, until
+  they go unnamed for ``asked_ttl_s``: in bind mode without discovery kvindex knows
+  only the pods that have published, and a pod that has not must not stay unscraped,
+  and so never chosen, while a gateway keeps naming it.
 - Scrape failures (connection, timeout, HTTP status, unreadable text, no vLLM gauges)
   are counted per pod (``scrape_errors``) and never raise.
 - Requests are summed over a pod's engines (data-parallel ranks, the ``engine`` label);
@@ -54,6 +61,7 @@ from kvindex.scoring.load_metrics import (
 log = logging.getLogger(__name__)
 
 _MAX_BODY_BYTES = 8 * 1024 * 1024  # a vLLM metrics page is ~100 KB
+_MAX_ASKED = 16_384  # pods remembered from requests; beyond it, new names are not scraped
 
 
 class PodLoad(msgspec.Struct, frozen=True, gc=False):
@@ -73,7 +81,7 @@ class Unknown(msgspec.Struct, frozen=True, gc=False):
     """A pod whose load kvindex cannot see now; route to it as a last resort only."""
 
     pod: str
-    reason: str  # "not_scraped" (never a good scrape) or "stale"
+    reason: str  # "pending" (first scrape not tried yet), "not_scraped" or "stale"
     last_error: str | None
     age_s: float | None  # since the last good scrape, None if there was none
     in_flight: InFlight
@@ -114,6 +122,7 @@ class LoadView:
         clock: Callable[[], float] = time.monotonic,
         ledger: InFlightLedger | None = None,
         pods_source: Callable[[], Iterable[str]] | None = None,
+        asked_ttl_s: float = 300.0,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("interval_s and timeout_s must be positive")
@@ -130,6 +139,11 @@ class LoadView:
         self._states: dict[str, _PodState] = {}
         self._max_workers = max_workers
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a request named a pod never scraped: scrape now
+        # Pods requests named -> when last named. Written by request threads, read and
+        # expired by the scraper thread (single dict operations, atomic under the GIL).
+        self._asked: dict[str, float] = {}
+        self.asked_ttl_s = asked_ttl_s
         self._thread: threading.Thread | None = None
         self._client = None
 
@@ -137,6 +151,33 @@ class LoadView:
         """The pods to scrape from the next round on; pods no longer listed are forgotten
         at that round (the scraper thread is the only writer of their state)."""
         self._pods = tuple(dict.fromkeys(pods))
+
+    def ask(self, pods: Iterable[str]) -> None:
+        """Pods a request names: scraped from now on (a round starts at once for new
+        ones) until none names them for ``asked_ttl_s``. Runs per /route request that
+        names pods: one dict write per pod."""
+        now = self._clock()
+        asked = self._asked
+        new = False
+        for pod in pods:
+            if pod not in asked:
+                if len(asked) >= _MAX_ASKED:
+                    continue
+                new = True
+            asked[pod] = now
+        if new:
+            self._wake.set()
+
+    def _asked_pods(self) -> list[str]:
+        """The named pods still wanted; the expired ones forgotten."""
+        now = self._clock()
+        keep = []
+        for pod, at in list(self._asked.items()):
+            if now - at > self.asked_ttl_s:
+                self._asked.pop(pod, None)
+            else:
+                keep.append(pod)
+        return keep
 
     @property
     def pods(self) -> tuple[str, ...]:
@@ -152,6 +193,7 @@ class LoadView:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s + 5)
             self._thread = None
@@ -162,8 +204,9 @@ class LoadView:
     def scrape_once(self) -> None:
         """One round over every pod, concurrently; returns when all have answered or
         timed out. The background thread calls this every ``interval_s``."""
-        pods = self._pods
-        for gone in [p for p in self._states if p not in set(pods)]:
+        pods = tuple(dict.fromkeys((*self._pods, *self._asked_pods())))
+        wanted = set(pods)
+        for gone in [p for p in self._states if p not in wanted]:
             del self._states[gone]
         if not pods:
             return
@@ -196,7 +239,10 @@ class LoadView:
             good = state.good if state is not None else None
             error = state.last_error if state is not None else None
             if good is None:
-                out[pod] = Unknown(pod, "not_scraped", error, None, flying)
+                # Never tried yet, but about to be: nothing known against it.
+                untried = state is None and (pod in self._asked or pod in self._pods)
+                reason = "pending" if untried else "not_scraped"
+                out[pod] = Unknown(pod, reason, error, None, flying)
                 continue
             age = max(0.0, now - good.at)
             if age > self.stale_after_s:
@@ -234,7 +280,8 @@ class LoadView:
             except Exception:  # a bug, not a pod's failure (those are counted): keep going
                 log.exception("load scrape round failed")
             elapsed = self._clock() - started
-            self._stop.wait(max(0.0, self.interval_s - elapsed))
+            self._wake.wait(max(0.0, self.interval_s - elapsed))
+            self._wake.clear()
 
     def _http(self):  # -> httpx.Client
         if self._client is None:

@@ -7,6 +7,13 @@ is its own engine with its own KV cache (its own index member, ``<pod>/dp<rank>`
 load, the pod's cost is its best rank's, and the answer names that rank. A pod's ranks
 are those its index entries, speculative entries or metrics page show; rank 0 always.
 
+A ``pending`` pod (to be scraped, its first scrape not tried yet:
+:mod:`kvindex.scoring.load`) is costed as a pod with one request waiting and an empty
+cache: no better than a known idle pod, but far from the "busy" an unknown pod is
+costed as, so on a fresh cluster the first requests spread over the pods a gateway
+names instead of all going to the first pod kvindex heard from. Its in-flight routes
+count as for any pod, so a burst before the first scrape spreads too.
+
 Speculative blocks (:mod:`kvindex.scoring.speculative`) extend a rank's confirmed prefix
 for the cost, valued as GPU blocks (they were just computed there); the confirmed count
 stays apart in the target for the answer.
@@ -25,6 +32,7 @@ from kvindex.scoring.route_cost import PodInputs
 from kvindex.scoring.scorer import PodScore
 
 _DP = "/dp"
+_PENDING_WAITING = 1  # a pending pod's assumed queue (see the module docstring)
 
 
 class Target(msgspec.Struct, frozen=True, gc=False):
@@ -78,7 +86,11 @@ def build_targets(
         for rank in rank_list:
             member = pod if rank == 0 else f"{pod}{_DP}{rank}"
             if not known:
-                waiting = kv = kv_max = None
+                kv_max = None
+                if load.reason == "pending":
+                    waiting, kv = _PENDING_WAITING, 0.0
+                else:
+                    waiting = kv = None
             elif per_engine and (engine := load.engines.get(str(rank))) is not None:
                 waiting, kv, kv_max = engine.waiting, engine.kv_usage, engine.kv_usage
             else:

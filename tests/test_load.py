@@ -264,3 +264,31 @@ def test_ledger_stays_consistent_under_concurrent_use() -> None:
     assert sum(c.requests for c in counts.values()) == 8 * 1000 == len(ledger)
     # odd i are left open: i % 4 == 1 on pod1, i % 4 == 3 on pod3, 500 each per worker
     assert counts == {"pod1": InFlight(4000, 12000), "pod3": InFlight(4000, 12000)}
+
+
+def test_named_pods_are_pending_then_scraped_then_forgotten_when_no_longer_named(
+    servers,
+) -> None:
+    busy, _ = servers
+    clock = FakeClock()
+    view = LoadView(interval_s=1.0, timeout_s=1.0, clock=clock, asked_ttl_s=60.0)
+    dead = "127.0.0.1:9"  # nothing listens there
+    try:
+        assert view.snapshot([busy.pod])[busy.pod].reason == "not_scraped"  # nobody asked
+        view.ask([busy.pod, dead])
+        before = view.snapshot([busy.pod, dead])
+        assert {load.reason for load in before.values()} == {"pending"}
+        view.scrape_once()
+        after = view.snapshot([busy.pod, dead])
+        assert isinstance(after[busy.pod], PodLoad)
+        assert after[dead].reason == "not_scraped" and after[dead].last_error
+        clock.now += 30.0
+        view.ask([busy.pod])  # still named; the dead pod is not
+        clock.now += 40.0
+        view.scrape_once()
+        assert isinstance(view.snapshot([busy.pod])[busy.pod], PodLoad)
+        # Unnamed for over asked_ttl_s: no longer scraped, its state forgotten.
+        assert view.snapshot([dead])[dead].reason == "not_scraped"
+        assert dead not in view.scrape_errors()
+    finally:
+        view.stop()

@@ -204,12 +204,24 @@ def test_unknown_model_and_unknown_pods_fall_back_to_load(cluster: Cluster) -> N
     answer = cluster.route(model="nobody/knows", request_id="unk-1").json()
     assert answer["reason"] == "fallback_unknown_model" and answer["pod"] != cluster.a
     cluster.done("unk-1")
-    stranger = "127.0.0.9:8000"  # named by the request, never scraped: not idle
+    stranger = "127.0.0.9:8000"  # named by the request, nothing listens there
     answer = cluster.route(COLD, pods=[stranger, cluster.b], request_id="unk-2").json()
+    # Named, not scraped yet: eligible, but no better than an idle pod with one request.
     assert answer["pod"] == cluster.b
     s = next(c for c in answer["candidates"] if c["pod"] == stranger)
-    assert s["load"] == "not_scraped" and s["waiting"] is None and s["kv_cost"] == 1.0
+    assert s["load"] == "pending" and s["waiting"] == 1 and s["kv_cost"] == 0.0
     cluster.done("unk-2")
+
+    def stranger_row() -> dict:
+        answer = cluster.route(COLD, pods=[stranger, cluster.b], request_id="unk-3").json()
+        cluster.done("unk-3")
+        assert answer["pod"] == cluster.b
+        return next(c for c in answer["candidates"] if c["pod"] == stranger)
+
+    # Its first scrape fails: not idle, costed busy from then on.
+    eventually(lambda: stranger_row()["load"] == "not_scraped", "the stranger's scrape failing")
+    s = stranger_row()
+    assert s["waiting"] is None and s["kv_cost"] == 1.0
     bad = cluster.route(model=MODEL, token_ids=None)
     assert bad.status_code == 400 and bad.json()["error"] == "invalid_request"
 
@@ -264,4 +276,34 @@ def test_backend_down_falls_back_to_load(redis_server: RedisServer) -> None:
     finally:
         server.stop()
         for m in metrics:
+            m.close()
+
+
+def test_pods_a_request_names_are_scraped_and_chosen_before_they_publish(cluster) -> None:
+    """Bind mode, no discovery: kvindex knows only pods that published. Pods a gateway
+    names that have not published yet are scraped from that request on, and are
+    eligible before their first scrape, so a fresh cluster's first requests spread
+    instead of all landing on the one pod kvindex heard from (bench/README.md)."""
+    cluster.set_pages()
+    silent = [MetricsServer(page()) for _ in range(3)]  # serve /metrics, never publish
+    named = [cluster.a, *(m.pod for m in silent)]
+    ids = [f"fresh-{i}" for i in range(6)]
+    try:
+        picks = []
+        for route_id in ids:  # held, not released: the in-flight ledger counts them
+            answer = cluster.route(COLD, pods=named, request_id=route_id)
+            assert answer.status_code == 200, answer.text
+            picks.append(answer.json()["pod"])
+        assert picks.count(cluster.a) <= 2 and len(set(picks)) >= 3, picks
+
+        def all_known() -> bool:
+            answer = cluster.route(COLD, pods=named, request_id="fresh-probe").json()
+            cluster.done("fresh-probe")
+            return all(c["load"] == "known" for c in answer["candidates"])
+
+        eventually(all_known, "the named pods scraped")
+    finally:
+        for route_id in ids:
+            cluster.done(route_id)
+        for m in silent:
             m.close()

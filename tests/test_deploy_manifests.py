@@ -271,7 +271,7 @@ def test_every_kvindex_env_var_is_a_serve_flag() -> None:
         if option.startswith("--") and action.help != argparse.SUPPRESS
     }
     flags.add("KVINDEX_ADMIN_TOKEN")  # environment only: a flag would show in cmdline
-    used = set(env_of(container())) | set(patched_env("bind")) | set(patched_env("redis"))
+    used = set(env_of(container())).union(*(patched_env(o) for o in ("bind", "redis", "gateway")))
     unknown = used - flags
     # The discovery flags are added to the CLI alongside events/discovery.py.
     if unknown and all(name.startswith("KVINDEX_K8S_") for name in unknown):
@@ -317,6 +317,34 @@ def test_redis_overlay_points_at_its_redis() -> None:
     service = find("Service", host, "redis")
     assert int(port) in {p["port"] for p in service["spec"]["ports"]}
     find("StatefulSet", host, "redis")
+
+
+def test_gateway_overlay_enables_the_gateway_behind_its_own_service() -> None:
+    env = patched_env("gateway")
+    settings = from_flags(
+        gateway_enabled=env["KVINDEX_GATEWAY_ENABLED"] == "true",
+        gateway_pd_mode=env["KVINDEX_GATEWAY_PD_MODE"],
+    )
+    assert settings.gateway.enabled
+    service = find("Service", "kvindex-gateway", "gateway")
+    pod = find("Deployment", "kvindex")["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    (port,) = service["spec"]["ports"]
+    (http,) = [p for p in container()["ports"] if p["name"] == port["targetPort"]]
+    # The port kvindex listens on, where the gateway answers too.
+    assert env["KVINDEX_LISTEN"].endswith(f":{http['containerPort']}")
+
+
+@pytest.mark.slow
+def test_gateway_overlay_env_starts_a_kvindex_that_answers_openai_and_exports_metrics() -> None:
+    env = patched_env("gateway")
+    gateway_env = {k: v for k, v in env.items() if k.startswith("KVINDEX_GATEWAY_")}
+    with ServeProcess(env={**os.environ, **gateway_env}) as server:
+        server.wait_ready(30.0, path="/health")  # the gateway's, not kvindex's /healthz
+        assert httpx.get(f"{server.url}/v1/models", timeout=5).json()["object"] == "list"
+        page = httpx.get(f"{server.url}/metrics", timeout=5).text
+        assert 'kvindex_gateway_requests_total{outcome="ok"} 0.0' in page
 
 
 def test_vllm_example_publishes_what_discovery_expects() -> None:
@@ -492,6 +520,12 @@ def test_dashboard_structure_and_coverage() -> None:
         "kvindex_load_age_seconds",
         "kvindex_load_known",
         "kvindex_event_lag_last_seconds",
+        # The gateway: requests by outcome, retries, upstream errors, time it adds.
+        "kvindex_gateway_requests_total",
+        "kvindex_gateway_retries_total",
+        "kvindex_gateway_upstream_errors_total",
+        "kvindex_gateway_prefill_total",
+        "kvindex_gateway_added_seconds_bucket",
     ):
         assert metric in text, f"the dashboard does not show {metric}"
     # Every kvindex series is scoped to the chosen namespace(s), per-model ones to models.
@@ -562,7 +596,7 @@ def running_kvindex() -> Iterator[str]:
     try:
         with ServeProcess(
             "--zmq-bind", f"tcp://127.0.0.1:{bind}", "--log-level", "warning",
-            "--load-interval", "0.1", "--pod-role", f"{vllm.pod}=decode",
+            "--load-interval", "0.1", "--pod-role", f"{vllm.pod}=decode", "--gateway",
             env=env,
         ) as server:  # fmt: skip
             server.wait_ready(30.0)

@@ -67,6 +67,8 @@ class GatewayMetrics:
         # Bound once: the hot path pays one add per request, no label lookup.
         self._by_outcome = {o: self.requests.labels(o.value) for o in Outcome}
         self._errors = {k: self.upstream_errors.labels(k) for k in ("connect", "broken", "prefill")}
+        for outcome in ("remote", "sidecar", "failed"):  # exported at 0 from the start
+            self.prefill.labels(outcome)
 
     def ended(self, outcome: Outcome) -> None:
         self._by_outcome[outcome].inc()

@@ -146,6 +146,7 @@ class LoadView:
         self.asked_ttl_s = asked_ttl_s
         self._thread: threading.Thread | None = None
         self._client = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def set_pods(self, pods: Iterable[str]) -> None:
         """The pods to scrape from the next round on; pods no longer listed are forgotten
@@ -197,6 +198,9 @@ class LoadView:
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s + 5)
             self._thread = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -211,9 +215,11 @@ class LoadView:
         if not pods:
             return
         client = self._http()
-        workers = min(self._max_workers, len(pods))
-        with ThreadPoolExecutor(workers, thread_name_prefix="kvindex-scrape") as pool:
-            results = list(pool.map(lambda pod: (pod, self._fetch(client, pod)), pods))
+        if self._pool is None:
+            # Kept for the view's life: starting threads every round (a few times a
+            # second) competes for the GIL with the requests this process answers.
+            self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="kvindex-scrape")
+        results = list(self._pool.map(lambda pod: (pod, self._fetch(client, pod)), pods))
         for pod, result in results:
             state = self._states.get(pod)
             if state is None:

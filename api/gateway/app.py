@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.requests import Request
 from starlette.responses import Response
 
 from kvindex.api.client import AsyncClient, Retries
@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     from kvindex.api.service import Service
 
 log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 _encoder = msgspec.json.Encoder()
 _MODELS_TIMEOUT_S = 2.0
@@ -104,19 +107,23 @@ class Gateway:
         await self.http.aclose()
         await self.routes.aclose()
 
-    async def proxy(self, endpoint: Endpoint, request: Request) -> Any:
+    async def proxy(self, endpoint: Endpoint, scope: Scope, receive: Receive) -> Any:
         started = time.perf_counter()
         metrics = self.metrics
-        body = await request.body()
         try:
-            route_request = self.requests.build(read_body(endpoint, body), uuid.uuid4().hex)
+            body = await receive_body(receive)
+        except ClientLeft:
+            metrics.ended(Outcome.CLIENT_LEFT)
+            raise
+        try:
+            route_request = self.requests.build(read_body(endpoint, body), os.urandom(16).hex())
             opened = await open_upstream(
                 self.pods,
                 self.routes,
                 route_request,
                 endpoint.value,
                 body,
-                forward_headers(request.headers),
+                forward_headers(scope["headers"]),
                 self.settings.attempts,
                 self.pd_mode,
             )
@@ -194,6 +201,28 @@ class Gateway:
         if await self.routes.healthy():
             return Response(_encoder.encode({"status": "ok"}), media_type="application/json")
         return openai_error(503, "index_unreachable", "the kvindex index does not answer")
+
+
+class ClientLeft(Exception):
+    """The client disconnected before its request body was whole."""
+
+
+async def receive_body(receive: Receive) -> bytes:
+    """The request's body from its ASGI messages (read here rather than through a
+    Starlette ``Request``: the gateway's path is counted in microseconds)."""
+    message = await receive()
+    if message["type"] != "http.request":
+        raise ClientLeft
+    body = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    chunks = [body]
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientLeft
+        chunks.append(message.get("body", b""))
+    return b"".join(chunks)
 
 
 def openai_error(

@@ -19,11 +19,10 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from kvindex.api.errors import status_of
-from kvindex.api.gateway.app import Gateway, openai_error
+from kvindex.api.gateway.app import ClientLeft, Gateway, openai_error
 from kvindex.api.gateway.bodies import Endpoint
 from kvindex.api.limits import RequestLimits
 from kvindex.api.settings import Settings
@@ -46,14 +45,15 @@ class GatewayApp:
     def __init__(self, gateway: Gateway, settings: Settings, inner: ASGIApp | None = None):
         self.gateway = gateway
         self.inner = inner
-        self._routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
-            ("POST", Endpoint.COMPLETIONS.value): lambda r: gateway.proxy(Endpoint.COMPLETIONS, r),
-            ("POST", Endpoint.CHAT.value): lambda r: gateway.proxy(Endpoint.CHAT, r),
-            ("GET", "/v1/models"): lambda r: gateway.models(),
-            ("GET", "/health"): lambda r: gateway.health(),
+        completions, chat = Endpoint.COMPLETIONS, Endpoint.CHAT
+        self._routes: dict[tuple[str, str], Callable[[Scope, Receive], Awaitable[Response]]] = {
+            ("POST", completions.value): lambda s, r: gateway.proxy(completions, s, r),
+            ("POST", chat.value): lambda s, r: gateway.proxy(chat, s, r),
+            ("GET", "/v1/models"): lambda s, r: gateway.models(),
+            ("GET", "/health"): lambda s, r: gateway.health(),
         }
         if inner is None:  # alone: its own metrics (in front of kvindex: the index's page)
-            self._routes[("GET", "/metrics")] = lambda r: gateway.metrics_page()
+            self._routes[("GET", "/metrics")] = lambda s, r: gateway.metrics_page()
         self._limited = RequestLimits(
             self._serve,
             max_body_bytes=settings.http.max_body_bytes,
@@ -76,9 +76,10 @@ class GatewayApp:
             )
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
         try:
-            response = await self._routes[(scope["method"], scope["path"])](request)
+            response = await self._routes[(scope["method"], scope["path"])](scope, receive)
+        except ClientLeft:  # before its body was whole: nobody to answer
+            return
         except KvindexError as exc:  # the body too large or too slow (RequestLimits)
             response = openai_error(status_of(exc), exc.code, exc.detail)
         except Exception as exc:  # a bug: logged with its traceback, none for the client

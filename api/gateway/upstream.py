@@ -60,7 +60,7 @@ _HOP = frozenset(
     }
 )
 # A request's headers that travel to the pod; the rest (hop-by-hop, host) do not.
-_REQUEST_SKIP = frozenset(name.decode() for name in _HOP) | {"accept-encoding"}
+_REQUEST_SKIP = _HOP | {b"accept-encoding"}
 
 
 _RANK_HEADER = "x-data-parallel-rank"
@@ -84,9 +84,14 @@ class Opened:
     prefill: DecodeLeg | None  # P/D: how the prompt was prefilled; None without P/D
 
 
-def forward_headers(headers: Any) -> dict[str, str]:
-    """The client's request headers the pod should see (auth, content type, ids)."""
-    return {k: v for k, v in headers.items() if k.lower() not in _REQUEST_SKIP}
+def forward_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The client's request headers (an ASGI scope's, names in lower case) the pod should
+    see: auth, content type, ids."""
+    return {
+        name.decode("latin-1"): value.decode("latin-1")
+        for name, value in raw
+        if name not in _REQUEST_SKIP
+    }
 
 
 async def open_upstream(

@@ -7,7 +7,9 @@ will; :mod:`.routes` asks for a decision (in-process, or over HTTP with the clie
 before any byte was sent, and relays the answer chunk by chunk; :mod:`.app` is the
 work per endpoint (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
 ``/health``), and :mod:`.asgi` serves them, alone or in front of kvindex's own app;
-:mod:`.pod_http` is the small HTTP/1.1 client the pods are spoken to with.
+:mod:`.pod_http` is the small HTTP/1.1 client the pods are spoken to with; :mod:`.pd`
+carries a request split over a prefill and a decode pod; :mod:`.metrics` counts what
+happened to each request.
 """
 
 from kvindex.api.gateway.app import Gateway

@@ -80,6 +80,15 @@ def error_body(code: str, detail: str) -> bytes:
     return _encoder.encode(ErrorBody(code, detail))
 
 
+def refusal(exc: KvindexError, method: str, path: str) -> tuple[int, bytes]:
+    """The status and body answering ``exc`` (a server-side one is logged): the one
+    mapping the FastAPI handlers and ``api/hot_path.py`` share."""
+    status = status_of(exc)
+    if status >= 500:
+        log.warning("%s %s: %s", method, path, exc.detail)
+    return status, error_body(exc.code, exc.detail)
+
+
 def error_response(
     status: int, code: str, detail: str, headers: dict[str, str] | None = None
 ) -> Response:
@@ -109,11 +118,9 @@ def install_error_handlers(app: FastAPI, on_refusal: Callable[[Request, str], No
 
     @app.exception_handler(KvindexError)
     async def _kvindex_error(request: Request, exc: KvindexError) -> Response:
-        status = status_of(exc)
         on_refusal(request, exc.code)
-        if status >= 500:
-            log.warning("%s %s: %s", request.method, request.url.path, exc.detail)
-        return error_response(status, exc.code, exc.detail)
+        status, body = refusal(exc, request.method, request.url.path)
+        return Response(body, status_code=status, media_type=JSON)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -1,8 +1,9 @@
 """``POST /route`` and ``POST /route/{route_id}/done``: which pod should serve this request
 now, from the index's matches, each pod's scraped load and kvindex's in-flight ledger.
 
-The handler only gathers inputs and turns the decision into HTTP; the rules are in
-:mod:`kvindex.scoring.router` and the cost model in :mod:`kvindex.scoring.route_cost`.
+This module only gathers inputs and enters the decision (the HTTP side is
+``api/hot_path.py``); the rules are in :mod:`kvindex.scoring.router` and the cost model
+in :mod:`kvindex.scoring.route_cost`.
 It degrades instead of failing: an unknown model, a tokenizer or index backend that is
 unavailable, or a candidate whose stream is not in step with its engine, all give a
 load-only decision whose ``reason`` says why. Only bad input (400) and no admissible pod
@@ -15,31 +16,15 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
-from fastapi import FastAPI, Path, Request
-from fastapi.responses import Response
 
-from kvindex.api.app import _candidates, _json, _tokens_of
-from kvindex.api.errors import JSON, decode_json, error_response, error_responses
+from kvindex.api.errors import decode_json
 from kvindex.api.offload import BackendBusy, BackendTimeout
-from kvindex.api.schemas import (
-    ErrorBody,
-    RouteCandidate,
-    RouteDone,
-    RouteRequest,
-    RouteResponse,
-    openapi_schema,
-)
-from kvindex.api.score_inputs import (
-    binary_parameters,
-    block_keys,
-    hashed_keys,
-    prompt_form,
-    read_request,
-    request_body,
-)
+from kvindex.api.schemas import RouteCandidate, RouteDone, RouteRequest, RouteResponse
+from kvindex.api.score import candidate_pods, tokens_of
+from kvindex.api.score_inputs import block_keys, hashed_keys, prompt_form
 from kvindex.events.errors import NotFound, TooManyRequests, Unavailable
 from kvindex.events.identity import member_pod
 from kvindex.indexer.backend import BackendUnavailable
@@ -54,68 +39,14 @@ from kvindex.scoring.tokenize import TokenizerUnavailable
 if TYPE_CHECKING:
     from kvindex.api.service import Service
 
-_JSON = JSON
 DOWN = Reason.FALLBACK_BACKEND_DOWN
 _PREFILL = "#prefill"  # the ledger id of a P/D route's prefill share
+_route_decoder = msgspec.json.Decoder(RouteRequest)
 
 
-def install_route(app: FastAPI, service: Service) -> dict[str, Any]:
-    """Add /route and /route/{route_id}/done to ``app``; returns the OpenAPI components
-    they use, for the app's schema."""
-    decoder = msgspec.json.Decoder(RouteRequest)
-    (request_schema, response_schema, error_schema, done_schema), components = openapi_schema(
-        RouteRequest, RouteResponse, ErrorBody, RouteDone
-    )
-
-    def error(text: str) -> dict[str, Any]:
-        return {"description": text, "content": {_JSON: {"schema": error_schema}}}
-
-    def decode(body: bytes) -> RouteRequest:
-        return decode_json(decoder, body)
-
-    @app.post(
-        "/route",
-        summary="Choose the pod that should serve a prompt now: cached prefix against load",
-        openapi_extra={
-            "requestBody": request_body(request_schema),
-            "parameters": binary_parameters(RouteRequest),
-            "responses": {
-                "200": {"description": "Decision", "content": {_JSON: {"schema": response_schema}}},
-                **error_responses(error_schema, 400, 408, 413, 415),
-                "429": error(
-                    "no_capacity: no pod admissible (KV cache or queue over the limit), see "
-                    "Retry-After; or too many requests in flight (--max-in-flight)"
-                ),
-                "503": error("no_pods: no pods given and none known"),
-            },
-        },
-    )
-    async def route(request: Request) -> Response:
-        req = await read_request(request, RouteRequest, decode)
-        try:
-            answer = decide_route(service, req, await route_inputs(service, req))
-        except NoCapacity as exc:
-            return error_response(
-                429, exc.code, exc.detail, headers={"Retry-After": str(exc.retry_after)}
-            )
-        return _json(answer)
-
-    @app.post(
-        "/route/{route_id}/done",
-        summary="The routed request finished: stop counting it against its pod",
-        openapi_extra={
-            "responses": {
-                "200": {"description": "Released", "content": {_JSON: {"schema": done_schema}}},
-                "404": error("Unknown route id (never routed, already done, or expired)"),
-            }
-        },
-    )
-    def route_done(
-        route_id: str = Path(description="The route_id /route answered"),
-    ) -> Response:
-        return _json(release_route(service, route_id))
-
-    return components
+def decode_route(body: bytes) -> RouteRequest:
+    """A JSON ``/route`` body, every decode failure a 400."""
+    return decode_json(_route_decoder, body)
 
 
 class NoCapacity(TooManyRequests):
@@ -154,7 +85,7 @@ async def route_inputs(service: Service, req: RouteRequest) -> RouteInputs:
         return await service.index_work.run(index_inputs, service, req)
     except (BackendTimeout, BackendBusy) as exc:
         settings = service.settings
-        named = _candidates(req.pods, settings.events.serving_port, settings.http.max_pods)
+        named = candidate_pods(req.pods, settings.events.serving_port, settings.http.max_pods)
         pods = list(dict.fromkeys(named)) if named else service.route_view.last_pods()
         given = len(req.token_ids or [])
         return RouteInputs(pods, _IndexView(given, fallback=DOWN, warnings=[exc.detail]))
@@ -165,7 +96,7 @@ def index_inputs(service: Service, req: RouteRequest) -> RouteInputs:
     view of ``req``: the part of a route that may wait on the backend or the tokenizer.
     Thread-safe: it reads caches and the backend, and writes only memos."""
     settings = service.settings
-    named = _candidates(req.pods, settings.events.serving_port, settings.http.max_pods)
+    named = candidate_pods(req.pods, settings.events.serving_port, settings.http.max_pods)
     pods = list(dict.fromkeys(named)) if named else service.route_view.pods()  # known: unique
     if named:  # scraped from now on, even a pod kvindex has not heard from
         service.load.ask(pods)
@@ -302,7 +233,7 @@ def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> _IndexV
         if req.block_hashes is not None:
             keys = hashed_keys(service, req, settings.http.max_prompt_tokens)
         else:
-            tokens = _tokens_of(
+            tokens = tokens_of(
                 service, req, settings.http.max_prompt_tokens, settings.http.max_prompt_chars
             )
     except TokenizerUnavailable as exc:

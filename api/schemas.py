@@ -246,6 +246,11 @@ class PurgeResponse(msgspec.Struct):
     entries_removed: Annotated[int, _doc("Index entries (block, member) removed.")]
 
 
+def ok_response(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAPI response whose JSON body has ``schema``."""
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
 def openapi_schema(*types: type) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """JSON schemas for ``types`` with their shared components, for FastAPI's OpenAPI."""
     schemas, components = msgspec.json.schema_components(

@@ -24,9 +24,9 @@ import re
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import parse_qsl
 
 import msgspec
-from starlette.requests import Request
 
 from kvindex.api.errors import JSON
 from kvindex.api.schemas import ScoreRequest
@@ -48,14 +48,13 @@ _UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
 R = TypeVar("R", bound=ScoreRequest)
 
 
-async def read_request(request: Request, kind: type[R], decode_json: Callable[[bytes], R]) -> R:
-    """The body of a ``/score`` or ``/route`` request as ``kind``: JSON (or no
-    Content-Type) through ``decode_json``, ``application/octet-stream`` as binary tokens
-    with the fields in the query string; any other Content-Type is a 415."""
-    declared = request.headers.get("content-type")
+def body_media(declared: str | None) -> str:
+    """The media type of a ``/score`` or ``/route`` body from its Content-Type header:
+    JSON (also when absent, or any ``application/*+json``) or OCTET; anything else is a
+    415, decided before the body is read."""
     media = None if declared is None else declared.partition(";")[0].strip().lower()
     if media == OCTET:
-        return binary_request(kind, request.query_params.multi_items(), await request.body())
+        return OCTET
     if (
         media is not None
         and media != JSON
@@ -65,7 +64,19 @@ async def read_request(request: Request, kind: type[R], decode_json: Callable[[b
             f"Content-Type {media!r}: send application/json, or application/octet-stream "
             "(token ids as little-endian uint32, the other fields as query parameters)"
         )
-    return decode_json(await request.body())
+    return JSON
+
+
+def parse_request(
+    kind: type[R], media: str, query_string: bytes, body: bytes, decode_json: Callable[[bytes], R]
+) -> R:
+    """The body of a ``/score`` or ``/route`` request as ``kind``: JSON through
+    ``decode_json``; OCTET as binary tokens with the fields in the query string (read as
+    Starlette reads it: latin-1, blank values kept)."""
+    if media == OCTET:
+        query = parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)
+        return binary_request(kind, query, body)
+    return decode_json(body)
 
 
 def binary_request(kind: type[R], query: list[tuple[str, str]], body: bytes) -> R:

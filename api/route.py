@@ -284,9 +284,10 @@ def _candidates_of(
     for made in (decision, prefill):
         for c in made.candidates if made is not None else ():
             member = c.inputs.pod
-            if member in seen:
-                continue
-            seen.add(member)
+            if prefill is not None:  # only P/D's two decisions can share a member
+                if member in seen:
+                    continue
+                seen.add(member)
             target = targets[member]
             load = target.load
             known = type(load) is PodLoad

@@ -141,8 +141,11 @@ class RouteRequest(ScoreRequest, forbid_unknown_fields=True):
     ] = None
 
 
-class RouteCandidate(msgspec.Struct):
+class RouteCandidate(msgspec.Struct, gc=False):
     """One candidate pod: what its index match and its load cost (lower is better)."""
+
+    # gc=False: only scalars, so no cycles; /route builds one per candidate per request,
+    # and untracked structs neither cost the collector's bookkeeping nor trigger it.
 
     pod: Annotated[str, _doc("The pod id (ip:port).")]
     rank: Annotated[int, _doc("The data-parallel rank (engine) of the pod this row costs.")]

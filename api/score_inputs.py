@@ -43,6 +43,7 @@ U64_MAX = 2**64 - 1
 QUERY_FIELDS = ("model", "pods", "lora_name", "cache_salt", "request_id", "max_tokens", "role")
 
 _HEX = re.compile(r"(?:0[xX])?[0-9a-fA-F]{1,64}")  # also msgspec's pattern in schemas.py
+_INT_ONLY = {int}
 _UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
 
 R = TypeVar("R", bound=ScoreRequest)
@@ -174,7 +175,7 @@ def hashed_keys(service: Service, req: ScoreRequest, max_tokens: int) -> list[in
 def block_keys(hashes: list[int | str]) -> list[int]:
     """Block hashes as the uint64 keys the index holds: ints as they are (0..2**64-1),
     hex strings as their low 64 bits (``hash_to_int``'s rule for a digest's bytes)."""
-    if all(type(h) is int for h in hashes):
+    if set(map(type, hashes)) == _INT_ONLY:  # a C loop: half the time of all(genexpr)
         if min(hashes) < 0 or max(hashes) > U64_MAX:  # type: ignore[type-var]
             _bad_int(hashes)
         return hashes  # type: ignore[return-value]

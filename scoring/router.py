@@ -22,6 +22,7 @@ matches, scraped load, in-flight ledger) and enters the decision in the ledger.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from enum import StrEnum
 
@@ -98,17 +99,25 @@ class Router:
         weights, admission = self.weights, self.admission
         max_kv, max_waiting = admission.max_kv_usage, admission.max_waiting
         costs = pod_costs(pods, prompt_tokens, block_size, weights, load_only)
-        candidates = []
-        append = candidates.append
+        # One pass builds every candidate and the admitted ones' best cost and longest
+        # reusable prefix: it runs for every candidate of every request.
+        candidates: list[Candidate] = []
+        admitted: list[Candidate] = []
+        best, longest = math.inf, 0
         for p, terms in zip(pods, costs, strict=True):
             usage, waiting = kv_usage_max.get(p.pod), p.waiting
-            refused = None  # the refusal text only when refused: this runs for every pod
             if (usage is not None and usage > max_kv) or (
                 max_waiting and waiting is not None and waiting > max_waiting
-            ):
-                refused = admission.refusal(usage, waiting)
-            append(Candidate(p, terms, refused))
-        admitted = [c for c in candidates if c.refused is None]
+            ):  # the refusal text only when refused
+                candidates.append(Candidate(p, terms, admission.refusal(usage, waiting)))
+                continue
+            candidate = Candidate(p, terms, None)
+            candidates.append(candidate)
+            admitted.append(candidate)
+            if terms.total < best:
+                best = terms.total
+            if terms.usable_blocks > longest:
+                longest = terms.usable_blocks
         if not admitted:
             if not self.least_bad or not candidates:
                 return Decision(None, Reason.NO_CAPACITY, candidates)
@@ -125,10 +134,8 @@ class Router:
             )
             chosen = tied[next(self._turn) % len(tied)]
             return Decision(chosen.inputs.pod, fallback, candidates)
-        best = min(c.terms.total for c in admitted)
         tied = [c for c in admitted if c.terms.total <= best + _EPSILON]
         chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-        longest = max(c.terms.usable_blocks for c in admitted)
         usable = chosen.terms.usable_blocks
         reason = Reason.PREFIX if usable > 0 and usable == longest else Reason.LOAD
         return Decision(chosen.inputs.pod, reason, candidates)

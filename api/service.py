@@ -324,7 +324,10 @@ class Service:
         self.discovery: KubernetesDiscovery | None = None
         if settings.k8s.namespace:
             self.discovery = KubernetesDiscovery(
-                self.subscriber, discovery_config(settings), known=known
+                self.subscriber,
+                discovery_config(settings),
+                known=known,
+                on_synced=self._forget_vanished_restored if self.snapshot_gate else None,
             )
             discovered = discovered or self.discovery.discovered
         self.scorer = Scorer(
@@ -441,6 +444,15 @@ class Service:
         self.backend_health.stop()
         self.index_work.close()
         self.backend.close()
+
+    def _forget_vanished_restored(self, discovered: frozenset[str]) -> None:
+        """Discovery's first full list is in: a pod restored from the snapshot that is
+        not in it was deleted while kvindex was down. No removal event will ever come for
+        it, so forget it now, or /score would keep routing to a pod that is gone."""
+        gate = self.snapshot_gate
+        for pod in sorted({sid.pod for sid in gate.unheard()} - discovered if gate else ()):
+            log.info("pod %s from the snapshot is not discovered: forgetting it", pod)
+            self.subscriber.forget_pod(pod)
 
     def purge_pod(self, pod: str) -> tuple[list[str], int]:
         """Operator purge: drop every entry of ``pod`` and its DP ranks. The pod's stream

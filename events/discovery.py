@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import random
 import threading
@@ -256,7 +257,8 @@ def _default_api_client() -> Any:
         config.load_incluster_config()
     except config.ConfigException:
         try:
-            config.load_kube_config()
+            # $KUBECONFIG as it is now: the client library reads it once, at import.
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         except Exception as exc:
             raise DiscoveryError(
                 "Kubernetes discovery found neither an in-cluster ServiceAccount nor a "
@@ -281,9 +283,12 @@ class KubernetesDiscovery:
         api_client: Any = None,
         clock: Callable[[], float] = time.monotonic,
         known: KnownPods | None = None,
+        on_synced: Callable[[frozenset[str]], None] | None = None,
     ) -> None:
         self._config = config if config is not None else DiscoveryConfig()
         self._api_client = api_client
+        self._on_synced = on_synced
+        self._lists_applied: set[str] = set()
         self._roster = PodRoster(target, self._config, clock, known)
         self._clock = clock
         self._queue: queue.Queue[_Observation | None] = queue.Queue()
@@ -369,6 +374,17 @@ class KubernetesDiscovery:
             if not w.listed_once
         ]
 
+    def _listed(self, namespace: str) -> None:
+        """Once every namespace's first list is applied, tell ``on_synced`` which pods
+        exist: only then does a pod's absence mean it is gone (a snapshot restored
+        before discovery holds pods deleted while kvindex was down)."""
+        if self._on_synced is None:
+            return
+        self._lists_applied.add(namespace)
+        if self._lists_applied.issuperset(self._config.namespaces):
+            on_synced, self._on_synced = self._on_synced, None
+            on_synced(frozenset(self.discovered()))
+
     def _apply_loop(self) -> None:
         """The only caller of the roster's writers: observations in order, grace timers."""
         due: float | None = None
@@ -381,6 +397,7 @@ class KubernetesDiscovery:
             try:
                 if isinstance(item, _Listed):
                     self._roster.listed(item.namespace, item.pods)
+                    self._listed(item.namespace)
                 elif isinstance(item, _Seen):
                     self._roster.seen(item.facts)
                 elif isinstance(item, _Gone):

@@ -60,15 +60,6 @@ class NoCapacity(TooManyRequests):
         self.retry_after = retry_after
 
 
-def route_request(service: Service, req: RouteRequest) -> RouteResponse:
-    """Decide where ``req`` goes and enter it in the in-flight ledger (and its prompt in
-    the speculative entries): ``POST /route`` without HTTP, for the gateway running in
-    the same process. Raises NoCapacity (429), ClientError (400) or Unavailable (503, no
-    pods known or none of the asked role). Blocks while the index is asked; the
-    ``/route`` handler runs :func:`index_inputs` off the event loop instead."""
-    return decide_route(service, req, index_inputs(service, req))
-
-
 @dataclass(slots=True)
 class RouteInputs:
     """What a decision needs from the index: the candidate pods and what it says."""

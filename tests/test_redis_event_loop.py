@@ -24,8 +24,10 @@ import redis
 import uvicorn
 
 from kvindex.api.app import create_app
+from kvindex.api.gateway.routes import LocalRoutes
 from kvindex.api.index_figures import IndexFigures, LatestFigures
 from kvindex.api.offload import BackendBusy, BackendTimeout, IndexWork
+from kvindex.api.schemas import RouteRequest
 from kvindex.api.service import Service
 from kvindex.api.settings_load import from_flags
 from kvindex.api.testing import free_port
@@ -263,3 +265,33 @@ def test_latest_figures_never_wait_long_for_a_hung_read() -> None:
         assert latest.get() == figures
     finally:
         release.set()
+
+
+def test_the_in_process_gateway_routes_off_the_event_loop() -> None:
+    """``kvindex serve --gateway`` asks the index in-process: the same deadline and
+    load-only fallback as /route, and the loop stays free while Redis hangs."""
+    port = free_port()
+    hung_server = HungServer(port)
+    service = Service(
+        from_flags(
+            model=M, backend=f"redis://127.0.0.1:{port}/0?cluster=no&timeout=5",
+            backend_deadline=0.3,
+        )
+    )  # fmt: skip
+    request = RouteRequest(model=M, block_hashes=KEYS, pods=[POD])
+
+    async def route_while_ticking() -> tuple[str, int]:
+        ticks = 0
+        routing = asyncio.create_task(LocalRoutes(service).route(request))
+        while not routing.done():
+            await asyncio.sleep(0.01)
+            ticks += 1
+        return (await routing).reason, ticks
+
+    try:
+        reason, ticks = asyncio.run(route_while_ticking())
+    finally:
+        hung_server.close()
+        service.stop()
+    assert reason == "fallback_backend_down"
+    assert ticks > 1  # other coroutines ran while the lookup was stuck

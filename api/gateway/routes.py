@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvindex.api.client import ApiError, AsyncClient, KvindexClientError, NoCapacity
 from kvindex.api.errors import status_of
 from kvindex.api.route import NoCapacity as Full
-from kvindex.api.route import route_request
+from kvindex.api.route import decide_route, route_inputs
 from kvindex.api.schemas import RouteRequest, RouteResponse
 from kvindex.events.errors import KvindexError
 
@@ -59,7 +59,10 @@ class LocalRoutes:
 
     async def route(self, request: RouteRequest) -> RouteResponse:
         try:
-            return route_request(self.service, request)
+            # The index part off the event loop under its deadline, as /route does: a
+            # hung Redis must not stall every request the gateway is relaying.
+            inputs = await route_inputs(self.service, request)
+            return decide_route(self.service, request, inputs)
         except Full as exc:
             raise RouteRefused(429, exc.code, exc.detail, float(exc.retry_after)) from None
         except KvindexError as exc:

@@ -104,8 +104,10 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
         replay_endpoint: Callable[[StreamId, Arrival], str | None],
         pinned: Callable[[Arrival], bool],
         pod_known: Callable[[str], bool],
+        stream_closed: Callable[[StreamId], None],
     ) -> None:
         self._sink = sink
+        self._stream_closed = stream_closed
         self._config = config
         self._clock = clock
         self._inbox = inbox

@@ -15,6 +15,7 @@ this module never touches one.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -97,6 +98,10 @@ class Door:
         self._known = discovered
         self._allowlist = Allowlist.parse(config.bind_allow, config.default_serving_port)
         self._sender_streams: dict[str, set[StreamId]] = {}
+        # Streams the applier dropped (evicted, forgotten, refused), from its thread; taken
+        # off the senders' tallies before a new stream is counted.
+        self._released: list[StreamId] = []
+        self._released_lock = threading.Lock()
         self._address_verdicts: dict[tuple[str, str | None], str | None] = {}
         self._errors = errors
         self._ratelog = ratelog
@@ -109,6 +114,26 @@ class Door:
         """The pod's streams no longer count against their senders' caps."""
         for streams in self._sender_streams.values():
             streams.difference_update([sid for sid in streams if sid.pod == pod])
+
+    def release(self, sid: StreamId) -> None:
+        """Any thread: ``sid`` left the stream table, so it stops counting against its
+        sender's cap. Without this a sender's tally only grew: an address whose engines
+        come and go (pods on one host, restarts on new ports) was locked out for good
+        once ``max_streams_per_sender`` streams had ever been opened from it, even after
+        kvindex evicted them for idling."""
+        with self._released_lock:
+            self._released.append(sid)
+
+    def _take_released(self) -> None:
+        with self._released_lock:
+            released, self._released = self._released, []
+        if not released:
+            return
+        gone = set(released)
+        for peer, streams in list(self._sender_streams.items()):
+            streams -= gone
+            if not streams:
+                del self._sender_streams[peer]
 
     def admit(self, source: Source, frames: list[bytes], peer: str | None) -> Arrival | None:
         """The message as an Arrival, or None when it is skipped (counted and logged)."""
@@ -221,10 +246,12 @@ class Door:
     def _admit_stream(self, sid: StreamId, peer: str) -> bool:
         """Whether ``peer`` may send on ``sid``: a stream it opened, or room for one more."""
         streams = self._sender_streams.get(peer)
+        if streams is not None and sid in streams:
+            return True
+        self._take_released()  # a new stream (rare): first drop the streams that left
+        streams = self._sender_streams.get(peer)
         if streams is None:
             streams = self._sender_streams[peer] = set()
-        elif sid in streams:
-            return True
         if stream_cap_problem(True, len(streams), self._config.max_streams_per_sender):
             return False
         streams.add(sid)

@@ -33,7 +33,7 @@ from kvindex.events.endpoints import (
     bind_socket,
     prepare_socket,
 )
-from kvindex.events.identity import normalize_pod
+from kvindex.events.identity import StreamId, normalize_pod
 from kvindex.events.known_pods import KnownPods
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.status import ReasonCounts
@@ -107,6 +107,10 @@ class Receiver:
     def disconnect_pod(self, pod: str) -> list[str]:
         """Close every connect-mode socket that belongs to ``pod``; return their endpoints."""
         return self._call(lambda: self._disconnect_pod(pod))
+
+    def release_stream(self, sid: StreamId) -> None:
+        """The stream is gone from the applier's table (any thread, never blocks)."""
+        self._door.release(sid)
 
     def endpoints(self) -> list[PodEndpoint | str]:
         """Current sources: PodEndpoints (connect mode) and bound endpoints (bind mode)."""

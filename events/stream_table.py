@@ -7,7 +7,9 @@ configured in connect mode nor discovered) that never delivered a batch or has b
 silent ``stream_evict_idle_s`` (:func:`~kvindex.events.recovery.eviction_victim`), so a
 flood of made-up pods cannot lock a real one out for longer than that. Unpinned streams
 silent for ``stream_idle_s`` are evicted too. Evicting a stream forgets its member: the
-sink resets it (``stream_evicted``), as a removed pod's (``pod_removed``).
+sink resets it (``stream_evicted``), as a removed pod's (``pod_removed``). A stream that
+leaves the table, or is refused a place in it, is reported (``stream_closed``) so that
+it stops counting against its sender's cap at the door.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class StreamTable:
     _forgotten: dict[str, float]
     _idle_scan_at: float
     _verify_at: dict[StreamId, float]
+    _stream_closed: Callable[[StreamId], None]
 
     def streams(self: Applier) -> list[Stream]:
         with self._table_lock:
@@ -123,6 +126,7 @@ class StreamTable:
         lane = self._inbox.close(sid)
         if lane is not None:
             self._errors.add(reason, max(1, len(lane)))
+        self._stream_closed(sid)
 
     def _evict_idle(self: Applier) -> None:
         """Unpinned streams silent for ``stream_idle_s`` leave the table (and the index)."""
@@ -147,6 +151,7 @@ class StreamTable:
             for name in COUNTERS:
                 self._retired[name] += getattr(stream, name)
         self._inbox.close(sid)
+        self._stream_closed(sid)
         self._ready.pop(sid, None)
         self._stalled.discard(sid)
         stream.recovery.replay_job = None  # a replay in flight is discarded when it ends

@@ -162,6 +162,7 @@ class Subscriber:
             self._replay_endpoint,
             self._pinned,
             self._discovered,
+            self._stream_closed,
         )
         self._receiver = Receiver(
             self._ctx, self._config, self._inbox.put_arrivals, self._errors, self._ratelog, clock,
@@ -183,6 +184,10 @@ class Subscriber:
     def _discovered(self, pod: str) -> bool:
         return self._pod_known is not None and self._pod_known(pod)
 
+    def _stream_closed(self, sid: StreamId) -> None:
+        """A stream left the applier's table, or never got a place (any thread)."""
+        self._receiver.release_stream(sid)
+
     def _overflowed(self, sid: StreamId, capacity: int) -> None:
         self._ratelog.warning(
             "queue_overflow",
@@ -193,6 +198,7 @@ class Subscriber:
         )
 
     def _refused(self, sid: StreamId) -> None:
+        self._stream_closed(sid)
         self._ratelog.warning(
             "too_many_streams",
             "KV events: ignoring new stream %s, too many new streams at once (max_streams %d)",

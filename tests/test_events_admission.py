@@ -214,6 +214,25 @@ def test_a_flood_of_fake_pods_from_one_sender_is_capped(door) -> None:
     assert wait_until(lambda: StreamId("127.0.0.3:20000") in {d.stream for d in d.sink.deliveries})
 
 
+def test_streams_kvindex_evicted_leave_their_senders_cap(door) -> None:
+    """Engines on one host come and go (new ports, restarts): once kvindex evicted their
+    silent streams, the host may open new ones. The cap counts streams that exist, not
+    every stream the host ever opened (which locked it out for good)."""
+    d = door(max_streams_per_sender=2, stream_idle_s=0.2, stream_evict_idle_s=0.2)
+    for generation in range(3):
+        pods = [f"127.0.0.5:{9000 + 10 * generation + i}" for i in range(2)]
+        for i, pod in enumerate(pods):
+            d.publisher("127.0.0.5", pod).publish(stored(100 * generation + i))
+        assert wait_until(
+            lambda pods=pods: {StreamId(p) for p in pods} <= {x.stream for x in d.sink.deliveries},
+            5.0,
+        ), (generation, d.sub.error_counts())
+        # Silent, they are evicted (and their entries reset) after stream_idle_s.
+        assert wait_until(lambda: d.sub.streams() == [], 5.0), d.sub.streams()
+    assert d.errors(SENDER_STREAM_CAP) == 0
+    assert d.errors("stream_evicted") == 6
+
+
 def test_data_parallel_ranks_count_as_streams(door) -> None:
     d = door(max_streams_per_sender=2)
     pub = d.publisher("127.0.0.1", "127.0.0.1:8000")

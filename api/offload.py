@@ -24,9 +24,13 @@ threads (Redis runs the lookup script on its one thread, and that is the bottlen
 tokenizer, the model list and the hybrid presence query off the loop without a second,
 async copy of the backend.
 
-The memory backend runs inline (``inline=True``): its lookup holds the GIL throughout,
-so a thread adds the hop's cost (about 0.1 ms) to every request and overlaps nothing;
-neither a deadline nor a cap applies to work that cannot hang.
+The memory backend runs inline (``inline=True``): nothing in it can hang, so neither a
+deadline nor a cap has anything to do, and the hop costs latency that issue 13's
+/score target (p50 <= 0.4 ms) cannot spare. ``bench/bench_offload.py`` (512 blocks, 64
+pods; two runs at load average 7.5 and 9 on 2 CPUs): one caller p50 238 / 210 µs
+inline, 553 / 624 µs through the threads; 16 callers 1,380 / 2,120 calls/s inline,
+2,259 / 1,347 through the threads (the compiled probe releases the GIL, so a second
+core can help, but the runs disagree). Only the latency cost is consistent.
 """
 
 from __future__ import annotations

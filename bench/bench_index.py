@@ -37,7 +37,7 @@ EVENT_BLOCKS = 32  # blocks per BlockStored/BlockRemoved event (vLLM: one schedu
 
 
 def member_ids(n: int) -> list[str]:
-    return [f"10.0.{i // 200}.{i % 200 + 1}:8000" for i in range(n)]
+    return [f"127.10.{i // 200}.{i % 200 + 1}:8000" for i in range(n)]
 
 
 def random_keys(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -49,7 +49,7 @@ def in_process(entries: int, pods: int, directory: Path) -> None:
     for p in range(pods):
         own = rng.integers(1, 2**64 - 1, per_pod - shared.size, dtype=np.uint64)
         keys = np.concatenate((shared, own))
-        backend.apply([Change(Op.STORE, f"10.0.0.{p}:8000", MODEL, Tier.GPU, keys)])
+        backend.apply([Change(Op.STORE, f"127.10.0.{p}:8000", MODEL, Tier.GPU, keys)])
     stats = backend.stats()
     gate = SnapshotGate()
     path = directory / "inproc.snap"

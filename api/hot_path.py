@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from kvindex.api.asgi import ASGIApp, ClientLeft, Headers, Receive, Scope, Send, receive_body
 from kvindex.api.errors import JSON, error_body, error_responses, refusal
 from kvindex.api.route import NoCapacity, decide_route, decode_route, release_route, route_inputs
 from kvindex.api.schemas import (
@@ -52,12 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-Headers = list[tuple[bytes, bytes]]
 # A handler's answer: status, JSON body, headers besides content-type and content-length.
 Answer = tuple[int, bytes, Headers]
 Handler = Callable[[Scope, Receive, str], Awaitable[Answer]]
@@ -67,10 +62,6 @@ R = TypeVar("R", bound=ScoreRequest)
 _encode = msgspec.json.Encoder().encode
 _ROUTE_PREFIX, _DONE_SUFFIX = "/route/", "/done"
 _ALLOW = [(b"allow", b"POST")]
-
-
-class _Disconnected(Exception):
-    """The client went away before its body was whole: nobody to answer."""
 
 
 class HotPath:
@@ -117,7 +108,7 @@ class HotPath:
         else:
             try:
                 status, body, headers = await handler(scope, receive, argument)
-            except _Disconnected:
+            except ClientLeft:
                 return
             except KvindexError as exc:
                 self.on_refusal(path, exc.code)
@@ -167,26 +158,8 @@ async def _read(
     """The request body as ``kind``; the Content-Type is checked (415) before the body
     is read."""
     media = body_media(_header(scope, b"content-type"))
-    body = await _body(receive)
+    body = await receive_body(receive)
     return parse_request(kind, media, scope.get("query_string", b""), body, decode_json)
-
-
-async def _body(receive: Receive) -> bytes:
-    """The whole body; one ``receive`` for a body that came in one piece."""
-    message = await receive()
-    if message["type"] != "http.request":
-        raise _Disconnected
-    body = message.get("body", b"")
-    if not message.get("more_body", False):
-        return body
-    chunks = [body]
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise _Disconnected
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

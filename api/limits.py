@@ -12,17 +12,11 @@ not also declared dead.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable
 
+from kvindex.api.asgi import ASGIApp, Message, Receive, Scope, Send
 from kvindex.api.errors import error_body
 from kvindex.events.errors import RequestTimeout, TooLarge
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _EXEMPT = frozenset({"/healthz", "/readyz", "/metrics", "/health"})  # /health: the gateway's
 

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -27,6 +26,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
+from kvindex.api.asgi import ClientLeft, Receive, Scope, receive_body
 from kvindex.api.client import AsyncClient, Retries
 from kvindex.api.gateway.bodies import Endpoint, RouteRequests, read_body
 from kvindex.api.gateway.index_transport import IndexTransport
@@ -49,8 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 _encoder = msgspec.json.Encoder()
 _MODELS_TIMEOUT_S = 2.0
@@ -201,28 +199,6 @@ class Gateway:
         if await self.routes.healthy():
             return Response(_encoder.encode({"status": "ok"}), media_type="application/json")
         return openai_error(503, "index_unreachable", "the kvindex index does not answer")
-
-
-class ClientLeft(Exception):
-    """The client disconnected before its request body was whole."""
-
-
-async def receive_body(receive: Receive) -> bytes:
-    """The request's body from its ASGI messages (read here rather than through a
-    Starlette ``Request``: the gateway's path is counted in microseconds)."""
-    message = await receive()
-    if message["type"] != "http.request":
-        raise ClientLeft
-    body = message.get("body", b"")
-    if not message.get("more_body", False):
-        return body
-    chunks = [body]
-    while message.get("more_body", False):
-        message = await receive()
-        if message["type"] != "http.request":
-            raise ClientLeft
-        chunks.append(message.get("body", b""))
-    return b"".join(chunks)
 
 
 def openai_error(

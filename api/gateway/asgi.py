@@ -16,25 +16,19 @@ slots ``/route`` and ``/score`` are answered from.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 from starlette.responses import Response
 
+from kvindex.api.asgi import ASGIApp, ClientLeft, Message, Receive, Scope, Send
 from kvindex.api.errors import status_of
-from kvindex.api.gateway.app import ClientLeft, Gateway, openai_error
+from kvindex.api.gateway.app import Gateway, openai_error
 from kvindex.api.gateway.bodies import Endpoint
 from kvindex.api.limits import RequestLimits
 from kvindex.api.settings import Settings
 from kvindex.events.errors import KvindexError
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class GatewayApp:

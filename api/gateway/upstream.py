@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from starlette.responses import Response
 
+from kvindex.api.asgi import Receive, Scope, Send
 from kvindex.api.gateway.metrics import Outcome
 from kvindex.api.gateway.pd import DecodeLeg, PdMode, prepare_decode
 from kvindex.api.gateway.pod_http import PodBroken, PodConnections, PodResponse, PodUnreachable
@@ -37,9 +38,6 @@ from kvindex.api.schemas import RouteRequest, RouteResponse
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 # RFC 9110 7.6.1 hop-by-hop headers, and the ones the relay's own server writes.
 _HOP = frozenset(

@@ -1,0 +1,40 @@
+"""The ASGI vocabulary kvindex's own HTTP layers share: type names, and reading a request
+body straight from its messages.
+
+The hot path (``/score``, ``/route``), the request limits and the gateway each speak raw
+ASGI rather than through Starlette's ``Request``, because their work is counted in
+microseconds; this module is what they have in common.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+
+class ClientLeft(Exception):
+    """The client disconnected before its request body was whole: nobody to answer."""
+
+
+async def receive_body(receive: Receive) -> bytes:
+    """The whole request body; one ``receive`` for a body that came in one piece."""
+    message = await receive()
+    if message["type"] != "http.request":
+        raise ClientLeft
+    body = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    chunks = [body]
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientLeft
+        chunks.append(message.get("body", b""))
+    return b"".join(chunks)

@@ -43,7 +43,10 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from bench_score_forms import measure_forms  # bench/ is sys.path[0] when run as a script
+try:  # run as a script: bench/ is sys.path[0]
+    from bench_score_forms import measure_forms
+except ModuleNotFoundError:  # imported as bench.bench_score (bench/compare_peers.py)
+    from bench.bench_score_forms import measure_forms
 
 from kvindex.api.testing import ServeProcess, free_port
 

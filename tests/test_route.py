@@ -62,17 +62,23 @@ class Cluster:
         """Serve new pages (idle unless named) and wait until /route sees them."""
         for name, server in zip("abc", self.metrics, strict=True):
             server.page = pages.get(name, page())
-        want = {s.pod: parse_engine_loads(s.page)["0"].waiting for s in self.metrics}
+        # The whole load, not just the queue: a page that only lowers KV usage (0.95 ->
+        # idle) has the same waiting count, and a pod still read at 0.95 is not admitted.
+        loads = {s.pod: parse_engine_loads(s.page)["0"] for s in self.metrics}
+        want = {pod: (e.running, e.waiting, e.kv_usage) for pod, e in loads.items()}
 
         def seen() -> bool:
             answer = self.route(COLD, request_id="probe")
             self.done("probe")
             if answer.status_code != 200:
                 return False
-            got = {c["pod"]: c["waiting"] for c in answer.json()["candidates"]}
+            got = {
+                c["pod"]: (c["running"], c["waiting"], c["kv_usage"])
+                for c in answer.json()["candidates"]
+            }
             return got == want
 
-        eventually(seen, f"scraped waiting {want}")
+        eventually(seen, f"scraped (running, waiting, kv_usage) {want}")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import zmq
 
 from kvindex.api.config import ConfigError
-from kvindex.api.service import parse_connect, replay_endpoints
+from kvindex.api.service_parts import parse_connect, replay_endpoints
 from kvindex.api.settings_load import from_flags
 from kvindex.events import BlockStored, EnginePublisher, StreamId, Subscriber, SubscriberConfig
 from kvindex.events.identity import make_topic

@@ -1,0 +1,214 @@
+"""Building each part of a :class:`~kvindex.api.service.Service` from Settings: the
+backend, leases, off-loop index work, the snapshot's backend, replay endpoints, connect
+targets, the router, speculative entries and static pod roles. One factory per part, so
+the composition root reads as a list of parts and each rule lives in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvindex.api.config import (
+    ConfigError,
+    Settings,
+)
+from kvindex.api.offload import IndexWork
+from kvindex.events.endpoints import PodEndpoint, endpoint_host, tcp_endpoint
+from kvindex.events.identity import IdentityError, normalize_pod
+from kvindex.events.known_pods import KnownPods
+from kvindex.events.replay_endpoints import (
+    ReplayEndpointError,
+    ReplayEndpoints,
+    parse_pod_replay_endpoint,
+    split_connect_spec,
+)
+from kvindex.indexer.backend import IndexBackend
+from kvindex.indexer.memory import MemoryBackend
+from kvindex.scoring.load import LoadView
+from kvindex.scoring.pd import Role, parse_role
+from kvindex.scoring.router import Admission, Router
+from kvindex.scoring.speculative import SpeculativeIndex
+
+if TYPE_CHECKING:
+    from kvindex.indexer.leases import RedisLeases
+
+
+log = logging.getLogger("kvindex.api.service")
+
+
+def make_backend(settings: Settings) -> IndexBackend:
+    """``memory`` (embedded, the default) or ``redis://host:port/db`` (shared)."""
+    spec = settings.index.backend
+    if spec == "memory":
+        return MemoryBackend(capacity_blocks=settings.index.capacity_blocks)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        try:
+            from kvindex.indexer.redis_backend import RedisBackend
+        except ImportError as exc:
+            raise ConfigError(
+                f"--backend {spec} needs the redis extra: pip install 'kvindex[redis]' ({exc})"
+            ) from None
+        return RedisBackend.from_url(spec, prefix=settings.index.redis_prefix)
+    raise ConfigError(f"--backend {spec!r}: use 'memory' or 'redis://HOST:PORT/DB'")
+
+
+def make_leases(settings: Settings, backend: IndexBackend) -> RedisLeases | None:
+    """Stream leases when the index is shared in Redis, so that each pod's stream is
+    applied by exactly one of the replicas sharing it; None otherwise."""
+    try:
+        from kvindex.indexer.leases import RedisLeases
+        from kvindex.indexer.redis_backend import RedisBackend
+    except ImportError:
+        return None
+    if not isinstance(backend, RedisBackend):
+        return None
+    if settings.index.lease_ttl <= 0:
+        raise ConfigError(f"--lease-ttl {settings.index.lease_ttl}: must be at least 1 second")
+    return RedisLeases(backend, settings.index.replica_id, float(settings.index.lease_ttl))
+
+
+def make_index_work(settings: Settings, backend: IndexBackend) -> IndexWork:
+    """Where /score and /route do their index work: inline over the memory backend
+    (nothing in it can hang), else on threads under ``--backend-deadline`` and
+    ``--backend-max-in-flight`` (:mod:`kvindex.api.offload`)."""
+    index = settings.index
+    for flag, value in (
+        ("--backend-deadline", index.backend_deadline),
+        ("--backend-max-in-flight", index.backend_max_in_flight),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{flag} {value}: must be positive")
+    return IndexWork(
+        inline=isinstance(backend, MemoryBackend),
+        deadline_s=index.backend_deadline,
+        max_in_flight=index.backend_max_in_flight,
+    )
+
+
+def snapshot_backend(settings: Settings, backend: IndexBackend) -> MemoryBackend | None:
+    """The backend to snapshot when ``--snapshot`` is set: the memory backend only
+    (Redis keeps its own data across kvindex restarts, and several replicas use
+    leases). Refuses settings that cannot work before anything starts."""
+    if not settings.index.snapshot:
+        return None
+    if not isinstance(backend, MemoryBackend):
+        raise ConfigError(
+            "--snapshot works with the memory backend; a Redis index survives kvindex "
+            "restarts on its own (drop --snapshot, or use --backend memory)"
+        )
+    if settings.index.snapshot_interval < 0:
+        raise ConfigError(f"--snapshot-interval {settings.index.snapshot_interval}: must be >= 0")
+    directory = Path(settings.index.snapshot).parent
+    if not directory.is_dir():
+        raise ConfigError(
+            f"--snapshot {settings.index.snapshot}: directory {directory} does not exist"
+        )
+    return backend
+
+
+def replay_endpoints(settings: Settings, known: KnownPods | None) -> ReplayEndpoints:
+    """Each stream's replay endpoint: ``--replay-endpoint``, discovery's annotations, then
+    the ``--replay-port`` rule (:mod:`kvindex.events.replay_endpoints`)."""
+    configured: dict[str, str] = {}
+    for spec in settings.events.replay_endpoint:
+        try:
+            pod, endpoint = parse_pod_replay_endpoint(spec, settings.events.serving_port)
+        except ReplayEndpointError as exc:
+            raise ConfigError(f"--replay-endpoint {exc}") from None
+        configured[pod] = endpoint
+    return ReplayEndpoints(configured, settings.events.replay_port or None, known)
+
+
+def parse_connect(
+    spec: str, settings: Settings, replays: ReplayEndpoints | None = None
+) -> PodEndpoint:
+    """``[POD[@MODEL]=]ENDPOINT[;replay=REPLAY]`` to a PodEndpoint.
+
+    Without a POD the pod is named by the topic when it is ``kv@<pod>@<model>``, else by
+    the endpoint's host and ``--serving-port``; without a MODEL, by the topic or ``--model``.
+    The replay endpoint is ``;replay=``, else the pod's ``--replay-endpoint``, else the
+    endpoint's host at ``--replay-port``.
+    """
+    try:
+        spec, own_replay = split_connect_spec(spec)
+    except ReplayEndpointError as exc:
+        raise ConfigError(f"--zmq-connect {spec!r}: {exc}") from None
+    name, sep, endpoint = spec.rpartition("=")
+    if not sep:
+        name, endpoint = "", spec
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(f"--zmq-connect {spec!r}: the endpoint must be tcp://HOST:PORT")
+    pod: str | None = None
+    model: str | None = None
+    if name:
+        pod_text, _, model_text = name.partition("@")
+        try:
+            pod = normalize_pod(pod_text, settings.events.serving_port)
+        except IdentityError as exc:
+            raise ConfigError(f"--zmq-connect {spec!r}: {exc}") from None
+        model = model_text or None
+    host = endpoint_host(endpoint)
+    if pod is None and host is not None:
+        pod = normalize_pod(host, settings.events.serving_port)
+    replay = own_replay
+    if replay is None and replays is not None and pod is not None:
+        replay = replays.pod_endpoint(pod)
+    if replay is None and settings.events.replay_port and host is not None:
+        replay = tcp_endpoint(f"[{host}]" if ":" in host else host, settings.events.replay_port)
+    return PodEndpoint(
+        endpoint, pod=pod, model=model or settings.events.model, replay_endpoint=replay
+    )
+
+
+def make_routing(
+    settings: Settings,
+    pods: Callable[[], Iterable[str]],
+    seed: int | None = None,
+) -> tuple[LoadView, Router]:
+    """/route's parts: the load view scraping every known pod, and the router."""
+    scoring = settings.scoring
+    if scoring.load_interval <= 0 or scoring.load_timeout <= 0:
+        raise ConfigError("--load-interval and --load-timeout must be positive")
+    if scoring.route_ttl <= 0:
+        raise ConfigError(f"--route-ttl {scoring.route_ttl}: must be positive")
+    if not 0 < scoring.max_kv_usage <= 1:
+        raise ConfigError(f"--max-kv-usage {scoring.max_kv_usage}: must be in (0, 1]")
+    if scoring.max_waiting < 0:
+        raise ConfigError(f"--max-waiting {scoring.max_waiting}: must be >= 0 (0: no limit)")
+    if scoring.max_event_lag < 0:
+        raise ConfigError(f"--max-event-lag {scoring.max_event_lag}: must be >= 0 (0: off)")
+    if scoring.pd_threshold < 0:
+        raise ConfigError(f"--pd-threshold {scoring.pd_threshold}: must be >= 0")
+    view = LoadView(
+        interval_s=scoring.load_interval, timeout_s=scoring.load_timeout, pods_source=pods
+    )
+    admission = Admission(scoring.max_kv_usage, scoring.max_waiting)
+    least_bad = scoring.when_full == "least_bad"
+    return view, Router(scoring.route_weights, admission, seed, least_bad=least_bad)
+
+
+def make_speculative(settings: Settings) -> SpeculativeIndex:
+    scoring = settings.scoring
+    try:
+        return SpeculativeIndex(scoring.speculative_ttl, scoring.speculative_max_blocks)
+    except ValueError:
+        raise ConfigError(
+            "--speculative-ttl must be >= 0 (0: off) and --speculative-max-blocks positive"
+        ) from None
+
+
+def static_roles(settings: Settings) -> dict[str, Role]:
+    """``--pod-role POD=ROLE`` for pods that discovery does not label."""
+    roles = {}
+    for spec in settings.scoring.pod_role:
+        pod, sep, role = spec.rpartition("=")
+        try:
+            if not sep:
+                raise ValueError("give POD=ROLE, e.g. 127.0.0.7:8000=prefill")
+            roles[normalize_pod(pod, settings.events.serving_port)] = parse_role(role)
+        except (ValueError, IdentityError) as exc:
+            raise ConfigError(f"--pod-role {spec!r}: {exc}") from None
+    return roles

@@ -50,8 +50,9 @@ def status(sub: Subscriber):
 
 
 def restarted_engine(make: callable, attempts: int = 50) -> EnginePublisher:
-    """A new incarnation on the old engine's ports: ZMQ closes sockets in its I/O thread,
-    so the ports may take a moment to be free again (bounded retries)."""
+    """An engine on its fixed ports. ZMQ closes sockets in its I/O thread, so a port just
+    given up (by the old incarnation) may take a moment to be free again (bounded
+    retries)."""
     for _ in range(attempts):
         try:
             return make()
@@ -87,17 +88,9 @@ def old_incarnation_then_silent_restart(sink: RecordingSink, sub: Subscriber, fi
 
 def test_bind_mode_an_engine_that_restarted_unheard_is_found_and_fetched(ctx) -> None:
     sink = RecordingSink()
-    for _ in range(20):  # the replay port must be known before the engine exists
-        replay_port = free_port()
-        sub = Subscriber(sink, SubscriberConfig(**FAST, replay_port=replay_port))
-        endpoint = sub.bind("tcp://127.0.0.1:0")
-        try:
-            probe = ctx.socket(zmq.ROUTER)
-            probe.bind(f"tcp://127.0.0.1:{replay_port}")
-            probe.close(linger=0)
-            break
-        except zmq.ZMQError:
-            sub.stop()
+    replay_port = free_port()  # known before the engine exists: bind mode derives it
+    sub = Subscriber(sink, SubscriberConfig(**FAST, replay_port=replay_port))
+    endpoint = sub.bind("tcp://127.0.0.1:0")
     sub.start()
 
     def engine() -> EnginePublisher:
@@ -109,7 +102,8 @@ def test_bind_mode_an_engine_that_restarted_unheard_is_found_and_fetched(ctx) ->
         )
 
     try:
-        old_incarnation_then_silent_restart(sink, sub, engine, engine)
+        first = restarted_engine(engine)
+        old_incarnation_then_silent_restart(sink, sub, lambda: first, engine)
     finally:
         sub.stop()
 

@@ -49,7 +49,7 @@ def status(sub: Subscriber):
     return next(s for s in sub.streams() if s.pod == POD)
 
 
-def restarted_engine(make: callable, attempts: int = 50) -> EnginePublisher:
+def engine_on_its_ports(make: callable, attempts: int = 50) -> EnginePublisher:
     """An engine on its fixed ports. ZMQ closes sockets in its I/O thread, so a port just
     given up (by the old incarnation) may take a moment to be free again (bounded
     retries)."""
@@ -69,7 +69,7 @@ def old_incarnation_then_silent_restart(sink: RecordingSink, sub: Subscriber, fi
         for h in (1, 2, 3):
             engine.publish(stored(h))
         assert sink.wait_for_count(3)
-    new = restarted_engine(second)
+    new = engine_on_its_ports(second)
     with new:
         new.publish(stored(7), send=False)  # dropped at the PUB: nobody subscribed yet
         new.publish(stored(8), send=False)
@@ -102,7 +102,7 @@ def test_bind_mode_an_engine_that_restarted_unheard_is_found_and_fetched(ctx) ->
         )
 
     try:
-        first = restarted_engine(engine)
+        first = engine_on_its_ports(engine)
         old_incarnation_then_silent_restart(sink, sub, lambda: first, engine)
     finally:
         sub.stop()
@@ -123,7 +123,7 @@ def test_connect_mode_an_engine_that_restarted_unheard_is_found_and_fetched(ctx)
             context=ctx,
         )
 
-    first = restarted_engine(engine)
+    first = engine_on_its_ports(engine)
     sub.connect(
         PodEndpoint(
             f"tcp://127.0.0.1:{pub_port}",

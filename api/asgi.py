@@ -8,7 +8,7 @@ microseconds; this module is what they have in common.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 Scope = MutableMapping[str, Any]
@@ -16,7 +16,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-Headers = list[tuple[bytes, bytes]]
+Headers = Sequence[tuple[bytes, bytes]]
 
 
 class ClientLeft(Exception):
@@ -38,3 +38,19 @@ async def receive_body(receive: Receive) -> bytes:
             raise ClientLeft
         chunks.append(message.get("body", b""))
     return b"".join(chunks)
+
+
+async def send_json(send: Send, status: int, body: bytes, headers: Headers = ()) -> None:
+    """A whole JSON answer as the two ASGI messages (start, then the body in one)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

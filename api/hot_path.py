@@ -26,7 +26,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from kvindex.api.asgi import ASGIApp, ClientLeft, Headers, Receive, Scope, Send, receive_body
+from kvindex.api.asgi import (
+    ASGIApp,
+    ClientLeft,
+    Headers,
+    Receive,
+    Scope,
+    Send,
+    receive_body,
+    send_json,
+)
 from kvindex.api.errors import JSON, error_body, error_responses, refusal
 from kvindex.api.route import NoCapacity, decide_route, decode_route, release_route, route_inputs
 from kvindex.api.schemas import (
@@ -120,18 +129,7 @@ class HotPath:
                 status = 500
                 body = error_body("internal_error", f"internal error ({type(exc).__name__})")
                 headers = []
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    *headers,
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, status, body, headers)
 
     async def _score(self, scope: Scope, receive: Receive, _: str) -> Answer:
         started = time.perf_counter()

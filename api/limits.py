@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from kvindex.api.asgi import ASGIApp, Message, Receive, Scope, Send
+from kvindex.api.asgi import ASGIApp, Message, Receive, Scope, Send, send_json
 from kvindex.api.errors import error_body
 from kvindex.events.errors import RequestTimeout, TooLarge
 
@@ -107,19 +107,7 @@ class RequestLimits:
 
     async def _refuse(self, scope: Scope, send: Send, status: int, code: str, detail: str) -> None:
         self.on_refusal(scope["path"], code)
-        body = error_body(code, detail)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, status, error_body(code, detail), [(b"connection", b"close")])
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -96,13 +96,6 @@ def test_stream_cap() -> None:
 # -- hostile senders on loopback ---------------------------------------------------------
 
 
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 class Door:
     """A started bind-mode subscriber and publishers sending from chosen hosts."""
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,13 +22,6 @@ from kvindex.events import (
 from kvindex.events.testing import RecordingSink
 
 POD = "127.0.0.1:8000"
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def test_record_then_replay_into_a_subscriber(ctx: zmq.Context, tmp_path: Path) -> None:

@@ -60,13 +60,6 @@ def owned(epoch: int, after: int | None = None) -> Claim:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def setup(ctx: zmq.Context) -> Iterator:
     made: list[Subscriber] = []
     pubs: list[EnginePublisher] = []

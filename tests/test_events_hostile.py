@@ -121,13 +121,6 @@ class Engine:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def sink() -> RecordingSink:
     return RecordingSink()
 

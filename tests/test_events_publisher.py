@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import msgspec
 import pytest
 import zmq
@@ -18,13 +16,6 @@ from kvindex.events import (
 from kvindex.events.replay import END_SEQ
 
 TIMEOUT_MS = 5000
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def sub_socket(

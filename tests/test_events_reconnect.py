@@ -10,9 +10,7 @@ the reconnect itself says the position must be proven; the silence check
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
-import pytest
 import zmq
 
 from kvindex.api.testing import free_port
@@ -21,13 +19,6 @@ from kvindex.events.testing import RecordingSink
 from kvindex.events.wire import BlockStored
 
 POD = "127.0.0.1:8000"
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def restarted(endpoint: str, replay: str, ctx: zmq.Context) -> EnginePublisher:

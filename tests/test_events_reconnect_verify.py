@@ -12,9 +12,6 @@ loopback, both topologies; the engine's PUB is made to drop by publishing with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import zmq
 
 from kvindex.api.testing import free_port
@@ -32,13 +29,6 @@ from kvindex.events.testing import RecordingSink, wait_until
 POD = "127.0.0.1:8000"
 STREAM = StreamId(POD)
 FAST = {"replay_timeout_s": 5.0, "retry_initial_s": 0.02, "retry_max_s": 0.2}
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def stored(*hashes: int) -> list[BlockStored]:

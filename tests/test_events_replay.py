@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -11,13 +10,6 @@ import zmq
 from kvindex.api.testing import free_port
 from kvindex.events import BlockStored, EnginePublisher, fetch_replay
 from kvindex.events.replay import END_SEQ
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.mark.parametrize("version", ["0.22", "0.25", "0.26", "0.33"])

@@ -35,13 +35,6 @@ FAST = {"replay_timeout_s": 5.0, "retry_initial_s": 0.02, "retry_max_s": 0.2}
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def sink() -> RecordingSink:
     return RecordingSink()
 

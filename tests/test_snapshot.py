@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -298,13 +297,6 @@ def test_a_cut_waits_for_the_delivery_in_flight_to_be_committed() -> None:
 
 
 # -- consistent cuts under a live stream ------------------------------------------------------
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def test_cuts_taken_while_a_real_stream_applies_match_their_positions_exactly(

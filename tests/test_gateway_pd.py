@@ -40,6 +40,12 @@ class PdCluster:
             base_url=f"{url or self.server.url}/v1", api_key="none", max_retries=0, timeout=30
         )
 
+    def open_routes(self) -> dict[str, int]:
+        """kvindex's in-flight count per pod, read from a probe route (released)."""
+        probe = self.index.route(model=MODEL, token_ids=[7] * 16, request_id="probe")
+        self.index.done("probe")
+        return {c.pod: c.in_flight for c in probe.candidates if c.in_flight}
+
     def metric(self, line: str, url: str | None = None) -> float:
         """The value of the sample ``line`` (name and labels) on /metrics, 0 if absent."""
         page = httpx.get(f"{url or self.server.url}/metrics", timeout=5).text
@@ -141,6 +147,9 @@ def test_kv_transfer_prefills_on_the_prefill_pod_then_decodes_with_its_params(cl
     # One request id for both legs, so the two engines' logs and KV transfer match up.
     assert headers_p["x-request-id"] == headers_d["x-request-id"]
     assert cluster.metric('kvindex_gateway_prefill_total{outcome="remote"}') >= 1
+    # The route is released on both pods once the answer ends (the prefill pod's share
+    # too, not left to --route-ttl).
+    eventually(lambda: cluster.open_routes() == {}, "both pods' shares released", 5.0)
 
 
 def test_chat_prefill_caps_max_completion_tokens(cluster) -> None:

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Protocol
 from kvindex.api.client import ApiError, AsyncClient, KvindexClientError, NoCapacity
 from kvindex.api.errors import status_of
 from kvindex.api.route import NoCapacity as Full
-from kvindex.api.route import decide_route, route_inputs
+from kvindex.api.route import decide_route, release_route, route_inputs
 from kvindex.api.schemas import RouteRequest, RouteResponse
-from kvindex.events.errors import KvindexError
+from kvindex.events.errors import KvindexError, NotFound
 
 if TYPE_CHECKING:
     from kvindex.api.service import Service
@@ -69,7 +69,8 @@ class LocalRoutes:
             raise RouteRefused(status_of(exc), exc.code, exc.detail) from None
 
     async def done(self, route_id: str) -> None:
-        self.service.load.ledger.done(route_id)
+        with contextlib.suppress(NotFound):  # released already, or past its TTL
+            release_route(self.service, route_id)  # P/D: the prefill pod's share too
 
     async def pods(self) -> list[str]:
         return self.service.known_pods()

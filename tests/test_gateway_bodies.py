@@ -85,7 +85,8 @@ def test_the_rank_header_names_the_engine_only_for_data_parallel_pods() -> None:
         return RouteResponse("r", "a:1", "prefix", "m", 16, 32, 2, list(rows), [], rank=rank)
 
     dp = decision(1, candidate("a:1", 0), candidate("a:1", 1), candidate("b:1", 0))
-    assert _with_rank({"x": "y"}, dp) == {"x": "y", "x-data-parallel-rank": "1"}
-    assert _with_rank({"X-Data-Parallel-Rank": "0"}, dp) == {"X-Data-Parallel-Rank": "0"}
+    # Headers as the ASGI scope holds them: bytes, names in lower case.
+    assert _with_rank([(b"x", b"y")], dp) == [(b"x", b"y"), (b"x-data-parallel-rank", b"1")]
+    assert _with_rank([(b"x-data-parallel-rank", b"0")], dp) == [(b"x-data-parallel-rank", b"0")]
     plain = decision(0, candidate("a:1", 0), candidate("b:1", 0))
-    assert _with_rank({}, plain) == {}
+    assert _with_rank([], plain) == []

@@ -16,6 +16,7 @@ in-process) or serves them alone (``kvindex gateway --index URL``).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -33,7 +34,13 @@ from kvindex.api.gateway.index_transport import IndexTransport
 from kvindex.api.gateway.metrics import GatewayMetrics, Outcome
 from kvindex.api.gateway.pd import PdMode, PrefillOutcome
 from kvindex.api.gateway.pod_http import PodBroken, PodConnections
-from kvindex.api.gateway.routes import LocalRoutes, RemoteRoutes, RouteRefused, RouteSource
+from kvindex.api.gateway.routes import (
+    LocalRoutes,
+    RemoteRoutes,
+    RouteRefused,
+    RouteSource,
+    TimedRoutes,
+)
 from kvindex.api.gateway.upstream import (
     PodsUnreachable,
     RelayedResponse,
@@ -54,6 +61,19 @@ _encoder = msgspec.json.Encoder()
 _MODELS_TIMEOUT_S = 2.0
 
 
+class RequestIds:
+    """Ids for routed requests (route id, and ``x-request-id`` under P/D): a random
+    prefix per gateway process, then a counter. Unique across gateway replicas sharing
+    one index, without a system call per request (``os.urandom`` is one)."""
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._count):08x}"
+
+
 class Gateway:
     """The parts one gateway needs: where decisions come from, how prompts become
     tokens, one pooled HTTP client for the pods, and the registry its metrics go to."""
@@ -65,12 +85,13 @@ class Gateway:
         settings: GatewaySettings,
         registry: CollectorRegistry,
     ) -> None:
-        self.routes = routes
+        self.registry = registry
+        self.metrics = GatewayMetrics(registry)
+        self.routes: RouteSource = TimedRoutes(routes, self.metrics.route_seconds)
         self.requests = RouteRequests(tokenizers)
         self.settings = settings
         self.pd_mode = PdMode(settings.pd_mode)
-        self.registry = registry
-        self.metrics = GatewayMetrics(registry)
+        self._ids = RequestIds()
         self.pods = PodConnections(settings.connect_timeout, settings.read_timeout)
         # /v1/models only: rare, so httpx's cost does not matter there.
         self.http = httpx.AsyncClient(trust_env=False)  # pods are dialled directly
@@ -114,7 +135,7 @@ class Gateway:
             metrics.ended(Outcome.CLIENT_LEFT)
             raise
         try:
-            route_request = self.requests.build(read_body(endpoint, body), os.urandom(16).hex())
+            route_request = self.requests.build(read_body(endpoint, body), self._ids.next())
             opened = await open_upstream(
                 self.pods,
                 self.routes,
@@ -164,11 +185,11 @@ class Gateway:
             metrics.retries.inc(len(failed))
             extra.append((b"x-kvindex-failed-pods", ",".join(failed).encode("latin-1")))
 
-        async def finish(outcome: Outcome) -> None:
+        def finish(outcome: Outcome) -> None:
             metrics.ended(outcome)
             if outcome is Outcome.POD_FAILED:
                 metrics.upstream_error("broken")
-            await self.routes.done(route_id)
+            self.routes.done(route_id)
 
         return RelayedResponse(opened.answer, extra, finish)
 

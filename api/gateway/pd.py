@@ -35,12 +35,12 @@ from typing import Any
 
 import msgspec
 
-from kvindex.api.gateway.pod_http import PodBroken, PodConnections, PodUnreachable
+from kvindex.api.gateway.pod_http import Header, PodBroken, PodConnections, PodUnreachable
 
 log = logging.getLogger(__name__)
 
-PREFILLER_HEADER = "x-prefiller-host-port"
-REQUEST_ID_HEADER = "x-request-id"
+PREFILLER_HEADER = b"x-prefiller-host-port"
+REQUEST_ID_HEADER = b"x-request-id"
 
 # What vLLM's NixlConnector expects on the prefill leg (vLLM 0.9 to 0.33).
 _PREFILL_PARAMS = {
@@ -77,7 +77,7 @@ class DecodeLeg:
     """What goes to the decode pod, and how the prefill went."""
 
     body: bytes
-    headers: dict[str, str]
+    headers: list[Header]
     outcome: PrefillOutcome
     prefill_seconds: float = 0.0  # time spent waiting on the prefill pod (pod time)
 
@@ -104,15 +104,16 @@ async def prepare_decode(
     prefill_pod: str,
     path: str,
     body: bytes,
-    headers: dict[str, str],
+    headers: list[Header],
     request_id: str,
 ) -> DecodeLeg:
     """The decode leg of a P/D request (running the prefill leg first in ``kv-transfer``
     mode). Never raises for the prefill pod's failures; see the module docstring."""
     if mode is PdMode.SIDECAR:
-        return DecodeLeg(body, {**headers, PREFILLER_HEADER: prefill_pod}, PrefillOutcome.SIDECAR)
-    if not any(k.lower() == REQUEST_ID_HEADER for k in headers):
-        headers = {**headers, REQUEST_ID_HEADER: request_id}
+        prefiller = (PREFILLER_HEADER, prefill_pod.encode("latin-1"))
+        return DecodeLeg(body, [*headers, prefiller], PrefillOutcome.SIDECAR)
+    if not any(name == REQUEST_ID_HEADER for name, _ in headers):
+        headers = [*headers, (REQUEST_ID_HEADER, request_id.encode("latin-1"))]
     try:
         request = _decode.decode(body)
     except msgspec.DecodeError:  # the gateway already read it; a pod would refuse it anyway
@@ -126,7 +127,7 @@ async def prepare_decode(
 
 
 async def _prefill(
-    pods: PodConnections, pod: str, path: str, body: bytes, headers: dict[str, str]
+    pods: PodConnections, pod: str, path: str, body: bytes, headers: list[Header]
 ) -> Any:
     """The prefill pod's ``kv_transfer_params``, or None (logged) when there are none."""
     try:
@@ -140,7 +141,7 @@ async def _prefill(
                     raise PodBroken(f"{pod}: prefill answer over {_MAX_PREFILL_ANSWER} bytes")
                 pieces.append(piece)
         finally:
-            await answer.aclose()
+            answer.close()
     except (PodUnreachable, PodBroken) as exc:
         log.warning("gateway: prefill on %s failed (%s); the decode pod prefills", pod, exc)
         return None

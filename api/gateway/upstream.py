@@ -11,10 +11,13 @@ arrived the answer is the pod's, errors included.
 The relay is a plain ASGI response: the pod's status, its headers less hop-by-hop ones
 (plus ``x-kvindex-pod``), and its body bytes as they arrive (not decompressed; each
 network read sent on as one chunk), so server-sent events reach the client one event at
-a time. A client
-that disconnects stops the relay at once and closes the pod connection, which is how
-vLLM learns to abort the request. Whatever ends the response (the last byte, an error,
-a disconnect), the route is released exactly once.
+a time. A streamed answer (no ``Content-Length``) is watched for the client leaving: a
+client that disconnects stops the relay at once and closes the pod connection, which is
+how vLLM learns to abort the request. A sized answer (vLLM's non-streamed ones: the pod
+writes the whole JSON at once, often head and body in two segments) is relayed without
+that watcher task, which would cost more than the answer takes to arrive. Whatever ends
+the response (the last byte, an error, a disconnect), the route is released exactly
+once, synchronously, so no cancellation can skip it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +35,13 @@ from starlette.responses import Response
 from kvindex.api.asgi import Receive, Scope, Send
 from kvindex.api.gateway.metrics import Outcome
 from kvindex.api.gateway.pd import DecodeLeg, PdMode, prepare_decode
-from kvindex.api.gateway.pod_http import PodBroken, PodConnections, PodResponse, PodUnreachable
+from kvindex.api.gateway.pod_http import (
+    Header,
+    PodBroken,
+    PodConnections,
+    PodResponse,
+    PodUnreachable,
+)
 from kvindex.api.gateway.routes import RouteRefused, RouteSource
 from kvindex.api.schemas import RouteRequest, RouteResponse
 
@@ -61,7 +70,7 @@ _HOP = frozenset(
 _REQUEST_SKIP = _HOP | {b"accept-encoding"}
 
 
-_RANK_HEADER = "x-data-parallel-rank"
+_RANK_HEADER = b"x-data-parallel-rank"
 
 
 class PodsUnreachable(Exception):
@@ -82,14 +91,10 @@ class Opened:
     prefill: DecodeLeg | None  # P/D: how the prompt was prefilled; None without P/D
 
 
-def forward_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+def forward_headers(raw: list[Header]) -> list[Header]:
     """The client's request headers (an ASGI scope's, names in lower case) the pod should
-    see: auth, content type, ids."""
-    return {
-        name.decode("latin-1"): value.decode("latin-1")
-        for name, value in raw
-        if name not in _REQUEST_SKIP
-    }
+    see: auth, content type, ids; as bytes, as they came."""
+    return [header for header in raw if header[0] not in _REQUEST_SKIP]
 
 
 async def open_upstream(
@@ -98,7 +103,7 @@ async def open_upstream(
     request: RouteRequest,
     path: str,
     body: bytes,
-    headers: dict[str, str],
+    headers: list[Header],
     attempts: int,
     pd_mode: PdMode = PdMode.KV_TRANSFER,
 ) -> Opened:
@@ -126,25 +131,25 @@ async def open_upstream(
             failed.append(pod)
             left = list(dict.fromkeys(c.pod for c in decision.candidates if c.pod not in failed))
             if len(failed) >= attempts or not left:
-                await routes.done(decision.route_id)
+                routes.done(decision.route_id)
                 raise PodsUnreachable(failed) from None
         except BaseException:
-            await routes.done(decision.route_id)
+            routes.done(decision.route_id)
             raise
         try:
             decision = await routes.route(msgspec.structs.replace(request, pods=left))
         except RouteRefused:
-            await routes.done(decision.route_id)
+            routes.done(decision.route_id)
             raise
 
 
-def _with_rank(headers: dict[str, str], decision: RouteResponse) -> dict[str, str]:
+def _with_rank(headers: list[Header], decision: RouteResponse) -> list[Header]:
     """The request's headers, plus the engine to use when the pod runs data-parallel
     ranks (vLLM 0.33 reads ``X-data-parallel-rank``); a header the client set wins."""
     ranks = {c.rank for c in decision.candidates if c.pod == decision.pod}
-    if len(ranks) < 2 or any(k.lower() == _RANK_HEADER for k in headers):
+    if len(ranks) < 2 or any(name == _RANK_HEADER for name, _ in headers):
         return headers
-    return {**headers, _RANK_HEADER: str(decision.rank)}
+    return [*headers, (_RANK_HEADER, b"%d" % decision.rank)]
 
 
 class RelayedResponse(Response):
@@ -155,8 +160,8 @@ class RelayedResponse(Response):
     def __init__(
         self,
         upstream: PodResponse,
-        extra_headers: list[tuple[bytes, bytes]],
-        release: Callable[[Outcome], Awaitable[None]],
+        extra_headers: list[Header],
+        release: Callable[[Outcome], None],
     ) -> None:
         self.upstream = upstream
         self.status_code = upstream.status
@@ -164,12 +169,12 @@ class RelayedResponse(Response):
         # The body is relayed as the pod encoded it (not decompressed), so its length
         # holds; chunked framing is undone here and redone by the server, chunk for chunk.
         self.relayed_headers = [
-            (name, value)
-            for name, value in upstream.headers
-            if name not in _HOP or name == b"content-length"
-        ] + extra_headers
+            header for header in upstream.headers if header[0] not in _HOP_BUT_LENGTH
+        ]
+        self.relayed_headers += extra_headers
         self.release = release
         self.outcome = Outcome.OK if 200 <= upstream.status < 300 else Outcome.POD_ERROR
+        self._client_left = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = {
@@ -177,38 +182,30 @@ class RelayedResponse(Response):
             "status": self.upstream.status,
             "headers": self.relayed_headers,
         }
-        if self.upstream.whole:
+        upstream = self.upstream
+        if upstream.whole:
             # The pod's whole answer is here (a non-streamed one, usually): one write to
             # the client, and no disconnect to watch for.
             try:
                 await send(start)
-                body = b"".join([chunk async for chunk in self.upstream.iter_body()])
+                body = upstream.take_body()
                 await send({"type": "http.response.body", "body": body, "more_body": False})
-            except PodBroken:
-                self.outcome = Outcome.POD_FAILED
-                raise
             except BaseException:  # the client's connection failed under the write
                 self.outcome = Outcome.CLIENT_LEFT
                 raise
             finally:
-                await asyncio.shield(self._close())
+                self._close()
             return
-        await self._relay(start, receive, send)
+        # A sized answer arrives at once: no disconnect watcher for it (see the module).
+        await self._relay(start, receive, send, watch=not upstream.sized)
 
-    async def _relay(self, start: dict[str, Any], receive: Receive, send: Send) -> None:
-        """Chunk by chunk, stopping as soon as the client leaves."""
+    async def _relay(
+        self, start: dict[str, Any], receive: Receive, send: Send, *, watch: bool
+    ) -> None:
+        """The head now, then the body piece by piece; with ``watch``, stopping as soon as
+        the client leaves."""
         task = asyncio.current_task()
-        disconnected = False
-
-        async def watch() -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            disconnected = True
-            if task is not None:
-                task.cancel()
-
-        watcher = asyncio.create_task(watch())
+        watcher = asyncio.create_task(self._watch(receive, task)) if watch else None
         try:
             await send(start)
             ended = False
@@ -218,7 +215,7 @@ class RelayedResponse(Response):
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not disconnected:
+            if not self._client_left:
                 raise
             if task is not None:
                 task.uncancel()
@@ -230,13 +227,25 @@ class RelayedResponse(Response):
             self.outcome = Outcome.POD_FAILED
             raise
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-            await asyncio.shield(self._close())
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+            self._close()
 
-    async def _close(self) -> None:
+    async def _watch(self, receive: Receive, relay: asyncio.Task[Any] | None) -> None:
+        """Cancel ``relay`` when the client disconnects."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._client_left = True
+        if relay is not None:
+            relay.cancel()
+
+    def _close(self) -> None:
         try:
-            await self.upstream.aclose()
+            self.upstream.close()
         finally:
-            await self.release(self.outcome)
+            self.release(self.outcome)
+
+
+_HOP_BUT_LENGTH = _HOP - {b"content-length"}

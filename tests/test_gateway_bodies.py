@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvindex.api.gateway.bodies import Endpoint, RouteRequests, read_body
-from kvindex.api.gateway.upstream import _with_rank
+from kvindex.api.gateway.upstream import _rank_header
 from kvindex.api.schemas import RouteCandidate, RouteResponse
 from kvindex.events.errors import ClientError
 from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
@@ -86,7 +86,12 @@ def test_the_rank_header_names_the_engine_only_for_data_parallel_pods() -> None:
 
     dp = decision(1, candidate("a:1", 0), candidate("a:1", 1), candidate("b:1", 0))
     # Headers as the ASGI scope holds them: bytes, names in lower case.
-    assert _with_rank([(b"x", b"y")], dp) == [(b"x", b"y"), (b"x-data-parallel-rank", b"1")]
-    assert _with_rank([(b"x-data-parallel-rank", b"0")], dp) == [(b"x-data-parallel-rank", b"0")]
+    assert _rank_header([(b"x", b"y")], dp) == [(b"x-data-parallel-rank", b"1")]
+    assert _rank_header([(b"x-data-parallel-rank", b"0")], dp) == []
     plain = decision(0, candidate("a:1", 0), candidate("b:1", 0))
-    assert _with_rank([], plain) == []
+    assert _rank_header([], plain) == []
+    # Under P/D the prefill leg names the prefill pod's own rank.
+    pd = decision(0, candidate("a:1", 0), candidate("p:1", 0), candidate("p:1", 1))
+    pd.prefill_pod, pd.prefill_rank = "p:1", 1
+    assert _rank_header([], pd) == []
+    assert _rank_header([], pd, prefill=True) == [(b"x-data-parallel-rank", b"1")]

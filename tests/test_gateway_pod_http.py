@@ -137,13 +137,15 @@ def test_no_answer_is_unreachable_and_a_broken_answer_is_not() -> None:
 
     async def client(pod: str) -> None:
         pods = PodConnections(1.0, 5.0)
-        with pytest.raises(PodUnreachable, match="without answering"):
+        with pytest.raises(PodUnreachable, match="without answering") as silent:
             await pods.send(pod, "/silent", [], b"{}")
+        assert silent.value.delivered  # it read the request: it may have acted on it
         answer = await pods.send(pod, "/v1/completions", [], b"{}")
         with pytest.raises(PodBroken, match="mid-answer"):
             [c async for c in answer.iter_body()]
         answer.close()
-        with pytest.raises(PodUnreachable):
+        with pytest.raises(PodUnreachable) as refused:
             await pods.send(f"127.0.0.1:{free_port()}", "/v1/completions", [], b"{}")
+        assert not refused.value.delivered  # no connection: the request went nowhere
 
     run(handler, client)

@@ -178,8 +178,8 @@ class Gateway:
             (b"x-kvindex-pod", decision.pod.encode("latin-1")),
             (b"x-kvindex-route-reason", decision.reason.encode("latin-1")),
         ]
-        if decision.prefill_pod is not None:
-            extra.append((b"x-kvindex-prefill-pod", decision.prefill_pod.encode("latin-1")))
+        if prefill is not None:  # the leg's: a retry reusing a prefill routes decode only
+            extra.append((b"x-kvindex-prefill-pod", prefill.prefill_pod.encode("latin-1")))
         if failed:  # the pods skipped because connecting to them failed
             metrics.upstream_error("connect", len(failed))
             metrics.retries.inc(len(failed))

@@ -22,7 +22,10 @@ would be prefilled twice):
 
 P/D is an optimisation, never a reason to fail a request: when the prefill leg fails
 (the pod is unreachable, answers an error, or names no ``kv_transfer_params``), the
-decode pod gets the client's body unchanged and prefills the prompt itself.
+decode pod gets the client's body unchanged and prefills the prompt itself. When the
+decode pod is the one that fails, after a successful prefill, the retry on another
+decode pod reuses this leg's ``kv_transfer_params`` if the request never reached the
+first one (:mod:`.upstream` says when that is safe), instead of prefilling again.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class PrefillOutcome(StrEnum):
 class DecodeLeg:
     """What goes to the decode pod, and how the prefill went."""
 
+    prefill_pod: str  # the pod the route chose to prefill on
     body: bytes
     headers: list[Header]
     outcome: PrefillOutcome
@@ -106,24 +110,29 @@ async def prepare_decode(
     body: bytes,
     headers: list[Header],
     request_id: str,
+    *,
+    prefill_extra: list[Header] | None = None,
 ) -> DecodeLeg:
     """The decode leg of a P/D request (running the prefill leg first in ``kv-transfer``
-    mode). Never raises for the prefill pod's failures; see the module docstring."""
+    mode, with ``prefill_extra`` headers added to it: its data-parallel rank). Never
+    raises for the prefill pod's failures; see the module docstring."""
     if mode is PdMode.SIDECAR:
         prefiller = (PREFILLER_HEADER, prefill_pod.encode("latin-1"))
-        return DecodeLeg(body, [*headers, prefiller], PrefillOutcome.SIDECAR)
+        return DecodeLeg(prefill_pod, body, [*headers, prefiller], PrefillOutcome.SIDECAR)
     if not any(name == REQUEST_ID_HEADER for name, _ in headers):
         headers = [*headers, (REQUEST_ID_HEADER, request_id.encode("latin-1"))]
     try:
         request = _decode.decode(body)
     except msgspec.DecodeError:  # the gateway already read it; a pod would refuse it anyway
-        return DecodeLeg(body, headers, PrefillOutcome.FAILED)
+        return DecodeLeg(prefill_pod, body, headers, PrefillOutcome.FAILED)
     started = time.perf_counter()
-    params = await _prefill(pods, prefill_pod, path, prefill_body(request), headers)
+    leg_headers = headers + prefill_extra if prefill_extra else headers
+    params = await _prefill(pods, prefill_pod, path, prefill_body(request), leg_headers)
     spent = time.perf_counter() - started
     if params is None:
-        return DecodeLeg(body, headers, PrefillOutcome.FAILED, spent)
-    return DecodeLeg(decode_body(request, params), headers, PrefillOutcome.REMOTE, spent)
+        return DecodeLeg(prefill_pod, body, headers, PrefillOutcome.FAILED, spent)
+    leg = decode_body(request, params)
+    return DecodeLeg(prefill_pod, leg, headers, PrefillOutcome.REMOTE, spent)
 
 
 async def _prefill(

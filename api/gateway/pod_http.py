@@ -45,7 +45,14 @@ _PAUSE_BYTES = 1 << 20
 
 
 class PodUnreachable(Exception):
-    """The pod did not answer at all; the request may go to another pod."""
+    """The pod did not answer at all; the request may go to another pod. ``delivered``
+    is False only when the request certainly never reached it (no connection was
+    made): then nothing it carried can have been acted on, which a retry that reuses a
+    P/D prefill's KV depends on (:mod:`.upstream`)."""
+
+    def __init__(self, message: str, *, delivered: bool) -> None:
+        super().__init__(message)
+        self.delivered = delivered
 
 
 class PodBroken(Exception):
@@ -274,12 +281,17 @@ class PodConnections:
         parts += (b"\r\n", body)
         request = b"".join(parts)
         connection = self._take(pod)
+        stale: PodUnreachable | None = None
         if connection is not None:
             try:
                 return await self._exchange(pod, connection, request)
-            except PodUnreachable:
-                pass  # the pod closed it while idle: once more on a fresh connection
-        return await self._exchange(pod, await self._connect(pod), request)
+            except PodUnreachable as exc:  # closed while idle? once more, on a fresh one
+                stale = exc
+        try:
+            return await self._exchange(pod, await self._connect(pod), request)
+        except PodUnreachable as exc:
+            exc.delivered = exc.delivered or (stale is not None and stale.delivered)
+            raise
 
     async def _exchange(self, pod: str, connection: _Connection, request: bytes) -> PodResponse:
         connection.begin()
@@ -289,12 +301,14 @@ class PodConnections:
             try:
                 transport.write(request)
             except (OSError, RuntimeError) as exc:  # closed under us while idle
-                raise PodUnreachable(f"{pod}: {exc}") from None
+                raise PodUnreachable(f"{pod}: {exc}", delivered=False) from None
             while not connection.headers_done:
                 if connection.failure is not None:
                     raise PodBroken(f"{pod}: {connection.failure}")
-                if connection.lost:
-                    raise PodUnreachable(f"{pod} closed the connection without answering")
+                if connection.lost:  # the pod may have read the request before it closed
+                    raise PodUnreachable(
+                        f"{pod} closed the connection without answering", delivered=True
+                    )
                 await connection.wait()
         except TimeoutError:
             connection.close()
@@ -319,10 +333,10 @@ class PodConnections:
             )
         except TimeoutError:
             raise PodUnreachable(
-                f"{pod}: no connection within {self.connect_timeout_s:g} s"
+                f"{pod}: no connection within {self.connect_timeout_s:g} s", delivered=False
             ) from None
         except (OSError, ValueError) as exc:
-            raise PodUnreachable(f"{pod}: {exc}") from None
+            raise PodUnreachable(f"{pod}: {exc}", delivered=False) from None
         return connection
 
     def _take(self, pod: str) -> _Connection | None:

@@ -8,6 +8,18 @@ decision's candidates minus the pods that failed, under the same route id, so th
 ledger moves the route instead of counting it twice. Once the pod's status line has
 arrived the answer is the pod's, errors included.
 
+Under P/D (``kv-transfer``), a decode pod that failed after the prefill leg succeeded
+does not cost a second prefill when the request certainly never reached it (no
+connection: :attr:`PodUnreachable.delivered` is False): the retry asks ``/route`` for a
+decode pod only (``role: decode``) and sends it the same ``kv_transfer_params``. They
+name the prefill engine and its request, not a decode pod (vLLM 0.33: engine id,
+request id, block ids, host and port of the prefill pod's side channel), and the
+prefill pod holds the blocks until a decode pod has read them or its lease lapses
+(``kv_lease_duration``, 30 s by default, renewed while a decode pod waits; before the
+lease, ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s). A decode pod that may have read the
+request before it closed may also have read those blocks, after which the prefill pod
+frees them, so that retry prefills again.
+
 The relay is a plain ASGI response: the pod's status, its headers less hop-by-hop ones
 (plus ``x-kvindex-pod``), and its body bytes as they arrive (not decompressed; each
 network read sent on as one chunk), so server-sent events reach the client one event at
@@ -34,7 +46,7 @@ from starlette.responses import Response
 
 from kvindex.api.asgi import Receive, Scope, Send
 from kvindex.api.gateway.metrics import Outcome
-from kvindex.api.gateway.pd import DecodeLeg, PdMode, prepare_decode
+from kvindex.api.gateway.pd import DecodeLeg, PdMode, PrefillOutcome, prepare_decode
 from kvindex.api.gateway.pod_http import (
     Header,
     PodBroken,
@@ -113,19 +125,20 @@ async def open_upstream(
     route is left open."""
     decision = await routes.route(request)
     failed: list[str] = []
+    prefilled: DecodeLeg | None = None  # a remote prefill no decode pod has received
     while True:
         pod = decision.pod
-        prefill = None
+        leg = prefilled
         try:
-            send_body, send_headers = body, _with_rank(headers, decision)
-            if decision.prefill_pod is not None:
-                prefill = await prepare_decode(
-                    pd_mode, pods, decision.prefill_pod, path, body, send_headers,
-                    decision.route_id,
+            if leg is None and decision.prefill_pod is not None:
+                leg = await prepare_decode(
+                    pd_mode, pods, decision.prefill_pod, path, body, headers,
+                    decision.route_id, prefill_extra=_rank_header(headers, decision, prefill=True),
                 )  # fmt: skip
-                send_body, send_headers = prefill.body, prefill.headers
+            send_body, send_headers = (body, headers) if leg is None else (leg.body, leg.headers)
+            send_headers = send_headers + _rank_header(send_headers, decision)
             answer = await pods.send(pod, path, send_headers, send_body)
-            return Opened(decision, answer, failed, prefill)
+            return Opened(decision, answer, failed, leg)
         except PodUnreachable as exc:
             log.info("gateway: %s; trying another pod", exc)
             failed.append(pod)
@@ -133,23 +146,35 @@ async def open_upstream(
             if len(failed) >= attempts or not left:
                 routes.done(decision.route_id)
                 raise PodsUnreachable(failed) from None
+            reuse = leg is not None and leg.outcome is PrefillOutcome.REMOTE and not exc.delivered
+            prefilled = leg if reuse else None
         except BaseException:
             routes.done(decision.route_id)
             raise
+        retry = msgspec.structs.replace(request, pods=left)
+        if prefilled is not None:  # the KV waits on the prefill pod: a decode pod only
+            retry = msgspec.structs.replace(retry, role="decode")
         try:
-            decision = await routes.route(msgspec.structs.replace(request, pods=left))
+            decision = await routes.route(retry)
         except RouteRefused:
             routes.done(decision.route_id)
             raise
 
 
-def _with_rank(headers: list[Header], decision: RouteResponse) -> list[Header]:
-    """The request's headers, plus the engine to use when the pod runs data-parallel
-    ranks (vLLM 0.33 reads ``X-data-parallel-rank``); a header the client set wins."""
-    ranks = {c.rank for c in decision.candidates if c.pod == decision.pod}
+def _rank_header(
+    headers: list[Header], decision: RouteResponse, *, prefill: bool = False
+) -> list[Header]:
+    """The engine to use on the decision's pod (its prefill pod with ``prefill``) when
+    that pod runs data-parallel ranks (vLLM 0.33 reads ``X-data-parallel-rank``), as a
+    header to add; none when the client set one."""
+    if prefill:
+        pod, rank = decision.prefill_pod, decision.prefill_rank or 0
+    else:
+        pod, rank = decision.pod, decision.rank
+    ranks = {c.rank for c in decision.candidates if c.pod == pod}
     if len(ranks) < 2 or any(name == _RANK_HEADER for name, _ in headers):
-        return headers
-    return [*headers, (_RANK_HEADER, b"%d" % decision.rank)]
+        return []
+    return [(_RANK_HEADER, b"%d" % rank)]
 
 
 class RelayedResponse(Response):

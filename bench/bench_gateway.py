@@ -242,6 +242,7 @@ class Arm:
     name: str
     url: str
     pid: int | None  # the server whose CPU this arm costs; None: straight to the pod
+    also: int | None = None  # a server the arm's requests also use (the remote's index)
     times: list[float] = field(default_factory=list)
     pod: str = "-"
     busy_s: float = 0.0  # wall time of this arm's rounds
@@ -253,7 +254,7 @@ def _measure(
     client: httpx.Client, arms: list[Arm], body: bytes, rounds: int, per_round: int
 ) -> None:
     headers = {"content-type": "application/json"}
-    pids = [a.pid for a in arms if a.pid is not None]
+    pids = [a.pid for a in arms if a.pid is not None]  # every server (an also is one too)
     for r in range(rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:  # ABBA
             before = {pid: _cpu_ns(pid) for pid in pids}
@@ -271,15 +272,16 @@ def _measure(
                 arm.cpu_ns[pid] = arm.cpu_ns.get(pid, 0) + _cpu_ns(pid) - before[pid]
 
 
-def _cpu_per_request_us(arm: Arm, arms: list[Arm]) -> float | None:
-    """The arm's server CPU per request, less what it spends idle (scrapes, events),
-    measured while the other arms ran."""
-    if arm.pid is None:
+def _cpu_per_request_us(arm: Arm, arms: list[Arm], pid: int | None = None) -> float | None:
+    """Server ``pid``'s CPU (the arm's own by default) per request of ``arm``, less what
+    it spends idle (scrapes, events), measured while arms that do not use it ran."""
+    pid = arm.pid if pid is None else pid
+    if pid is None:
         return None
-    others = [a for a in arms if a is not arm]
-    idle_s = sum(a.busy_s for a in others)
-    idle_rate = sum(a.cpu_ns.get(arm.pid, 0) for a in others) / idle_s if idle_s else 0.0
-    spent = arm.cpu_ns.get(arm.pid, 0) - idle_rate * arm.busy_s
+    idle = [a for a in arms if pid not in (a.pid, a.also)]
+    idle_s = sum(a.busy_s for a in idle)
+    idle_rate = sum(a.cpu_ns.get(pid, 0) for a in idle) / idle_s if idle_s else 0.0
+    spent = arm.cpu_ns.get(pid, 0) - idle_rate * arm.busy_s
     return spent / len(arm.times) / 1000
 
 
@@ -355,7 +357,7 @@ def main() -> int:
             stack.callback(remote.stop)
             remote.wait_ready(30.0, path="/health")
             arms.append(Arm("remote gateway", f"{remote.url}/v1/completions",
-                            remote.process.pid))  # fmt: skip
+                            remote.process.pid, also=server.process.pid))  # fmt: skip
         with httpx.Client(timeout=10.0, trust_env=False) as client:
             for arm in arms:
                 if arm.name == "direct" or arm.name.endswith("hop"):
@@ -389,6 +391,8 @@ def main() -> int:
         added = "" if arm.pid is None else f"  adds {p50 - direct:+6.3f} ms"
         cpu = _cpu_per_request_us(arm, arms)
         cost = "" if cpu is None else f"  server CPU {cpu:6.1f} µs/request"
+        if arm.also is not None:
+            cost += f" (+ {_cpu_per_request_us(arm, arms, arm.also):.1f} in the index)"
         print(
             f"  {arm.name:15} p50 {p50:6.3f} ms  p99 {_pct(arm.times, 0.99):6.3f} ms  "
             f"mean {statistics.fmean(arm.times) * 1000:6.3f} ms{added}{cost}  (pod {arm.pod})"

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from kvindex.api.gateway.bodies import Endpoint, RouteRequests, read_body
+from kvindex.api.gateway.bodies import Endpoint, RouteRequests, lora_adapters, read_body
 from kvindex.api.gateway.upstream import _rank_header
 from kvindex.api.schemas import RouteCandidate, RouteResponse
+from kvindex.api.settings import Settings
 from kvindex.events.errors import ClientError
 from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
 from tests.chat_models import model_directory
@@ -95,3 +97,38 @@ def test_the_rank_header_names_the_engine_only_for_data_parallel_pods() -> None:
     pd.prefill_pod, pd.prefill_rank = "p:1", 1
     assert _rank_header([], pd) == []
     assert _rank_header([], pd, prefill=True) == [(b"x-data-parallel-rank", b"1")]
+
+
+def test_a_lora_adapter_named_as_model_is_routed_as_its_base_model(tmp_path: Path) -> None:
+    """vLLM serves an adapter under its own name; its blocks are cached under the base
+    model with the adapter in the block keys. So /route gets the base model and
+    lora_name, and the prompt is tokenized with the base model's tokenizer."""
+    settings = msgspec.convert(
+        {
+            "models": {
+                "oss": {"loras": {"sql": "/adapters/sql", "both": "/a"}},
+                "other": {"loras": {"both": "/b"}},  # an adapter of two bases: unknown
+            }
+        },
+        Settings,
+    )
+    adapters = lora_adapters(settings)
+    assert adapters == {"sql": "oss"}
+    directory = model_directory("gpt-oss", tmp_path)
+    tokenizers = TokenizerRegistry({"oss": str(directory)})
+    requests = RouteRequests(tokenizers, adapters)
+    route = requests.build(
+        read_body(Endpoint.COMPLETIONS, b'{"model": "sql", "prompt": "Hi"}'), "r"
+    )
+    assert (route.model, route.lora_name) == ("oss", "sql")
+    assert route.token_ids == tokenizers.get("oss").encode_prompt("Hi")
+    chat = (
+        b'{"model": "sql", "messages": [{"role": "user", "content": "Hello! What is a KV cache?"}]}'
+    )
+    route = requests.build(read_body(Endpoint.CHAT, chat), "r")
+    assert (route.model, route.lora_name) == ("oss", "sql")
+    assert route.token_ids == tokenizers.get("oss").encode_chat(MESSAGES, ChatOptions())
+    plain = requests.build(
+        read_body(Endpoint.COMPLETIONS, b'{"model": "oss", "prompt": "Hi"}'), "r"
+    )
+    assert (plain.model, plain.lora_name) == ("oss", None)

@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -29,7 +30,7 @@ from starlette.responses import Response
 
 from kvindex.api.asgi import ClientLeft, Receive, Scope, receive_body
 from kvindex.api.client import AsyncClient, Retries
-from kvindex.api.gateway.bodies import Endpoint, RouteRequests, read_body
+from kvindex.api.gateway.bodies import Endpoint, RouteRequests, lora_adapters, read_body
 from kvindex.api.gateway.index_transport import IndexTransport
 from kvindex.api.gateway.metrics import GatewayMetrics, Outcome
 from kvindex.api.gateway.pd import PdMode, PrefillOutcome
@@ -84,11 +85,12 @@ class Gateway:
         tokenizers: TokenizerRegistry,
         settings: GatewaySettings,
         registry: CollectorRegistry,
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = GatewayMetrics(registry)
         self.routes: RouteSource = TimedRoutes(routes, self.metrics.route_seconds)
-        self.requests = RouteRequests(tokenizers)
+        self.requests = RouteRequests(tokenizers, adapters)
         self.settings = settings
         self.pd_mode = PdMode(settings.pd_mode)
         self._ids = RequestIds()
@@ -99,8 +101,13 @@ class Gateway:
     @classmethod
     def in_process(cls, service: Service) -> Gateway:
         """For ``kvindex serve --gateway``: the service's own router and tokenizers."""
+        settings = service.settings
         return cls(
-            LocalRoutes(service), service.tokenizers, service.settings.gateway, service.registry
+            LocalRoutes(service),
+            service.tokenizers,
+            settings.gateway,
+            service.registry,
+            lora_adapters(settings),
         )
 
     @classmethod
@@ -119,7 +126,13 @@ class Gateway:
             transport=IndexTransport(timeout) if index_url.startswith("http://") else None,
         )
         registry = CollectorRegistry(auto_describe=True)
-        return cls(RemoteRoutes(client), TokenizerRegistry(dirs), settings.gateway, registry)
+        return cls(
+            RemoteRoutes(client),
+            TokenizerRegistry(dirs),
+            settings.gateway,
+            registry,
+            lora_adapters(settings),
+        )
 
     async def aclose(self) -> None:
         await self.pods.aclose()

@@ -12,12 +12,14 @@ them (:class:`kvindex.scoring.tokenize.ModelTokenizer`, the code behind ``/score
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
 import msgspec
 
 from kvindex.api.schemas import RouteRequest, TokenId
+from kvindex.api.settings import Settings
 from kvindex.events.errors import ClientError, KvindexError
 from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
 
@@ -95,17 +97,50 @@ def read_body(endpoint: Endpoint, body: bytes) -> Body:
         raise ClientError("body is nested too deeply", code="invalid_json") from None
 
 
+def lora_adapters(settings: Settings) -> dict[str, str]:
+    """Adapter name -> base model, from the config file's ``loras:`` per model. An
+    adapter two models both list is left out (which base it means is not known), as is
+    one named like a configured model."""
+    claims: dict[str, set[str]] = {}
+    for base, entry in settings.models.items():
+        for name in entry.loras:
+            claims.setdefault(name, set()).add(base)
+    return {
+        name: next(iter(bases))
+        for name, bases in claims.items()
+        if len(bases) == 1 and name not in settings.models
+    }
+
+
 class RouteRequests:
     """Builds the ``/route`` request for an OpenAI body, tokenizing with ``tokenizers``
-    (the index's own registry when the gateway runs inside ``kvindex serve``)."""
+    (the index's own registry when the gateway runs inside ``kvindex serve``).
 
-    def __init__(self, tokenizers: TokenizerRegistry) -> None:
+    ``adapters`` maps a LoRA adapter's name to its base model (the config file's
+    ``loras:`` per model): vLLM serves an adapter under its own name as ``model``, and
+    caches its blocks under the base model with the adapter in the block keys, so such a
+    request is routed as the base model with ``lora_name`` (and tokenized with the base
+    model's tokenizer). A name that is also a configured model stays that model."""
+
+    def __init__(
+        self, tokenizers: TokenizerRegistry, adapters: Mapping[str, str] | None = None
+    ) -> None:
         self.tokenizers = tokenizers
+        self.adapters = dict(adapters or {})
 
     def build(self, parsed: Body, request_id: str) -> RouteRequest:
         if isinstance(parsed, ChatBody):
-            return self._chat(parsed, request_id)
-        return self._completion(parsed, request_id)
+            request = self._chat(parsed, request_id)
+        else:
+            request = self._completion(parsed, request_id)
+        base = self.adapters.get(request.model)
+        if base is not None:
+            return msgspec.structs.replace(request, model=base, lora_name=request.model)
+        return request
+
+    def _model(self, model: str) -> str:
+        """The model whose tokenizer renders ``model``'s prompts (an adapter's base)."""
+        return self.adapters.get(model, model)
 
     def _completion(self, body: SingleCompletion | CompletionBody, request_id: str) -> RouteRequest:
         prompt: Any = body.prompt
@@ -124,7 +159,7 @@ class RouteRequests:
         if isinstance(prompt, list):  # token ids: vLLM computes them as they are
             tokens: list[int] | None = prompt
         else:
-            tokens = self._tokens(body.model, lambda t: t.encode_prompt(prompt))
+            tokens = self._tokens(self._model(body.model), lambda t: t.encode_prompt(prompt))
         return RouteRequest(
             model=body.model,
             token_ids=tokens,
@@ -148,7 +183,9 @@ class RouteRequests:
             "max_tokens": body.max_completion_tokens or body.max_tokens,
             "cache_salt": body.cache_salt,
         }
-        tokens = self._tokens(body.model, lambda t: t.encode_chat(body.messages, options))
+        tokens = self._tokens(
+            self._model(body.model), lambda t: t.encode_chat(body.messages, options)
+        )
         if tokens is not None:
             return RouteRequest(token_ids=tokens, **common)
         return RouteRequest(

@@ -20,6 +20,7 @@ on a field. What the client adds is what every caller otherwise writes by hand:
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 import uuid
@@ -140,12 +141,19 @@ def _body(request: msgspec.Struct) -> bytes:
     """The request as JSON without the fields left at their defaults, so a request an
     older server understands is not refused for a field it does not know."""
     out: dict[str, Any] = {}
-    for field in msgspec.structs.fields(request):
-        value = getattr(request, field.name)
-        if value is None or (field.default is not msgspec.NODEFAULT and value == field.default):
+    for name, encode_name, default in _fields(type(request)):
+        value = getattr(request, name)
+        if value is None or (default is not msgspec.NODEFAULT and value == default):
             continue
-        out[field.encode_name] = value
+        out[encode_name] = value
     return _encoder.encode(out)
+
+
+@functools.cache
+def _fields(kind: type[msgspec.Struct]) -> tuple[tuple[str, str, Any], ...]:
+    """``kind``'s fields (name, JSON name, default), read once: ``msgspec.structs.fields``
+    resolves the type annotations on every call, which cost ~0.15 ms per request."""
+    return tuple((f.name, f.encode_name, f.default) for f in msgspec.structs.fields(kind))
 
 
 def _score_request(request: ScoreRequest | None, fields: Mapping[str, Any]) -> ScoreRequest:

@@ -185,6 +185,7 @@ class Service:
             owners,
             marks=self.snapshot_gate.marks if self.snapshot_gate is not None else None,
         )
+        self._static_roles = static_roles(settings)  # known pods, before they publish
         self.load, self.router = make_routing(settings, self.known_pods, route_seed)
         self.route_metrics = RouteMetrics(self.registry)
         self.registry.register(LoadCollector(self.load))
@@ -192,7 +193,6 @@ class Service:
         self.registry.register(SpeculativeCollector(self.speculative))
         self.registry.register(EventLagCollector(self.event_lag))
         self.route_view = RouteView(self.known_pods, self.directory.index_doubts)
-        self._static_roles = static_roles(settings)
         self._roles_cache: tuple[float, dict[str, Role]] = (float("-inf"), {})
         self.bound: list[str] = []
         self.backend_health = BackendHealthLog(self.backend)
@@ -319,7 +319,10 @@ class Service:
 
     def known_pods(self) -> list[str]:
         """Pods /route chooses among when a request names none, and whose load is
-        scraped: configured (--zmq-connect), discovered, or in the index or its streams."""
+        scraped: configured (--zmq-connect, --pod-role), discovered, or in the index or
+        its streams. Configured pods count before they publish anything: in bind mode
+        without discovery they would otherwise never be chosen, by a gateway least of
+        all, since it names no pods."""
         try:
             pods = self.directory.known_pods()
         except BackendError:  # the index is down: the pods this process hears from
@@ -327,6 +330,7 @@ class Service:
             if self.discovery is not None:
                 pods.update(self.discovery.discovered())
         pods.update(target.pod for target in self._connect if target.pod)
+        pods.update(self._static_roles)
         return sorted(pods)
 
     def roles(self) -> dict[str, Role]:

@@ -278,7 +278,9 @@ class ScoringSettings(_Section):
         list[str],
         doc(
             "/route P/D role of a static pod: prefill, decode or both (the default); "
-            "discovered pods take it from the label kvindex.io/role; repeatable",
+            "discovered pods take it from the label kvindex.io/role; a pod named here is "
+            "known from the start (chosen and scraped before it publishes: in bind mode "
+            "without discovery, name every pod, POD=both without P/D); repeatable",
             metavar="POD=ROLE",
         ),
     ] = []

@@ -72,6 +72,7 @@ class FakeVllmPod:
         self.prompts: list[list[int]] = []
         self.aborted = 0
         self.running = 0
+        self.waiting = 0  # what /metrics says is queued (set by tests to look busy)
         self._lock = threading.Lock()
         self._sock = bind("127.0.0.1", 0)
         self.pod = f"127.0.0.1:{self._sock.getsockname()[1]}"
@@ -152,6 +153,7 @@ class FakeVllmPod:
         @app.get("/metrics")
         async def metrics() -> Response:
             page = with_values(DP1_IDLE, "vllm:num_requests_running", "0", self.running)
+            page = with_values(page, "vllm:num_requests_waiting", "0", self.waiting)
             return Response(page, media_type="text/plain; version=0.0.4")
 
         @app.get("/health")

@@ -526,6 +526,7 @@ def test_dashboard_structure_and_coverage() -> None:
         "kvindex_gateway_upstream_errors_total",
         "kvindex_gateway_prefill_total",
         "kvindex_gateway_added_seconds_bucket",
+        "kvindex_gateway_route_seconds_bucket",  # the part of it spent on /route
     ):
         assert metric in text, f"the dashboard does not show {metric}"
     # Every kvindex series is scoped to the chosen namespace(s), per-model ones to models.

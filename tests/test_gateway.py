@@ -319,3 +319,31 @@ def test_the_readme_examples_run(cluster, capsys, after: str) -> None:
     assert pod in {p.pod for p in cluster.pods}
     assert printed.split()[-1].startswith("w")  # the fake pod's made-up answer
     cluster.wait_released()
+
+
+def test_a_static_pod_that_never_published_is_served_through_the_gateway(tmp_path: Path) -> None:
+    """Bind mode, no discovery: the gateway names no pods, so it can only use pods
+    kvindex knows. A pod named by ``--pod-role`` is known from the start: before its
+    first event, its first request goes to it (before: 503, no pods known)."""
+    tokenizer = model_directory("gpt-oss", tmp_path)
+    config = tmp_path / "kvindex.json"
+    config.write_text(json.dumps({"models": {MODEL: {"tokenizer": str(tokenizer)}}}))
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pod = FakeVllmPod(MODEL, tokenizer, endpoint)  # publishes only once it computes
+    try:
+        with ServeProcess(
+            "--gateway", "--zmq-bind", endpoint, "--model-config", str(config),
+            "--pod-role", f"{pod.pod}=both", env={**os.environ},
+        ) as server:  # fmt: skip
+            server.wait_ready(30.0)
+            assert pod.prompts == []  # nothing published: kvindex never heard from it
+            client = openai.OpenAI(
+                base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=30
+            )
+            answer = client.completions.with_raw_response.create(
+                model=MODEL, prompt="Hello, static pod.", max_tokens=2
+            )
+            assert answer.headers["x-kvindex-pod"] == pod.pod
+            assert answer.parse().choices[0].text == "w0 w1 "
+    finally:
+        pod.close()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from kvindex.api.gateway.bodies import Endpoint, RouteRequests, read_body
-from kvindex.api.gateway.upstream import _with_rank
+from kvindex.api.gateway.bodies import Endpoint, RouteRequests, lora_adapters, read_body
+from kvindex.api.gateway.upstream import _rank_header
 from kvindex.api.schemas import RouteCandidate, RouteResponse
+from kvindex.api.settings import Settings
 from kvindex.events.errors import ClientError
 from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
 from tests.chat_models import model_directory
@@ -85,7 +87,48 @@ def test_the_rank_header_names_the_engine_only_for_data_parallel_pods() -> None:
         return RouteResponse("r", "a:1", "prefix", "m", 16, 32, 2, list(rows), [], rank=rank)
 
     dp = decision(1, candidate("a:1", 0), candidate("a:1", 1), candidate("b:1", 0))
-    assert _with_rank({"x": "y"}, dp) == {"x": "y", "x-data-parallel-rank": "1"}
-    assert _with_rank({"X-Data-Parallel-Rank": "0"}, dp) == {"X-Data-Parallel-Rank": "0"}
+    # Headers as the ASGI scope holds them: bytes, names in lower case.
+    assert _rank_header([(b"x", b"y")], dp) == [(b"x-data-parallel-rank", b"1")]
+    assert _rank_header([(b"x-data-parallel-rank", b"0")], dp) == []
     plain = decision(0, candidate("a:1", 0), candidate("b:1", 0))
-    assert _with_rank({}, plain) == {}
+    assert _rank_header([], plain) == []
+    # Under P/D the prefill leg names the prefill pod's own rank.
+    pd = decision(0, candidate("a:1", 0), candidate("p:1", 0), candidate("p:1", 1))
+    pd.prefill_pod, pd.prefill_rank = "p:1", 1
+    assert _rank_header([], pd) == []
+    assert _rank_header([], pd, prefill=True) == [(b"x-data-parallel-rank", b"1")]
+
+
+def test_a_lora_adapter_named_as_model_is_routed_as_its_base_model(tmp_path: Path) -> None:
+    """vLLM serves an adapter under its own name; its blocks are cached under the base
+    model with the adapter in the block keys. So /route gets the base model and
+    lora_name, and the prompt is tokenized with the base model's tokenizer."""
+    settings = msgspec.convert(
+        {
+            "models": {
+                "oss": {"loras": {"sql": "/adapters/sql", "both": "/a"}},
+                "other": {"loras": {"both": "/b"}},  # an adapter of two bases: unknown
+            }
+        },
+        Settings,
+    )
+    adapters = lora_adapters(settings)
+    assert adapters == {"sql": "oss"}
+    directory = model_directory("gpt-oss", tmp_path)
+    tokenizers = TokenizerRegistry({"oss": str(directory)})
+    requests = RouteRequests(tokenizers, adapters)
+    route = requests.build(
+        read_body(Endpoint.COMPLETIONS, b'{"model": "sql", "prompt": "Hi"}'), "r"
+    )
+    assert (route.model, route.lora_name) == ("oss", "sql")
+    assert route.token_ids == tokenizers.get("oss").encode_prompt("Hi")
+    chat = (
+        b'{"model": "sql", "messages": [{"role": "user", "content": "Hello! What is a KV cache?"}]}'
+    )
+    route = requests.build(read_body(Endpoint.CHAT, chat), "r")
+    assert (route.model, route.lora_name) == ("oss", "sql")
+    assert route.token_ids == tokenizers.get("oss").encode_chat(MESSAGES, ChatOptions())
+    plain = requests.build(
+        read_body(Endpoint.COMPLETIONS, b'{"model": "oss", "prompt": "Hi"}'), "r"
+    )
+    assert (plain.model, plain.lora_name) == ("oss", None)

@@ -40,6 +40,12 @@ class PdCluster:
             base_url=f"{url or self.server.url}/v1", api_key="none", max_retries=0, timeout=30
         )
 
+    def open_routes(self) -> dict[str, int]:
+        """kvindex's in-flight count per pod, read from a probe route (released)."""
+        probe = self.index.route(model=MODEL, token_ids=[7] * 16, request_id="probe")
+        self.index.done("probe")
+        return {c.pod: c.in_flight for c in probe.candidates if c.in_flight}
+
     def metric(self, line: str, url: str | None = None) -> float:
         """The value of the sample ``line`` (name and labels) on /metrics, 0 if absent."""
         page = httpx.get(f"{url or self.server.url}/metrics", timeout=5).text
@@ -141,6 +147,9 @@ def test_kv_transfer_prefills_on_the_prefill_pod_then_decodes_with_its_params(cl
     # One request id for both legs, so the two engines' logs and KV transfer match up.
     assert headers_p["x-request-id"] == headers_d["x-request-id"]
     assert cluster.metric('kvindex_gateway_prefill_total{outcome="remote"}') >= 1
+    # The route is released on both pods once the answer ends (the prefill pod's share
+    # too, not left to --route-ttl).
+    eventually(lambda: cluster.open_routes() == {}, "both pods' shares released", 5.0)
 
 
 def test_chat_prefill_caps_max_completion_tokens(cluster) -> None:
@@ -197,3 +206,64 @@ def test_sidecar_mode_names_the_prefill_pod_to_the_decode_pods_sidecar(cluster) 
         line = 'kvindex_gateway_prefill_total{outcome="sidecar"}'
         assert cluster.metric(line, gateway.url) == 1
         assert cluster.metric('kvindex_gateway_requests_total{outcome="ok"}', gateway.url) == 1
+
+
+def test_a_decode_pod_that_never_got_the_request_is_replaced_without_a_second_prefill(
+    tmp_path,
+) -> None:
+    """The prefill leg succeeded, then the chosen decode pod refused the connection: the
+    request never reached it, so the prefill pod still holds the KV for whoever reads it
+    first. The retry goes to another decode pod with the same kv_transfer_params, and
+    the prefill pod is not asked again."""
+    tokenizer = model_directory("gpt-oss", tmp_path)
+    config = tmp_path / "kvindex.json"
+    config.write_text(json.dumps({"models": {MODEL: {"tokenizer": str(tokenizer)}}}))
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    prefill = FakeVllmPod(MODEL, tokenizer, endpoint)
+    doomed = FakeVllmPod(MODEL, tokenizer, endpoint)  # idle: the decode pod chosen
+    spare = FakeVllmPod(MODEL, tokenizer, endpoint)
+    spare.waiting = 8  # queued on its /metrics: chosen only once the idle one fails
+    pods = (prefill, doomed, spare)
+    server = ServeProcess(
+        "--gateway", "--zmq-bind", endpoint, "--model-config", str(config),
+        "--pod-role", f"{prefill.pod}=prefill", "--pod-role", f"{doomed.pod}=decode",
+        "--pod-role", f"{spare.pod}=decode", "--pd-threshold", "16",
+        # A pod's last good scrape stays its load for 3 intervals: the doomed pod is
+        # still the decode choice right after it went away.
+        "--load-interval", "2", "--load-timeout", "1", "--route-ttl", "120",
+        env={**os.environ},
+    )  # fmt: skip
+    try:
+        server.wait_ready(30.0)
+        index = Client(server.url, timeout=5.0)
+
+        def doomed_decodes() -> bool:
+            probe = index.route(model=MODEL, token_ids=[7] * 64, request_id="p")
+            index.done("p")
+            scraped = all(c.load == "known" for c in probe.candidates)
+            return scraped and probe.decode_pod == doomed.pod
+
+        eventually(doomed_decodes, "the idle decode pod chosen, every pod scraped")
+        doomed.stop_http()
+        prompt = "Prefill once, decode elsewhere. " + DOCUMENT
+        client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=30
+        )
+        answer = client.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, max_tokens=3
+        )
+        assert answer.headers.get("x-kvindex-failed-pods") == doomed.pod, answer.headers
+        assert answer.headers["x-kvindex-pod"] == spare.pod
+        assert answer.headers["x-kvindex-prefill-pod"] == prefill.pod
+        assert answer.parse().choices[0].text == "w0 w1 w2 "
+        [(_, raw_p, headers_p)] = prefill.received  # one prefill leg, not two
+        assert json.loads(raw_p)["kv_transfer_params"]["do_remote_decode"] is True
+        [(_, raw_d, headers_d)] = spare.received
+        params = json.loads(raw_d)["kv_transfer_params"]
+        assert params["remote_engine_id"] == prefill.engine_id
+        assert f"{params['remote_host']}:{params['remote_port']}" == prefill.pod
+        assert headers_p["x-request-id"] == headers_d["x-request-id"]
+    finally:
+        for pod in pods:
+            pod.close()
+        server.stop()

@@ -77,10 +77,10 @@ def test_a_kept_alive_connection_is_reused() -> None:
     async def client(pod: str) -> None:
         pods = PodConnections(1.0, 5.0)
         for _ in range(3):
-            answer = await pods.send(pod, "/v1/completions", {"x-id": "7"}, b'{"a": 1}')
+            answer = await pods.send(pod, "/v1/completions", [(b"x-id", b"7")], b'{"a": 1}')
             assert answer.status == 200 and answer.whole
             assert b"".join([c async for c in answer.iter_body()]) == b"{}"
-            await answer.aclose()
+            answer.close()
         await pods.aclose()
 
     seen = run(handler, client)
@@ -102,11 +102,11 @@ def test_chunked_bodies_arrive_piece_by_piece_and_decoded() -> None:
 
     async def client(pod: str) -> None:
         pods = PodConnections(1.0, 5.0)
-        answer = await pods.send(pod, "/v1/completions", {}, b"{}")
+        answer = await pods.send(pod, "/v1/completions", [], b"{}")
         assert not answer.whole
         pieces = [piece async for piece in answer.iter_body()]
         assert pieces == [b"data: 1\n\n", b"data: 2\n\n"] and answer.whole
-        await answer.aclose()
+        answer.close()
 
     run(handler, client)
 
@@ -119,10 +119,10 @@ def test_an_idle_connection_the_pod_closed_is_replaced_once() -> None:
     async def client(pod: str) -> None:
         pods = PodConnections(1.0, 5.0)
         for _ in range(2):
-            answer = await pods.send(pod, "/v1/completions", {}, b"{}")
+            answer = await pods.send(pod, "/v1/completions", [], b"{}")
             assert answer.status == 200
             [c async for c in answer.iter_body()]
-            await answer.aclose()
+            answer.close()
             await asyncio.sleep(0.05)
 
     assert run(handler, client).count(b"<connection>") == 2
@@ -137,13 +137,15 @@ def test_no_answer_is_unreachable_and_a_broken_answer_is_not() -> None:
 
     async def client(pod: str) -> None:
         pods = PodConnections(1.0, 5.0)
-        with pytest.raises(PodUnreachable, match="without answering"):
-            await pods.send(pod, "/silent", {}, b"{}")
-        answer = await pods.send(pod, "/v1/completions", {}, b"{}")
+        with pytest.raises(PodUnreachable, match="without answering") as silent:
+            await pods.send(pod, "/silent", [], b"{}")
+        assert silent.value.delivered  # it read the request: it may have acted on it
+        answer = await pods.send(pod, "/v1/completions", [], b"{}")
         with pytest.raises(PodBroken, match="mid-answer"):
             [c async for c in answer.iter_body()]
-        await answer.aclose()
-        with pytest.raises(PodUnreachable):
-            await pods.send(f"127.0.0.1:{free_port()}", "/v1/completions", {}, b"{}")
+        answer.close()
+        with pytest.raises(PodUnreachable) as refused:
+            await pods.send(f"127.0.0.1:{free_port()}", "/v1/completions", [], b"{}")
+        assert not refused.value.delivered  # no connection: the request went nowhere
 
     run(handler, client)

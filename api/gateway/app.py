@@ -16,9 +16,11 @@ in-process) or serves them alone (``kvindex gateway --index URL``).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -28,12 +30,18 @@ from starlette.responses import Response
 
 from kvindex.api.asgi import ClientLeft, Receive, Scope, receive_body
 from kvindex.api.client import AsyncClient, Retries
-from kvindex.api.gateway.bodies import Endpoint, RouteRequests, read_body
+from kvindex.api.gateway.bodies import Endpoint, RouteRequests, lora_adapters, read_body
 from kvindex.api.gateway.index_transport import IndexTransport
 from kvindex.api.gateway.metrics import GatewayMetrics, Outcome
 from kvindex.api.gateway.pd import PdMode, PrefillOutcome
 from kvindex.api.gateway.pod_http import PodBroken, PodConnections
-from kvindex.api.gateway.routes import LocalRoutes, RemoteRoutes, RouteRefused, RouteSource
+from kvindex.api.gateway.routes import (
+    LocalRoutes,
+    RemoteRoutes,
+    RouteRefused,
+    RouteSource,
+    TimedRoutes,
+)
 from kvindex.api.gateway.upstream import (
     PodsUnreachable,
     RelayedResponse,
@@ -54,6 +62,19 @@ _encoder = msgspec.json.Encoder()
 _MODELS_TIMEOUT_S = 2.0
 
 
+class RequestIds:
+    """Ids for routed requests (route id, and ``x-request-id`` under P/D): a random
+    prefix per gateway process, then a counter. Unique across gateway replicas sharing
+    one index, without a system call per request (``os.urandom`` is one)."""
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._count):08x}"
+
+
 class Gateway:
     """The parts one gateway needs: where decisions come from, how prompts become
     tokens, one pooled HTTP client for the pods, and the registry its metrics go to."""
@@ -64,13 +85,15 @@ class Gateway:
         tokenizers: TokenizerRegistry,
         settings: GatewaySettings,
         registry: CollectorRegistry,
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
-        self.routes = routes
-        self.requests = RouteRequests(tokenizers)
-        self.settings = settings
-        self.pd_mode = PdMode(settings.pd_mode)
         self.registry = registry
         self.metrics = GatewayMetrics(registry)
+        self.routes: RouteSource = TimedRoutes(routes, self.metrics.route_seconds)
+        self.requests = RouteRequests(tokenizers, adapters)
+        self.settings = settings
+        self.pd_mode = PdMode(settings.pd_mode)
+        self._ids = RequestIds()
         self.pods = PodConnections(settings.connect_timeout, settings.read_timeout)
         # /v1/models only: rare, so httpx's cost does not matter there.
         self.http = httpx.AsyncClient(trust_env=False)  # pods are dialled directly
@@ -78,8 +101,13 @@ class Gateway:
     @classmethod
     def in_process(cls, service: Service) -> Gateway:
         """For ``kvindex serve --gateway``: the service's own router and tokenizers."""
+        settings = service.settings
         return cls(
-            LocalRoutes(service), service.tokenizers, service.settings.gateway, service.registry
+            LocalRoutes(service),
+            service.tokenizers,
+            settings.gateway,
+            service.registry,
+            lora_adapters(settings),
         )
 
     @classmethod
@@ -98,7 +126,13 @@ class Gateway:
             transport=IndexTransport(timeout) if index_url.startswith("http://") else None,
         )
         registry = CollectorRegistry(auto_describe=True)
-        return cls(RemoteRoutes(client), TokenizerRegistry(dirs), settings.gateway, registry)
+        return cls(
+            RemoteRoutes(client),
+            TokenizerRegistry(dirs),
+            settings.gateway,
+            registry,
+            lora_adapters(settings),
+        )
 
     async def aclose(self) -> None:
         await self.pods.aclose()
@@ -114,7 +148,7 @@ class Gateway:
             metrics.ended(Outcome.CLIENT_LEFT)
             raise
         try:
-            route_request = self.requests.build(read_body(endpoint, body), os.urandom(16).hex())
+            route_request = self.requests.build(read_body(endpoint, body), self._ids.next())
             opened = await open_upstream(
                 self.pods,
                 self.routes,
@@ -157,18 +191,18 @@ class Gateway:
             (b"x-kvindex-pod", decision.pod.encode("latin-1")),
             (b"x-kvindex-route-reason", decision.reason.encode("latin-1")),
         ]
-        if decision.prefill_pod is not None:
-            extra.append((b"x-kvindex-prefill-pod", decision.prefill_pod.encode("latin-1")))
+        if prefill is not None:  # the leg's: a retry reusing a prefill routes decode only
+            extra.append((b"x-kvindex-prefill-pod", prefill.prefill_pod.encode("latin-1")))
         if failed:  # the pods skipped because connecting to them failed
             metrics.upstream_error("connect", len(failed))
             metrics.retries.inc(len(failed))
             extra.append((b"x-kvindex-failed-pods", ",".join(failed).encode("latin-1")))
 
-        async def finish(outcome: Outcome) -> None:
+        def finish(outcome: Outcome) -> None:
             metrics.ended(outcome)
             if outcome is Outcome.POD_FAILED:
                 metrics.upstream_error("broken")
-            await self.routes.done(route_id)
+            self.routes.done(route_id)
 
         return RelayedResponse(opened.answer, extra, finish)
 

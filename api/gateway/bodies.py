@@ -12,12 +12,14 @@ them (:class:`kvindex.scoring.tokenize.ModelTokenizer`, the code behind ``/score
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
 import msgspec
 
 from kvindex.api.schemas import RouteRequest, TokenId
+from kvindex.api.settings import Settings
 from kvindex.events.errors import ClientError, KvindexError
 from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
 
@@ -35,6 +37,17 @@ class CompletionBody(msgspec.Struct):
 
     model: str
     prompt: str | list[Any]  # text, token ids, or a batch of either
+    max_tokens: int | None = None
+    cache_salt: str | None = None
+
+
+class SingleCompletion(msgspec.Struct):
+    """``POST /v1/completions`` in the common case, decoded as what it is: one prompt,
+    text or token ids, the ids checked while decoding (not in a second pass over 8,192
+    of them). Anything else (a batch, bad ids) is read as :class:`CompletionBody`."""
+
+    model: str
+    prompt: list[TokenId] | str
     max_tokens: int | None = None
     cache_salt: str | None = None
 
@@ -60,8 +73,20 @@ _decoders: dict[Endpoint, msgspec.json.Decoder[Any]] = {
 }
 
 
-def read_body(endpoint: Endpoint, body: bytes) -> CompletionBody | ChatBody:
+_single = msgspec.json.Decoder(SingleCompletion)
+_TOKEN_IDS = list[TokenId]  # made once: a typing alias per call costs its hashing
+
+
+Body = SingleCompletion | CompletionBody | ChatBody
+
+
+def read_body(endpoint: Endpoint, body: bytes) -> Body:
     """The body's routing fields; ClientError (400) when it is not a request at all."""
+    if endpoint is Endpoint.COMPLETIONS:
+        try:
+            return _single.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            pass  # a batch, or not a request: said precisely below
     try:
         return _decoders[endpoint].decode(body)
     except msgspec.ValidationError as exc:
@@ -72,44 +97,77 @@ def read_body(endpoint: Endpoint, body: bytes) -> CompletionBody | ChatBody:
         raise ClientError("body is nested too deeply", code="invalid_json") from None
 
 
+def lora_adapters(settings: Settings) -> dict[str, str]:
+    """Adapter name -> base model, from the config file's ``loras:`` per model. An
+    adapter two models both list is left out (which base it means is not known), as is
+    one named like a configured model."""
+    claims: dict[str, set[str]] = {}
+    for base, entry in settings.models.items():
+        for name in entry.loras:
+            claims.setdefault(name, set()).add(base)
+    return {
+        name: next(iter(bases))
+        for name, bases in claims.items()
+        if len(bases) == 1 and name not in settings.models
+    }
+
+
 class RouteRequests:
     """Builds the ``/route`` request for an OpenAI body, tokenizing with ``tokenizers``
-    (the index's own registry when the gateway runs inside ``kvindex serve``)."""
+    (the index's own registry when the gateway runs inside ``kvindex serve``).
 
-    def __init__(self, tokenizers: TokenizerRegistry) -> None:
+    ``adapters`` maps a LoRA adapter's name to its base model (the config file's
+    ``loras:`` per model): vLLM serves an adapter under its own name as ``model``, and
+    caches its blocks under the base model with the adapter in the block keys, so such a
+    request is routed as the base model with ``lora_name`` (and tokenized with the base
+    model's tokenizer). A name that is also a configured model stays that model."""
+
+    def __init__(
+        self, tokenizers: TokenizerRegistry, adapters: Mapping[str, str] | None = None
+    ) -> None:
         self.tokenizers = tokenizers
+        self.adapters = dict(adapters or {})
 
-    def build(self, parsed: CompletionBody | ChatBody, request_id: str) -> RouteRequest:
-        if isinstance(parsed, CompletionBody):
-            return self._completion(parsed, request_id)
-        return self._chat(parsed, request_id)
+    def build(self, parsed: Body, request_id: str) -> RouteRequest:
+        if isinstance(parsed, ChatBody):
+            request = self._chat(parsed, request_id)
+        else:
+            request = self._completion(parsed, request_id)
+        base = self.adapters.get(request.model)
+        if base is not None:
+            return msgspec.structs.replace(request, model=base, lora_name=request.model)
+        return request
 
-    def _completion(self, body: CompletionBody, request_id: str) -> RouteRequest:
+    def _model(self, model: str) -> str:
+        """The model whose tokenizer renders ``model``'s prompts (an adapter's base)."""
+        return self.adapters.get(model, model)
+
+    def _completion(self, body: SingleCompletion | CompletionBody, request_id: str) -> RouteRequest:
         prompt: Any = body.prompt
-        if isinstance(prompt, list):
-            if not prompt:
-                raise ClientError("prompt is an empty list")
+        if isinstance(prompt, list) and not prompt:
+            raise ClientError("prompt is an empty list")
+        if isinstance(body, CompletionBody) and isinstance(prompt, list):  # not yet checked
             if isinstance(prompt[0], str | list):  # a batch
                 prompt = prompt[0]
             if isinstance(prompt, list):
                 try:  # in C: a Python loop over 8,192 ids costs a visible part of 1 ms
-                    prompt = msgspec.convert(prompt, list[TokenId])
+                    prompt = msgspec.convert(prompt, _TOKEN_IDS)
                 except msgspec.ValidationError:
                     raise ClientError(
                         "prompt must be text, token ids, or a list of either"
                     ) from None
-        common: dict[str, Any] = {
-            "model": body.model,
-            "request_id": request_id,
-            "max_tokens": body.max_tokens,
-            "cache_salt": body.cache_salt,
-        }
         if isinstance(prompt, list):  # token ids: vLLM computes them as they are
-            return RouteRequest(token_ids=prompt, **common)
-        tokens = self._tokens(body.model, lambda t: t.encode_prompt(prompt))
-        if tokens is not None:
-            return RouteRequest(token_ids=tokens, **common)
-        return RouteRequest(prompt=prompt, **common)
+            tokens: list[int] | None = prompt
+        else:
+            tokens = self._tokens(self._model(body.model), lambda t: t.encode_prompt(prompt))
+        return RouteRequest(
+            model=body.model,
+            token_ids=tokens,
+            prompt=None if tokens is not None else prompt,
+            request_id=request_id,
+            max_tokens=body.max_tokens,
+            cache_salt=body.cache_salt,
+        )
 
     def _chat(self, body: ChatBody, request_id: str) -> RouteRequest:
         options = ChatOptions(
@@ -125,7 +183,9 @@ class RouteRequests:
             "max_tokens": body.max_completion_tokens or body.max_tokens,
             "cache_salt": body.cache_salt,
         }
-        tokens = self._tokens(body.model, lambda t: t.encode_chat(body.messages, options))
+        tokens = self._tokens(
+            self._model(body.model), lambda t: t.encode_chat(body.messages, options)
+        )
         if tokens is not None:
             return RouteRequest(token_ids=tokens, **common)
         return RouteRequest(

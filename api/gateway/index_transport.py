@@ -16,7 +16,7 @@ import httpx
 
 from kvindex.api.gateway.pod_http import PodBroken, PodConnections, PodUnreachable
 
-_SKIP = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+_SKIP = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection"})
 
 
 class IndexTransport(httpx.AsyncBaseTransport):
@@ -29,17 +29,24 @@ class IndexTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         target = f"{url.host}:{url.port or 80}"
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
+        headers = [
+            (name.lower(), value)
+            for name, value in request.headers.raw
+            if name.lower() not in _SKIP
+        ]
         body = await request.aread()
         path = url.raw_path.decode("ascii")
+        method = request.method.encode("ascii")
         try:
-            answer = await self._connections.send(target, path, headers, body, request.method)
-            content = b"".join([piece async for piece in answer.iter_body()])
+            answer = await self._connections.send(target, path, headers, body, method)
+            try:
+                content = b"".join([piece async for piece in answer.iter_body()])
+            finally:
+                answer.close()
         except PodUnreachable as exc:
             raise httpx.ConnectError(str(exc), request=request) from None
         except PodBroken as exc:
             raise httpx.ReadError(str(exc), request=request) from None
-        await answer.aclose()
         return httpx.Response(answer.status, headers=answer.headers, content=content)
 
     async def aclose(self) -> None:

@@ -64,6 +64,14 @@ class GatewayMetrics:
             buckets=_ADDED_BUCKETS,
             registry=registry,
         )
+        self.route_seconds = Histogram(
+            "kvindex_gateway_route_seconds",
+            "Time the gateway waited for /route's decision, part of "
+            "kvindex_gateway_added_seconds (in-process: the decision itself; kvindex "
+            "gateway --index: the round trip to the index).",
+            buckets=_ADDED_BUCKETS,
+            registry=registry,
+        )
         # Bound once: the hot path pays one add per request, no label lookup.
         self._by_outcome = {o: self.requests.labels(o.value) for o in Outcome}
         self._errors = {k: self.upstream_errors.labels(k) for k in ("connect", "broken", "prefill")}

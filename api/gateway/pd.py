@@ -22,7 +22,10 @@ would be prefilled twice):
 
 P/D is an optimisation, never a reason to fail a request: when the prefill leg fails
 (the pod is unreachable, answers an error, or names no ``kv_transfer_params``), the
-decode pod gets the client's body unchanged and prefills the prompt itself.
+decode pod gets the client's body unchanged and prefills the prompt itself. When the
+decode pod is the one that fails, after a successful prefill, the retry on another
+decode pod reuses this leg's ``kv_transfer_params`` if the request never reached the
+first one (:mod:`.upstream` says when that is safe), instead of prefilling again.
 """
 
 from __future__ import annotations
@@ -35,12 +38,12 @@ from typing import Any
 
 import msgspec
 
-from kvindex.api.gateway.pod_http import PodBroken, PodConnections, PodUnreachable
+from kvindex.api.gateway.pod_http import Header, PodBroken, PodConnections, PodUnreachable
 
 log = logging.getLogger(__name__)
 
-PREFILLER_HEADER = "x-prefiller-host-port"
-REQUEST_ID_HEADER = "x-request-id"
+PREFILLER_HEADER = b"x-prefiller-host-port"
+REQUEST_ID_HEADER = b"x-request-id"
 
 # What vLLM's NixlConnector expects on the prefill leg (vLLM 0.9 to 0.33).
 _PREFILL_PARAMS = {
@@ -76,8 +79,9 @@ class PrefillOutcome(StrEnum):
 class DecodeLeg:
     """What goes to the decode pod, and how the prefill went."""
 
+    prefill_pod: str  # the pod the route chose to prefill on
     body: bytes
-    headers: dict[str, str]
+    headers: list[Header]
     outcome: PrefillOutcome
     prefill_seconds: float = 0.0  # time spent waiting on the prefill pod (pod time)
 
@@ -104,29 +108,35 @@ async def prepare_decode(
     prefill_pod: str,
     path: str,
     body: bytes,
-    headers: dict[str, str],
+    headers: list[Header],
     request_id: str,
+    *,
+    prefill_extra: list[Header] | None = None,
 ) -> DecodeLeg:
     """The decode leg of a P/D request (running the prefill leg first in ``kv-transfer``
-    mode). Never raises for the prefill pod's failures; see the module docstring."""
+    mode, with ``prefill_extra`` headers added to it: its data-parallel rank). Never
+    raises for the prefill pod's failures; see the module docstring."""
     if mode is PdMode.SIDECAR:
-        return DecodeLeg(body, {**headers, PREFILLER_HEADER: prefill_pod}, PrefillOutcome.SIDECAR)
-    if not any(k.lower() == REQUEST_ID_HEADER for k in headers):
-        headers = {**headers, REQUEST_ID_HEADER: request_id}
+        prefiller = (PREFILLER_HEADER, prefill_pod.encode("latin-1"))
+        return DecodeLeg(prefill_pod, body, [*headers, prefiller], PrefillOutcome.SIDECAR)
+    if not any(name == REQUEST_ID_HEADER for name, _ in headers):
+        headers = [*headers, (REQUEST_ID_HEADER, request_id.encode("latin-1"))]
     try:
         request = _decode.decode(body)
     except msgspec.DecodeError:  # the gateway already read it; a pod would refuse it anyway
-        return DecodeLeg(body, headers, PrefillOutcome.FAILED)
+        return DecodeLeg(prefill_pod, body, headers, PrefillOutcome.FAILED)
     started = time.perf_counter()
-    params = await _prefill(pods, prefill_pod, path, prefill_body(request), headers)
+    leg_headers = headers + prefill_extra if prefill_extra else headers
+    params = await _prefill(pods, prefill_pod, path, prefill_body(request), leg_headers)
     spent = time.perf_counter() - started
     if params is None:
-        return DecodeLeg(body, headers, PrefillOutcome.FAILED, spent)
-    return DecodeLeg(decode_body(request, params), headers, PrefillOutcome.REMOTE, spent)
+        return DecodeLeg(prefill_pod, body, headers, PrefillOutcome.FAILED, spent)
+    leg = decode_body(request, params)
+    return DecodeLeg(prefill_pod, leg, headers, PrefillOutcome.REMOTE, spent)
 
 
 async def _prefill(
-    pods: PodConnections, pod: str, path: str, body: bytes, headers: dict[str, str]
+    pods: PodConnections, pod: str, path: str, body: bytes, headers: list[Header]
 ) -> Any:
     """The prefill pod's ``kv_transfer_params``, or None (logged) when there are none."""
     try:
@@ -140,7 +150,7 @@ async def _prefill(
                     raise PodBroken(f"{pod}: prefill answer over {_MAX_PREFILL_ANSWER} bytes")
                 pieces.append(piece)
         finally:
-            await answer.aclose()
+            answer.close()
     except (PodUnreachable, PodBroken) as exc:
         log.warning("gateway: prefill on %s failed (%s); the decode pod prefills", pod, exc)
         return None

@@ -1,4 +1,4 @@
-"""HTTP/1.1 to the pods: kept-alive connections per pod, httptools' response parser.
+"""HTTP/1.1 to the pods: kept-alive connections per pod, parsed as bytes arrive.
 
 Why not httpx, which the rest of kvindex uses: on the gateway's path every request pays
 its client twice (once for the pod, once more when routing over HTTP), and httpx's async
@@ -6,16 +6,24 @@ stack (httpcore over anyio) costs about 2.7 ms per request on the 2-core benchma
 machine against 0.3 ms for the whole exchange over plain asyncio streams
 (``bench/bench_gateway.py``), which alone is more than the gateway's budget of 1 ms.
 The pods speak one protocol (vLLM's OpenAI server: HTTP/1.1, ``Content-Length`` or
-chunked bodies), so a small client is enough: one write per request, the response
-parsed by httptools (the C parser uvicorn uses, already installed with it).
+chunked bodies), so a small client is enough.
+
+Each connection is an :class:`asyncio.Protocol` feeding httptools (the C parser uvicorn
+uses, already installed with it) in ``data_received``: no stream buffer between the
+socket and the parser, and the waiting request is woken once per piece that matters
+(the head, then body pieces), not once per read. One write per request (head and body
+together). The read timeout is one deadline per connection, moved forward as bytes
+arrive and checked by a single timer that re-arms itself, instead of a timer made and
+cancelled around every read.
 
 Contract: :meth:`PodConnections.send` returns once the status line and headers are in,
 or raises :class:`PodUnreachable` when the pod never answered (refused, timed out
 while connecting, closed without a status line), the only case in which the request
 may go to another pod. A kept-alive connection the pod closed while idle is retried
 once on a fresh connection before that verdict. The body is then read with
-:meth:`PodResponse.iter_body` (decoded from chunked framing, otherwise unchanged);
-:meth:`PodResponse.aclose` returns a finished connection to the pool or closes an
+:meth:`PodResponse.iter_body` (decoded from chunked framing, otherwise unchanged) or,
+once it is all in (:attr:`PodResponse.whole`), taken with :meth:`PodResponse.take_body`;
+:meth:`PodResponse.close` returns a finished connection to the pool or closes an
 unfinished one, which is how the pod learns the client went away.
 """
 
@@ -24,116 +32,227 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable
 
 import httptools
 
-_READ_BYTES = 65_536
+Header = tuple[bytes, bytes]
+
 _MAX_HEAD_BYTES = 65_536
 _MAX_IDLE_PER_POD = 64
+# A streamed body read ahead of the client by more than this pauses reading from the pod.
+_PAUSE_BYTES = 1 << 20
 
 
 class PodUnreachable(Exception):
-    """The pod did not answer at all; the request may go to another pod."""
+    """The pod did not answer at all; the request may go to another pod. ``delivered``
+    is False only when the request certainly never reached it (no connection was
+    made): then nothing it carried can have been acted on, which a retry that reuses a
+    P/D prefill's KV depends on (:mod:`.upstream`)."""
+
+    def __init__(self, message: str, *, delivered: bool) -> None:
+        super().__init__(message)
+        self.delivered = delivered
 
 
 class PodBroken(Exception):
     """The pod's answer broke off (or was not HTTP) after it began."""
 
 
-class _Parsed:
-    """httptools callbacks: what has been parsed so far."""
+class _Connection(asyncio.Protocol):
+    """One kept-alive connection to a pod and the answer being read on it (httptools
+    callbacks fill the fields; one waiter at a time is woken when they change)."""
 
-    def __init__(self) -> None:
-        self.headers: list[tuple[bytes, bytes]] = []
+    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
+        self.loop = loop
+        self.read_timeout_s = read_timeout_s
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.lost = False  # closed by either side: never reused
+        self.failure: str | None = None  # why the bytes stopped being HTTP
+        self._waiter: asyncio.Future[None] | None = None
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._paused = False
+        self.begin()
+
+    def begin(self) -> None:
+        """Fresh state for the next answer on this connection."""
+        self.status = 0
+        self.headers: list[Header] = []
+        self.head_bytes = 0
         self.headers_done = False
         self.body: deque[bytes] = deque()
+        self.buffered = 0
         self.complete = False
         self.keep_alive = False
-        self.parser: httptools.HttpResponseParser | None = None
+
+    # -- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if not self.headers_done:
+            self.head_bytes += len(data)
+        self._deadline = self.loop.time() + self.read_timeout_s
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.failure = f"sent no valid HTTP: {exc}"
+            self._shut()
+        if not self.headers_done and self.head_bytes > _MAX_HEAD_BYTES:
+            self.failure = f"response headers over {_MAX_HEAD_BYTES} bytes"
+            self._shut()
+        if self.buffered > _PAUSE_BYTES and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.lost = True
+        if self.headers_done and not self.complete and _delimited_by_close(self.headers):
+            self.complete = True  # the body ends where the connection does
+        self._wake()
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._wake()
+
+    # -- httptools callbacks ----------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
+        self.status = self.parser.get_status_code()
         # Asked now: once the message is complete, llhttp has moved on and says False.
-        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
+        self.keep_alive = self.parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
-        self.body.append(bytes(body))
+        self.body.append(body)
+        self.buffered += len(body)
 
     def on_message_complete(self) -> None:
         self.complete = True
 
+    # -- waiting ----------------------------------------------------------------------
 
-class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    async def wait(self) -> None:
+        """Until bytes arrive or the connection ends; TimeoutError after the pod was
+        silent for ``read_timeout_s``."""
+        waiter = self._waiter = self.loop.create_future()
+        self._deadline = self.loop.time() + self.read_timeout_s
+        if self._timer is None:
+            self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # idle: nothing waits (the next wait arms the timer again)
+        if self.loop.time() < self._deadline:
+            self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+        else:
+            waiter.set_exception(TimeoutError())
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def taken(self, count: int) -> None:
+        """``count`` body bytes went to the client: resume reading if it was paused."""
+        self.buffered -= count
+        if self._paused and self.buffered < _PAUSE_BYTES // 2 and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def usable(self) -> bool:
+        return not self.lost and self.transport is not None and not self.transport.is_closing()
+
+    def _shut(self) -> None:
+        self.lost = True
+        if self.transport is not None:
+            self.transport.close()
 
     def close(self) -> None:
-        self.writer.close()
+        self._shut()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class PodResponse:
-    """A pod's answer: ``status`` and ``headers`` (lower-case names) read, the body not."""
+    """A pod's answer: ``status`` and ``headers`` (lower-case names) read, the body not
+    necessarily."""
 
-    def __init__(
-        self,
-        pool: PodConnections,
-        pod: str,
-        connection: _Connection,
-        parser: httptools.HttpResponseParser,
-        parsed: _Parsed,
-        read_timeout_s: float,
-    ) -> None:
-        self.status: int = parser.get_status_code()
-        self.headers = parsed.headers
+    __slots__ = ("_closed", "_connection", "_pod", "_pool", "headers", "status")
+
+    def __init__(self, pool: PodConnections, pod: str, connection: _Connection) -> None:
+        self.status: int = connection.status
+        self.headers = connection.headers
         self._pool, self._pod, self._connection = pool, pod, connection
-        self._parser, self._parsed = parser, parsed
-        self._read_timeout_s = read_timeout_s
         self._closed = False
 
     @property
     def whole(self) -> bool:
         """Whether the rest of the body is already read (nothing left to wait for)."""
-        return self._parsed.complete
+        return self._connection.complete
+
+    @property
+    def sized(self) -> bool:
+        """Whether the answer has a ``Content-Length``: a whole answer the pod writes at
+        once (vLLM's non-streamed ones), not a stream of events."""
+        return any(name == b"content-length" for name, _ in self.headers)
+
+    def take_body(self) -> bytes:
+        """The body read so far, at once (all of it when :attr:`whole`)."""
+        connection = self._connection
+        pieces = connection.body
+        body = pieces.popleft() if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        connection.taken(len(body))
+        return body
 
     async def iter_body(self) -> AsyncIterator[bytes]:
         """The body as it arrives, one piece per network read."""
-        parsed = self._parsed
+        connection = self._connection
         while True:
-            while parsed.body:
-                yield parsed.body.popleft()
-            if parsed.complete:
-                return
-            try:
-                async with asyncio.timeout(self._read_timeout_s):  # no task, unlike wait_for
-                    data = await self._connection.reader.read(_READ_BYTES)
-            except TimeoutError:
-                raise PodBroken(f"{self._pod} silent for {self._read_timeout_s:g} s") from None
-            except OSError as exc:
-                raise PodBroken(f"{self._pod}: {exc}") from None
-            if not data:
-                if not _delimited_by_close(self.headers):
-                    raise PodBroken(f"{self._pod} closed the connection mid-answer")
-                parsed.complete = True  # the body ends where the connection does
+            if connection.body:
+                yield self.take_body()
                 continue
+            if connection.complete:
+                return
+            if connection.failure is not None:
+                raise PodBroken(f"{self._pod} {connection.failure}")
+            if connection.lost:
+                raise PodBroken(f"{self._pod} closed the connection mid-answer")
             try:
-                self._parser.feed_data(data)
-            except httptools.HttpParserError as exc:
-                raise PodBroken(f"{self._pod} sent no valid HTTP: {exc}") from None
+                await connection.wait()
+            except TimeoutError:
+                raise PodBroken(f"{self._pod} silent for {connection.read_timeout_s:g} s") from None
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         """Release the connection: back to the pool when the answer is whole and the pod
         keeps it alive, closed otherwise (mid-answer: the pod sees the client leave)."""
         if self._closed:
             return
         self._closed = True
-        if self._parsed.complete and self._parsed.keep_alive:
-            self._pool._put(self._pod, self._connection)
+        connection = self._connection
+        if connection.complete and connection.keep_alive and connection.usable():
+            self._pool._put(self._pod, connection)
         else:
-            self._connection.close()
+            connection.close()
 
 
 class PodConnections:
@@ -145,69 +264,86 @@ class PodConnections:
         self._idle: dict[str, list[_Connection]] = {}
 
     async def send(
-        self, pod: str, path: str, headers: Mapping[str, str], body: bytes, method: str = "POST"
+        self,
+        pod: str,
+        path: str,
+        headers: Iterable[Header],
+        body: bytes,
+        method: bytes = b"POST",
     ) -> PodResponse:
-        """``method`` (POST) ``body`` to ``http://{pod}{path}``; returns once the headers
-        are in."""
-        head = [f"{method} {path} HTTP/1.1\r\nhost: {pod}\r\ncontent-length: {len(body)}\r\n"]
-        head += [f"{name}: {value}\r\n" for name, value in headers.items()]
-        request = "".join(head).encode("latin-1") + b"\r\n" + body
+        """``method`` ``body`` to ``http://{pod}{path}`` with ``headers`` (lower-case
+        names, no host or content-length); returns once the answer's headers are in."""
+        target = (path.encode("latin-1"), pod.encode("latin-1"))
+        parts = [method, b" ", target[0], b" HTTP/1.1\r\nhost: ", target[1]]
+        parts += (b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n")
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts += (b"\r\n", body)
+        request = b"".join(parts)
         connection = self._take(pod)
+        stale: PodUnreachable | None = None
         if connection is not None:
             try:
                 return await self._exchange(pod, connection, request)
-            except PodUnreachable:
-                pass  # the pod closed it while idle: once more on a fresh connection
-        return await self._exchange(pod, await self._connect(pod), request)
+            except PodUnreachable as exc:  # closed while idle? once more, on a fresh one
+                stale = exc
+        try:
+            return await self._exchange(pod, await self._connect(pod), request)
+        except PodUnreachable as exc:
+            exc.delivered = exc.delivered or (stale is not None and stale.delivered)
+            raise
 
     async def _exchange(self, pod: str, connection: _Connection, request: bytes) -> PodResponse:
-        parsed = _Parsed()
-        parser = parsed.parser = httptools.HttpResponseParser(parsed)
+        connection.begin()
+        transport = connection.transport
+        assert transport is not None
         try:
-            connection.writer.write(request)
-            received = 0
-            while not parsed.headers_done:
-                async with asyncio.timeout(self.read_timeout_s):
-                    data = await connection.reader.read(_READ_BYTES)
-                if not data:
-                    raise PodUnreachable(f"{pod} closed the connection without answering")
-                received += len(data)
-                if received > _MAX_HEAD_BYTES and not parsed.headers_done:
-                    raise PodBroken(f"{pod}: response headers over {_MAX_HEAD_BYTES} bytes")
-                parser.feed_data(data)
-        except PodUnreachable:
-            connection.close()
-            raise
-        except (ConnectionError, BrokenPipeError) as exc:
-            connection.close()
-            raise PodUnreachable(f"{pod}: {exc}") from None
+            try:
+                transport.write(request)
+            except (OSError, RuntimeError) as exc:  # closed under us while idle
+                raise PodUnreachable(f"{pod}: {exc}", delivered=False) from None
+            while not connection.headers_done:
+                if connection.failure is not None:
+                    raise PodBroken(f"{pod}: {connection.failure}")
+                if connection.lost:  # the pod may have read the request before it closed
+                    raise PodUnreachable(
+                        f"{pod} closed the connection without answering", delivered=True
+                    )
+                await connection.wait()
         except TimeoutError:
             connection.close()
             raise PodBroken(f"{pod} silent for {self.read_timeout_s:g} s") from None
-        except (OSError, httptools.HttpParserError, PodBroken) as exc:
+        except (PodUnreachable, PodBroken):
             connection.close()
-            raise PodBroken(f"{pod}: {exc}") from None
-        return PodResponse(self, pod, connection, parser, parsed, self.read_timeout_s)
+            raise
+        except BaseException:  # cancelled (the client left): the connection is unusable
+            connection.close()
+            raise
+        return PodResponse(self, pod, connection)
 
     async def _connect(self, pod: str) -> _Connection:
         host, _, port = pod.rpartition(":")
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host.strip("[]"), int(port)), self.connect_timeout_s
+            _, connection = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: _Connection(loop, self.read_timeout_s), host.strip("[]"), int(port)
+                ),
+                self.connect_timeout_s,
             )
         except TimeoutError:
             raise PodUnreachable(
-                f"{pod}: no connection within {self.connect_timeout_s:g} s"
+                f"{pod}: no connection within {self.connect_timeout_s:g} s", delivered=False
             ) from None
         except (OSError, ValueError) as exc:
-            raise PodUnreachable(f"{pod}: {exc}") from None
-        return _Connection(reader, writer)
+            raise PodUnreachable(f"{pod}: {exc}", delivered=False) from None
+        return connection
 
     def _take(self, pod: str) -> _Connection | None:
         idle = self._idle.get(pod)
         while idle:
             connection = idle.pop()
-            if not connection.writer.is_closing() and not connection.reader.at_eof():
+            if connection.usable():
                 return connection
             connection.close()
         return None
@@ -227,7 +363,7 @@ class PodConnections:
         self._idle.clear()
 
 
-def _delimited_by_close(headers: list[tuple[bytes, bytes]]) -> bool:
+def _delimited_by_close(headers: list[Header]) -> bool:
     """A body with neither a length nor chunked framing ends when the connection does."""
     names = {name for name, _ in headers}
     chunked = any(

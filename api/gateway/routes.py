@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import TYPE_CHECKING, Protocol
+
+from prometheus_client import Histogram
 
 from kvindex.api.client import ApiError, AsyncClient, KvindexClientError, NoCapacity
 from kvindex.api.errors import status_of
 from kvindex.api.route import NoCapacity as Full
-from kvindex.api.route import decide_route, route_inputs
+from kvindex.api.route import decide_route, release_route, route_inputs
 from kvindex.api.schemas import RouteRequest, RouteResponse
-from kvindex.events.errors import KvindexError
+from kvindex.events.errors import KvindexError, NotFound
 
 if TYPE_CHECKING:
     from kvindex.api.service import Service
@@ -38,8 +41,9 @@ class RouteSource(Protocol):
         """The decision, entered in the in-flight ledger; RouteRefused otherwise."""
         ...
 
-    async def done(self, route_id: str) -> None:
-        """Release the route (never raises: a lost release only waits for its TTL)."""
+    def done(self, route_id: str) -> None:
+        """Release the route, without waiting (never raises: a lost release only waits
+        for its TTL). Not a coroutine, so no cancellation can skip it."""
         ...
 
     async def pods(self) -> list[str]:
@@ -68,8 +72,9 @@ class LocalRoutes:
         except KvindexError as exc:
             raise RouteRefused(status_of(exc), exc.code, exc.detail) from None
 
-    async def done(self, route_id: str) -> None:
-        self.service.load.ledger.done(route_id)
+    def done(self, route_id: str) -> None:
+        with contextlib.suppress(NotFound):  # released already, or past its TTL
+            release_route(self.service, route_id)  # P/D: the prefill pod's share too
 
     async def pods(self) -> list[str]:
         return self.service.known_pods()
@@ -98,7 +103,7 @@ class RemoteRoutes:
         except KvindexClientError as exc:  # unreachable, or not a kvindex answer
             raise RouteRefused(503, "index_unreachable", str(exc)) from None
 
-    async def done(self, route_id: str) -> None:
+    def done(self, route_id: str) -> None:
         """Sent in the background: the server answers a kept-alive connection's next
         request only once this one's handler returns, so waiting here would add a round
         trip to the index to the client's next request."""
@@ -127,3 +132,30 @@ class RemoteRoutes:
         if self._releasing:  # the last releases, briefly: else they expire by TTL
             await asyncio.wait(self._releasing, timeout=2.0)
         await self.client.aclose()
+
+
+class TimedRoutes:
+    """A :class:`RouteSource` whose decisions are timed into ``seconds`` (a histogram):
+    how much of what the gateway adds is waiting for ``/route``."""
+
+    def __init__(self, routes: RouteSource, seconds: Histogram) -> None:
+        self.routes, self.seconds = routes, seconds
+
+    async def route(self, request: RouteRequest) -> RouteResponse:
+        started = time.perf_counter()
+        try:
+            return await self.routes.route(request)
+        finally:
+            self.seconds.observe(time.perf_counter() - started)
+
+    def done(self, route_id: str) -> None:
+        self.routes.done(route_id)
+
+    async def pods(self) -> list[str]:
+        return await self.routes.pods()
+
+    async def healthy(self) -> bool:
+        return await self.routes.healthy()
+
+    async def aclose(self) -> None:
+        await self.routes.aclose()

@@ -8,13 +8,28 @@ decision's candidates minus the pods that failed, under the same route id, so th
 ledger moves the route instead of counting it twice. Once the pod's status line has
 arrived the answer is the pod's, errors included.
 
+Under P/D (``kv-transfer``), a decode pod that failed after the prefill leg succeeded
+does not cost a second prefill when the request certainly never reached it (no
+connection: :attr:`PodUnreachable.delivered` is False): the retry asks ``/route`` for a
+decode pod only (``role: decode``) and sends it the same ``kv_transfer_params``. They
+name the prefill engine and its request, not a decode pod (vLLM 0.33: engine id,
+request id, block ids, host and port of the prefill pod's side channel), and the
+prefill pod holds the blocks until a decode pod has read them or its lease lapses
+(``kv_lease_duration``, 30 s by default, renewed while a decode pod waits; before the
+lease, ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s). A decode pod that may have read the
+request before it closed may also have read those blocks, after which the prefill pod
+frees them, so that retry prefills again.
+
 The relay is a plain ASGI response: the pod's status, its headers less hop-by-hop ones
 (plus ``x-kvindex-pod``), and its body bytes as they arrive (not decompressed; each
 network read sent on as one chunk), so server-sent events reach the client one event at
-a time. A client
-that disconnects stops the relay at once and closes the pod connection, which is how
-vLLM learns to abort the request. Whatever ends the response (the last byte, an error,
-a disconnect), the route is released exactly once.
+a time. A streamed answer (no ``Content-Length``) is watched for the client leaving: a
+client that disconnects stops the relay at once and closes the pod connection, which is
+how vLLM learns to abort the request. A sized answer (vLLM's non-streamed ones: the pod
+writes the whole JSON at once, often head and body in two segments) is relayed without
+that watcher task, which would cost more than the answer takes to arrive. Whatever ends
+the response (the last byte, an error, a disconnect), the route is released exactly
+once, synchronously, so no cancellation can skip it.
 """
 
 from __future__ import annotations
@@ -22,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +46,14 @@ from starlette.responses import Response
 
 from kvindex.api.asgi import Receive, Scope, Send
 from kvindex.api.gateway.metrics import Outcome
-from kvindex.api.gateway.pd import DecodeLeg, PdMode, prepare_decode
-from kvindex.api.gateway.pod_http import PodBroken, PodConnections, PodResponse, PodUnreachable
+from kvindex.api.gateway.pd import DecodeLeg, PdMode, PrefillOutcome, prepare_decode
+from kvindex.api.gateway.pod_http import (
+    Header,
+    PodBroken,
+    PodConnections,
+    PodResponse,
+    PodUnreachable,
+)
 from kvindex.api.gateway.routes import RouteRefused, RouteSource
 from kvindex.api.schemas import RouteRequest, RouteResponse
 
@@ -61,7 +82,7 @@ _HOP = frozenset(
 _REQUEST_SKIP = _HOP | {b"accept-encoding"}
 
 
-_RANK_HEADER = "x-data-parallel-rank"
+_RANK_HEADER = b"x-data-parallel-rank"
 
 
 class PodsUnreachable(Exception):
@@ -82,14 +103,10 @@ class Opened:
     prefill: DecodeLeg | None  # P/D: how the prompt was prefilled; None without P/D
 
 
-def forward_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+def forward_headers(raw: list[Header]) -> list[Header]:
     """The client's request headers (an ASGI scope's, names in lower case) the pod should
-    see: auth, content type, ids."""
-    return {
-        name.decode("latin-1"): value.decode("latin-1")
-        for name, value in raw
-        if name not in _REQUEST_SKIP
-    }
+    see: auth, content type, ids; as bytes, as they came."""
+    return [header for header in raw if header[0] not in _REQUEST_SKIP]
 
 
 async def open_upstream(
@@ -98,7 +115,7 @@ async def open_upstream(
     request: RouteRequest,
     path: str,
     body: bytes,
-    headers: dict[str, str],
+    headers: list[Header],
     attempts: int,
     pd_mode: PdMode = PdMode.KV_TRANSFER,
 ) -> Opened:
@@ -108,43 +125,56 @@ async def open_upstream(
     route is left open."""
     decision = await routes.route(request)
     failed: list[str] = []
+    prefilled: DecodeLeg | None = None  # a remote prefill no decode pod has received
     while True:
         pod = decision.pod
-        prefill = None
+        leg = prefilled
         try:
-            send_body, send_headers = body, _with_rank(headers, decision)
-            if decision.prefill_pod is not None:
-                prefill = await prepare_decode(
-                    pd_mode, pods, decision.prefill_pod, path, body, send_headers,
-                    decision.route_id,
+            if leg is None and decision.prefill_pod is not None:
+                leg = await prepare_decode(
+                    pd_mode, pods, decision.prefill_pod, path, body, headers,
+                    decision.route_id, prefill_extra=_rank_header(headers, decision, prefill=True),
                 )  # fmt: skip
-                send_body, send_headers = prefill.body, prefill.headers
+            send_body, send_headers = (body, headers) if leg is None else (leg.body, leg.headers)
+            send_headers = send_headers + _rank_header(send_headers, decision)
             answer = await pods.send(pod, path, send_headers, send_body)
-            return Opened(decision, answer, failed, prefill)
+            return Opened(decision, answer, failed, leg)
         except PodUnreachable as exc:
             log.info("gateway: %s; trying another pod", exc)
             failed.append(pod)
             left = list(dict.fromkeys(c.pod for c in decision.candidates if c.pod not in failed))
             if len(failed) >= attempts or not left:
-                await routes.done(decision.route_id)
+                routes.done(decision.route_id)
                 raise PodsUnreachable(failed) from None
+            reuse = leg is not None and leg.outcome is PrefillOutcome.REMOTE and not exc.delivered
+            prefilled = leg if reuse else None
         except BaseException:
-            await routes.done(decision.route_id)
+            routes.done(decision.route_id)
             raise
+        retry = msgspec.structs.replace(request, pods=left)
+        if prefilled is not None:  # the KV waits on the prefill pod: a decode pod only
+            retry = msgspec.structs.replace(retry, role="decode")
         try:
-            decision = await routes.route(msgspec.structs.replace(request, pods=left))
+            decision = await routes.route(retry)
         except RouteRefused:
-            await routes.done(decision.route_id)
+            routes.done(decision.route_id)
             raise
 
 
-def _with_rank(headers: dict[str, str], decision: RouteResponse) -> dict[str, str]:
-    """The request's headers, plus the engine to use when the pod runs data-parallel
-    ranks (vLLM 0.33 reads ``X-data-parallel-rank``); a header the client set wins."""
-    ranks = {c.rank for c in decision.candidates if c.pod == decision.pod}
-    if len(ranks) < 2 or any(k.lower() == _RANK_HEADER for k in headers):
-        return headers
-    return {**headers, _RANK_HEADER: str(decision.rank)}
+def _rank_header(
+    headers: list[Header], decision: RouteResponse, *, prefill: bool = False
+) -> list[Header]:
+    """The engine to use on the decision's pod (its prefill pod with ``prefill``) when
+    that pod runs data-parallel ranks (vLLM 0.33 reads ``X-data-parallel-rank``), as a
+    header to add; none when the client set one."""
+    if prefill:
+        pod, rank = decision.prefill_pod, decision.prefill_rank or 0
+    else:
+        pod, rank = decision.pod, decision.rank
+    ranks = {c.rank for c in decision.candidates if c.pod == pod}
+    if len(ranks) < 2 or any(name == _RANK_HEADER for name, _ in headers):
+        return []
+    return [(_RANK_HEADER, b"%d" % rank)]
 
 
 class RelayedResponse(Response):
@@ -155,8 +185,8 @@ class RelayedResponse(Response):
     def __init__(
         self,
         upstream: PodResponse,
-        extra_headers: list[tuple[bytes, bytes]],
-        release: Callable[[Outcome], Awaitable[None]],
+        extra_headers: list[Header],
+        release: Callable[[Outcome], None],
     ) -> None:
         self.upstream = upstream
         self.status_code = upstream.status
@@ -164,12 +194,12 @@ class RelayedResponse(Response):
         # The body is relayed as the pod encoded it (not decompressed), so its length
         # holds; chunked framing is undone here and redone by the server, chunk for chunk.
         self.relayed_headers = [
-            (name, value)
-            for name, value in upstream.headers
-            if name not in _HOP or name == b"content-length"
-        ] + extra_headers
+            header for header in upstream.headers if header[0] not in _HOP_BUT_LENGTH
+        ]
+        self.relayed_headers += extra_headers
         self.release = release
         self.outcome = Outcome.OK if 200 <= upstream.status < 300 else Outcome.POD_ERROR
+        self._client_left = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = {
@@ -177,38 +207,30 @@ class RelayedResponse(Response):
             "status": self.upstream.status,
             "headers": self.relayed_headers,
         }
-        if self.upstream.whole:
+        upstream = self.upstream
+        if upstream.whole:
             # The pod's whole answer is here (a non-streamed one, usually): one write to
             # the client, and no disconnect to watch for.
             try:
                 await send(start)
-                body = b"".join([chunk async for chunk in self.upstream.iter_body()])
+                body = upstream.take_body()
                 await send({"type": "http.response.body", "body": body, "more_body": False})
-            except PodBroken:
-                self.outcome = Outcome.POD_FAILED
-                raise
             except BaseException:  # the client's connection failed under the write
                 self.outcome = Outcome.CLIENT_LEFT
                 raise
             finally:
-                await asyncio.shield(self._close())
+                self._close()
             return
-        await self._relay(start, receive, send)
+        # A sized answer arrives at once: no disconnect watcher for it (see the module).
+        await self._relay(start, receive, send, watch=not upstream.sized)
 
-    async def _relay(self, start: dict[str, Any], receive: Receive, send: Send) -> None:
-        """Chunk by chunk, stopping as soon as the client leaves."""
+    async def _relay(
+        self, start: dict[str, Any], receive: Receive, send: Send, *, watch: bool
+    ) -> None:
+        """The head now, then the body piece by piece; with ``watch``, stopping as soon as
+        the client leaves."""
         task = asyncio.current_task()
-        disconnected = False
-
-        async def watch() -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            disconnected = True
-            if task is not None:
-                task.cancel()
-
-        watcher = asyncio.create_task(watch())
+        watcher = asyncio.create_task(self._watch(receive, task)) if watch else None
         try:
             await send(start)
             ended = False
@@ -218,7 +240,7 @@ class RelayedResponse(Response):
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not disconnected:
+            if not self._client_left:
                 raise
             if task is not None:
                 task.uncancel()
@@ -230,13 +252,25 @@ class RelayedResponse(Response):
             self.outcome = Outcome.POD_FAILED
             raise
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-            await asyncio.shield(self._close())
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+            self._close()
 
-    async def _close(self) -> None:
+    async def _watch(self, receive: Receive, relay: asyncio.Task[Any] | None) -> None:
+        """Cancel ``relay`` when the client disconnects."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._client_left = True
+        if relay is not None:
+            relay.cancel()
+
+    def _close(self) -> None:
         try:
-            await self.upstream.aclose()
+            self.upstream.close()
         finally:
-            await self.release(self.outcome)
+            self.release(self.outcome)
+
+
+_HOP_BUT_LENGTH = _HOP - {b"content-length"}

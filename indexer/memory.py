@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvindex.indexer import compiled
 from kvindex.indexer.backend import (
     TIERS,
     BackendError,
@@ -27,7 +28,7 @@ from kvindex.indexer.backend import (
     MemberStats,
     Tier,
 )
-from kvindex.indexer.memory_answer import answer, member_mask
+from kvindex.indexer.memory_answer import longest, member_bits, member_mask
 from kvindex.indexer.memory_plan import NO_KEYS, Clear, Group, plan
 from kvindex.indexer.memory_table import (
     DEAD_FRACTION,
@@ -394,18 +395,18 @@ class MemoryBackend:
         self, model: str, keys: Sequence[int], members: Collection[str] | None = None
     ) -> list[MemberMatch]:
         """Each member's longest consecutive prefix of ``keys`` held in any tier, best
-        first: most blocks, then most GPU blocks, then member id. Members with no match
-        (and, with ``members``, members not listed) are left out."""
-        chain = as_keys(keys)
+        first: most blocks, then most GPU blocks, then member name. Members with no
+        match (and, with ``members``, members not listed) are left out. Bad keys raise
+        ValueError, whatever the model."""
+        # The compiled walk reads a list of ints itself (about 2 µs for 512 keys).
+        chain = keys if type(keys) is list and compiled.probe is not None else as_keys(keys)
         with self._lock:
-            target = self._read_target(model, chain, members)
-            if target is None:
-                return []
-            table, allowed = target
-            found = table.match(chain, allowed)
-            if found is None:
-                return []
-            return answer(found, self._names)
+            table = self._tables.get(model)
+            allowed = None if members is None else member_bits(self._ids, members)
+            if table is not None and len(chain) and allowed != 0:
+                return longest(table, chain, allowed, self._names)
+        as_keys(chain)  # nothing to look up: the keys are still checked
+        return []
 
     def presence(
         self, model: str, keys: Sequence[int], members: Collection[str] | None = None

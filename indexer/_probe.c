@@ -379,6 +379,9 @@ done:
  * member) or the member filter as a non-negative int; `zero_slot` -1 when key 0 is not
  * stored; `names[m]` member id m's name (a str for every id with a bit set). */
 
+/* How many keys ahead the walk prefetches a key's home slot. */
+#define PREFETCH_AHEAD 8
+
 /* A lookup's keys as uint64s: a buffer's memory, or ints copied out of a list/tuple. */
 typedef struct {
     const uint64_t *k;
@@ -608,7 +611,7 @@ static PyObject *probe_walk(PyObject *self, PyObject *args) {
     }
     Buf table = {0}, gpu = {0}, cpu = {0}, storage = {0};
     Keys keys = {0};
-    uint64_t *words = NULL; /* allowed, run, cur: 3 * width */
+    uint64_t *words = NULL; /* run, cur, scratch and the row's GPU and CPU words */
     int32_t *ids = NULL, *tmp = NULL, *off = NULL, *on_cpu = NULL;
     Py_ssize_t *group_len = NULL, *group_start = NULL;
     PyObject *result = NULL;
@@ -625,12 +628,13 @@ static PyObject *probe_walk(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "masks must have width words per table slot");
         goto done;
     }
-    words = PyMem_Malloc((size_t)(3 * width) * sizeof(uint64_t));
+    words = PyMem_Malloc((size_t)(5 * width) * sizeof(uint64_t));
     if (words == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     uint64_t *run = words, *cur = words + width, *scratch = words + 2 * width;
+    uint64_t *seen_gpu = words + 3 * width, *seen_cpu = words + 4 * width;
     if (allowed_words(allowed_o, run, width) < 0) {
         goto done;
     }
@@ -641,20 +645,35 @@ static PyObject *probe_walk(PyObject *self, PyObject *args) {
     const uint64_t *k = keys.k;
     Py_ssize_t n = keys.n, length = 0, groups = 0, dropped = 0, members = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
+#if defined(__GNUC__)
+        /* The chain's slots are scattered over a table of megabytes: start loading the
+         * home slot (key and GPU mask row) of a key a few ahead, so the cache misses of
+         * consecutive keys overlap instead of queueing (a lookup right after ingest
+         * traffic finds few of them in cache). */
+        if (i + PREFETCH_AHEAD < n) {
+            Py_ssize_t ahead = home_of(k[i + PREFETCH_AHEAD], seed, shift);
+            if (ahead < size) {
+                __builtin_prefetch(t + ahead, 0, 3);
+                __builtin_prefetch(g + ahead * width, 0, 3);
+            }
+        }
+#endif
         Py_ssize_t s = slot_of(t, size, k[i], seed, shift, max_disp, zero_slot);
         if (s < 0 || s >= size) {
             break;
         }
-        const uint64_t *row_g = g + s * width;
         uint64_t any = 0, changed = 0;
+        /* each mask word is read once: a writer may change it meanwhile (see
+         * MemoryBackend: lookups do not wait for a step), and one read is one state */
         for (Py_ssize_t w = 0; w < width; w++) {
-            uint64_t held = row_g[w];
-            if (c != NULL) {
-                held |= c[s * width + w];
-            }
+            uint64_t on_gpu = g[s * width + w], held = on_gpu;
+            uint64_t in_cpu = c != NULL ? c[s * width + w] : 0;
+            held |= in_cpu;
             if (st != NULL) {
                 held |= st[s * width + w];
             }
+            seen_gpu[w] = on_gpu;
+            seen_cpu[w] = in_cpu;
             cur[w] = run[w] & held;
             any |= cur[w];
             changed |= cur[w] ^ run[w];
@@ -696,8 +715,7 @@ static PyObject *probe_walk(PyObject *self, PyObject *args) {
         length = i + 1;
         if (tiered) { /* prefix blocks held only off the GPU, and of them in CPU memory */
             for (Py_ssize_t w = 0; w < width; w++) {
-                uint64_t x = run[w] & ~row_g[w];
-                uint64_t in_cpu = c != NULL ? c[s * width + w] : 0;
+                uint64_t x = run[w] & ~seen_gpu[w], in_cpu = seen_cpu[w];
                 while (x) {
                     int b = __builtin_ctzll(x);
                     off[64 * w + b]++;

@@ -166,7 +166,8 @@ class IndexBackend(Protocol):
     ) -> list[MemberMatch]:
         """For the ordered chain ``keys``, each member's longest consecutive prefix held
         in any tier. Only members with at least one matched block are returned, best
-        first (ties by member id). ``members`` restricts the answer to those members."""
+        first: most blocks, then most GPU blocks, then member (the scorer relies on it
+        to skip a sort, and checks it). ``members`` restricts the answer to those."""
 
     def presence(
         self, model: str, keys: Sequence[int], members: Collection[str] | None = None

@@ -115,7 +115,7 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
     roles = service.roles()
     if req.role is None and not disaggregated(roles, pods):
         done = one_pass(
-            service.router, pods, view.matches, view.speculative, loads, in_flight, {},
+            service.router, pods, view.matches, view.speculative, loads, in_flight,
             view.prompt_tokens, block_size, view.fallback, RouteCandidate,
         )  # fmt: skip
         if done is not None:
@@ -137,7 +137,7 @@ def _answer_pass(
         _no_capacity(service, refused)
     chosen = done.rows[done.chosen]
     route_id = _enter(
-        service, req, view, chosen.pod, done.confirmed[done.chosen], view.prompt_tokens, block_size
+        service, req, view, chosen.pod, done.confirmed, view.prompt_tokens, block_size
     )
     return RouteResponse(
         route_id=route_id,

@@ -45,7 +45,7 @@ class Pass(Generic[R]):
     chosen: int | None  # index into rows and pods; None: no pod admissible
     reason: Reason
     rows: list[R]
-    confirmed: list[int]  # each pod's confirmed prefix (its index match)
+    confirmed: int  # the chosen pod's confirmed prefix (its index match)
 
 
 def one_pass(
@@ -55,15 +55,14 @@ def one_pass(
     speculative: Mapping[str, int],
     loads: Mapping[str, PodLoad | Unknown],
     in_flight: Mapping[str, InFlight],
-    roles: Mapping[str, str],
     prompt_tokens: int,
     block_size: int,
     fallback: Reason | None,
     row: RowMaker[R],
 ) -> Pass[R] | None:
-    """The decision over ``pods`` (each one routing target, rank 0) and their answer
-    rows; None when a pod has data-parallel ranks (the general path handles them).
-    ``roles`` maps a pod to its role's name (absent: ``both``)."""
+    """The decision over ``pods`` (each one routing target, rank 0, role ``both``: no
+    P/D) and their answer rows; None when a pod has data-parallel ranks (the general
+    path handles them)."""
     if has_ranks(matches) or has_ranks(speculative):
         return None
     weights, admission = router.weights, router.admission
@@ -80,18 +79,13 @@ def one_pass(
     rows: list[R] = []
     append = rows.append
     totals: list[float] = []
-    loads_terms: list[float] = []
+    loads_terms: list[float] = []  # only load-only decisions read them
     usables: list[int] = []
-    confirmed_of: list[int] = []
     admitted: list[int] = []
-    both = "both"
-    get_match, get_extra, get_flying, get_role = (
-        matches.get,
-        speculative.get,
-        in_flight.get,
-        roles.get,
-    )
-    for i, pod in enumerate(pods):
+    get_match, get_extra, get_flying = matches.get, speculative.get, in_flight.get
+    i = -1
+    for pod in pods:
+        i += 1
         load = loads[pod]
         if type(load) is PodLoad:
             if len(load.engines) > 1:  # one target per engine: the general path
@@ -136,12 +130,12 @@ def one_pass(
             refused = None
             admitted.append(i)
         totals.append(total)
-        loads_terms.append(queue + kv)
+        if load_only:
+            loads_terms.append(queue + kv)
         usables.append(usable)
-        confirmed_of.append(confirmed)
         append(
             row(
-                pod, 0, get_role(pod, both), confirmed, extra, usable, uncached, state,
+                pod, 0, "both", confirmed, extra, usable, uncached, state,
                 running, waiting, kv_usage, flying, prefix, queue, kv, total,
                 refused is None, refused,
             )
@@ -154,4 +148,7 @@ def one_pass(
         admitted,
         fallback,
     )
-    return Pass(chosen, reason, rows, confirmed_of)
+    if chosen is None:
+        return Pass(None, reason, rows, 0)
+    match = get_match(pods[chosen])
+    return Pass(chosen, reason, rows, 0 if match is None else match.matched_blocks)

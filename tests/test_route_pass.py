@@ -95,16 +95,14 @@ def test_one_pass_decides_and_answers_as_the_general_path(seed: int) -> None:
         fallback = rng.choice([None, None, None, Reason.FALLBACK_STALE_INDEX])
         want = general(slow, pods, loads, matches, speculative, in_flight, tokens, fallback)
         done = one_pass(
-            fast, pods, matches, speculative, loads, in_flight, {}, tokens, BS, fallback,
+            fast, pods, matches, speculative, loads, in_flight, tokens, BS, fallback,
             RouteCandidate,
         )  # fmt: skip
         assert done is not None
         pod = None if done.chosen is None else pods[done.chosen]
         assert (pod, done.reason, done.rows) == want, f"step {step}"
         if done.chosen is not None:
-            assert done.confirmed[done.chosen] == (
-                matches[pod].matched_blocks if pod in matches else 0
-            )
+            assert done.confirmed == (matches[pod].matched_blocks if pod in matches else 0)
         reasons.add(done.reason)
     assert Reason.PREFIX in reasons and Reason.LOAD in reasons  # both kinds were decided
     assert (Reason.LEAST_BAD if least_bad else Reason.NO_CAPACITY) in reasons
@@ -125,5 +123,5 @@ def test_pods_with_data_parallel_ranks_take_the_general_path() -> None:
         ({pod: one_engine}, {}, {f"{pod}/dp2": 4}),  # a rank's speculative entries
     ]
     for loads, matches, speculative in cases:
-        args = ([pod], matches, speculative, loads, {}, {}, 64, BS, None, RouteCandidate)
+        args = ([pod], matches, speculative, loads, {}, 64, BS, None, RouteCandidate)
         assert one_pass(router, *args) is None

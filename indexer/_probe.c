@@ -588,6 +588,25 @@ static PyObject *triple(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c) {
     return out;
 }
 
+/* (n, 0, 0), the tiers of a GPU-only match: one shared tuple per n below the bound, made
+ * on first use. Each new tuple is tracked by the garbage collector, and ~50 of them per
+ * lookup triggered a young-generation collection every dozen lookups: the p99. */
+#define SHARED_TIERS 16384
+static PyObject *gpu_only_tiers[SHARED_TIERS];
+
+static PyObject *gpu_only(Py_ssize_t n) {
+    if (n < 0 || n >= SHARED_TIERS) {
+        return triple(n, 0, 0);
+    }
+    if (gpu_only_tiers[n] == NULL) {
+        gpu_only_tiers[n] = triple(n, 0, 0);
+        if (gpu_only_tiers[n] == NULL) {
+            return NULL;
+        }
+    }
+    return Py_NewRef(gpu_only_tiers[n]);
+}
+
 /* One object of the answer: make(name, blocks, tiers). */
 static inline PyObject *make_row(PyObject *make, PyObject *name, PyObject *blocks,
                                  PyObject *tiers) {
@@ -754,7 +773,7 @@ static PyObject *probe_walk(PyObject *self, PyObject *args) {
         }
         /* one length object per group, and GPU-only one tiers tuple (immutable) */
         PyObject *length_o = PyLong_FromSsize_t(blocks);
-        PyObject *shared = length_o == NULL || tiered ? NULL : triple(blocks, 0, 0);
+        PyObject *shared = length_o == NULL || tiered ? NULL : gpu_only(blocks);
         if (length_o == NULL || (!tiered && shared == NULL)) {
             Py_XDECREF(length_o);
             Py_CLEAR(result);

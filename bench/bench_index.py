@@ -7,7 +7,9 @@ nothing.
 Three figures, each with the workload it was measured on:
 
 * lookup latency of one chain across many members, as /score calls it (keys as a list
-  of Python ints, which is what hashing produces; also as a uint64 array);
+  of Python ints, which is what hashing produces; also as a uint64 array), alone and
+  beside a thread applying batches back to back (re-stored keys, then fresh keys), with
+  the blocks/s that writer reached meanwhile;
 * store/remove throughput in blocks/s, both as the ingest applier hands batches (many
   32-block events of several members in one ``apply`` call) and one event per call;
 * resident memory per (block, member) entry under a stated sharing profile, measured

@@ -28,8 +28,10 @@ from kvindex.api.score_inputs import block_keys, hashed_keys, prompt_form
 from kvindex.events.errors import NotFound, TooManyRequests, Unavailable
 from kvindex.events.identity import member_pod
 from kvindex.indexer.backend import BackendUnavailable
-from kvindex.scoring.load import PodLoad
+from kvindex.scoring.inflight import InFlight
+from kvindex.scoring.load import PodLoad, Unknown
 from kvindex.scoring.pd import Role, decide_pd, disaggregated, of_role
+from kvindex.scoring.route_pass import Pass, one_pass
 from kvindex.scoring.router import Decision, Reason
 from kvindex.scoring.scorer import PodScore, ScoreResult
 from kvindex.scoring.speculative import annotate
@@ -96,8 +98,11 @@ def index_inputs(service: Service, req: RouteRequest) -> RouteInputs:
 
 def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> RouteResponse:
     """The decision over ``inputs``, entered in the ledger and the speculative entries.
-    In memory only, and it never awaits: concurrent requests see each other's routes."""
-    settings = service.settings
+    In memory only, and it never awaits: concurrent requests see each other's routes.
+
+    Pods without data-parallel ranks and without P/D take the one-pass path
+    (:mod:`kvindex.scoring.route_pass`: each candidate's answer row built once);
+    the others the general one (:func:`_decide_targets`). Both decide alike."""
     pods = inputs.pods
     if not pods:
         raise Unavailable(
@@ -106,11 +111,62 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
     view = inputs.view
     view.speculative = annotate(view.result, service.speculative) if view.result else {}
     block_size = service.catalog.keying(req.model).hash.block_size
-    targets = build_targets(
-        pods, view.matches, view.speculative, service.load.snapshot(pods),
-        service.load.ledger.all(),
-    )  # fmt: skip
+    loads, in_flight = service.load.snapshot(pods), service.load.ledger.all()
     roles = service.roles()
+    if req.role is None and not disaggregated(roles, pods):
+        done = one_pass(
+            service.router, pods, view.matches, view.speculative, loads, in_flight,
+            view.prompt_tokens, block_size, view.fallback, RouteCandidate,
+        )  # fmt: skip
+        if done is not None:
+            return _answer_pass(service, req, view, done, block_size)
+    return _decide_targets(service, req, view, pods, loads, in_flight, roles, block_size)
+
+
+def _answer_pass(
+    service: Service,
+    req: RouteRequest,
+    view: _IndexView,
+    done: Pass[RouteCandidate],
+    block_size: int,
+) -> RouteResponse:
+    """The one-pass decision entered and answered: its rows are the candidates."""
+    service.route_metrics.decided(done.reason)
+    if done.chosen is None:
+        refused = "; ".join(f"{r.pod}: {r.refused}" for r in done.rows)
+        _no_capacity(service, refused)
+    chosen = done.rows[done.chosen]
+    route_id = _enter(
+        service, req, view, chosen.pod, done.confirmed, view.prompt_tokens, block_size
+    )
+    return RouteResponse(
+        route_id=route_id,
+        pod=chosen.pod,
+        rank=0,
+        reason=done.reason.value,
+        model=req.model,
+        block_size=block_size,
+        prompt_tokens=view.prompt_tokens,
+        prompt_blocks=view.prompt_tokens // block_size,
+        candidates=done.rows,
+        warnings=view.warnings,
+    )
+
+
+def _decide_targets(
+    service: Service,
+    req: RouteRequest,
+    view: _IndexView,
+    pods: list[str],
+    loads: dict[str, PodLoad | Unknown],
+    in_flight: dict[str, InFlight],
+    roles: dict[str, Role],
+    block_size: int,
+) -> RouteResponse:
+    """The general path: one routing target per engine (data-parallel ranks), a role
+    filter, P/D."""
+    settings = service.settings
+    targets = build_targets(pods, view.matches, view.speculative, loads, in_flight)
     if req.role is not None:
         targets = of_role(targets, roles, Role(req.role))
     if not targets:
@@ -135,21 +191,14 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
         )
     service.route_metrics.decided(decision.reason)
     if decision.pod is None:
-        refused = "; ".join(f"{c.inputs.pod}: {c.refused}" for c in decision.candidates)
-        raise NoCapacity(
-            f"no pod admissible ({refused or 'no candidate decodes'})",
-            max(1, math.ceil(settings.scoring.load_interval)),
+        _no_capacity(
+            service, "; ".join(f"{c.inputs.pod}: {c.refused}" for c in decision.candidates)
         )
     by_member = {t.member: t for t in targets}
     chosen = by_member[decision.pod]
-    route_id = req.request_id or uuid.uuid4().hex
-    # The blocks the request will hold at its end: its prompt and expected output.
-    held = -(-(tokens + (req.max_tokens or 0)) // block_size)
-    ledger = service.load.ledger
-    ledger.begin(chosen.member, route_id, held, settings.scoring.route_ttl)
-    # Speculative: the blocks past what the chosen engine's index entries already hold.
-    if len(view.keys) > chosen.confirmed_blocks:
-        service.speculative.add(req.model, chosen.member, view.keys, chosen.confirmed_blocks)
+    route_id = _enter(
+        service, req, view, chosen.member, chosen.confirmed_blocks, tokens, block_size
+    )
     answer = RouteResponse(
         route_id=route_id,
         pod=chosen.pod,
@@ -169,12 +218,44 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
             source = by_member[prefill.pod]
             answer.prefill_pod, answer.prefill_rank = source.pod, source.rank
             answer.prefill_reason = prefill.reason.value
-            ledger.begin(source.member, route_id + _PREFILL, held, settings.scoring.route_ttl)
-            if len(view.keys) > source.confirmed_blocks:
-                service.speculative.add(
-                    req.model, source.member, view.keys, source.confirmed_blocks
-                )
+            _enter(
+                service, req, view, source.member, source.confirmed_blocks, tokens, block_size,
+                route_id=route_id + _PREFILL,
+            )  # fmt: skip
     return answer
+
+
+def _no_capacity(service: Service, refused: str) -> None:
+    raise NoCapacity(
+        f"no pod admissible ({refused or 'no candidate decodes'})",
+        max(1, math.ceil(service.settings.scoring.load_interval)),
+    )
+
+
+def _enter(
+    service: Service,
+    req: RouteRequest,
+    view: _IndexView,
+    member: str,
+    confirmed_blocks: int,
+    tokens: int,
+    block_size: int,
+    *,
+    route_id: str | None = None,
+) -> str:
+    """Count a routed request against ``member`` in the ledger (under ``route_id``, by
+    default the request's id or a new one, which is returned) and enter the prompt's
+    blocks past its confirmed prefix as speculative entries."""
+    settings = service.settings
+    if route_id is None:
+        route_id = req.request_id or uuid.uuid4().hex
+    # The blocks the request will hold at its end: its prompt and expected output.
+    held = -(-(tokens + (req.max_tokens or 0)) // block_size)
+    service.load.ledger.begin(member, route_id, held, settings.scoring.route_ttl)
+    # Speculative: the blocks past what the chosen engine's index entries already hold.
+    if len(view.keys) > confirmed_blocks:
+        service.speculative.add(req.model, member, view.keys, confirmed_blocks)
+    return route_id
 
 
 def release_route(service: Service, route_id: str) -> RouteDone:

@@ -45,6 +45,9 @@ QUERY_FIELDS = ("model", "pods", "lora_name", "cache_salt", "request_id", "max_t
 _HEX = re.compile(r"(?:0[xX])?[0-9a-fA-F]{1,64}")  # also msgspec's pattern in schemas.py
 _INT_ONLY = {int}
 _UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+# unsigned long when it is 64 bits (Linux, macOS): array('Q') converts through a slower
+# generic path in CPython 3.11
+_UINT64 = "L" if array.array("L").itemsize == 8 else None
 
 R = TypeVar("R", bound=ScoreRequest)
 
@@ -175,7 +178,18 @@ def hashed_keys(service: Service, req: ScoreRequest, max_tokens: int) -> list[in
 def block_keys(hashes: list[int | str]) -> list[int]:
     """Block hashes as the uint64 keys the index holds: ints as they are (0..2**64-1),
     hex strings as their low 64 bits (``hash_to_int``'s rule for a digest's bytes)."""
-    if set(map(type, hashes)) == _INT_ONLY:  # a C loop: half the time of all(genexpr)
+    if _UINT64 is not None and _INT_ONLY.issuperset(map(type, hashes[:1])):
+        # One C pass checks type and range (CPython reads an unsigned long's digits in
+        # a loop): half the time of a type set plus min() and max() at 512 hashes.
+        try:
+            array.array(_UINT64, hashes)
+        except OverflowError:
+            _bad_int(hashes)
+        except TypeError:  # a hex string among the ints: the loop below
+            pass
+        else:
+            return hashes  # type: ignore[return-value]
+    elif set(map(type, hashes)) == _INT_ONLY:  # a C loop: half the time of all(genexpr)
         if min(hashes) < 0 or max(hashes) > U64_MAX:  # type: ignore[type-var]
             _bad_int(hashes)
         return hashes  # type: ignore[return-value]

@@ -7,7 +7,9 @@ nothing.
 Three figures, each with the workload it was measured on:
 
 * lookup latency of one chain across many members, as /score calls it (keys as a list
-  of Python ints, which is what hashing produces; also as a uint64 array);
+  of Python ints, which is what hashing produces; also as a uint64 array), alone and
+  beside a thread applying batches back to back (re-stored keys, then fresh keys), with
+  the blocks/s that writer reached meanwhile;
 * store/remove throughput in blocks/s, both as the ingest applier hands batches (many
   32-block events of several members in one ``apply`` call) and one event per call;
 * resident memory per (block, member) entry under a stated sharing profile, measured
@@ -132,27 +134,61 @@ def bench_lookup(args: argparse.Namespace) -> None:
         print(f"  {name:<30} {line}")
 
     # The same lookups while another thread applies batches back to back, as the ingest
-    # applier does under load: a lookup may wait for the writer's current step.
-    stop = threading.Event()
+    # applier does under load: the store/remove churn of a fixed key set, then fresh keys
+    # (every batch new blocks, the batch stored eight batches ago removed, so the table
+    # keeps its size and sees dead slots and rebuilds, as under real eviction).
     churn = [random_keys(rng, EVENT_BLOCKS * 128) for _ in range(8)]
+
+    def churning(i: int) -> list[Change]:
+        op = Op.STORE if (i // len(churn)) % 2 == 0 else Op.REMOVE
+        return events(members[i % len(members)], churn[i % len(churn)], op)
+
+    recent: list[tuple[str, np.ndarray]] = []
+
+    def fresh(i: int) -> list[Change]:
+        member = members[i % len(members)]
+        keys = random_keys(rng, EVENT_BLOCKS * 128)
+        recent.append((member, keys))
+        out = events(member, keys)
+        if len(recent) > 8:
+            old_member, old_keys = recent.pop(0)
+            out += events(old_member, old_keys, Op.REMOVE)
+        return out
+
+    for name, batch in (("during writes", churning), ("during fresh-key ingest", fresh)):
+        line, applied = lookups_beside_writer(cases[0][1], backend.apply, batch, args)
+        print(f"  {'list, ' + name:<30} {line}   (writer: {applied / 1e6:.2f} M blocks/s)")
+
+
+def lookups_beside_writer(
+    call: Callable[[], object],
+    apply: Callable[[list[Change]], None],
+    batch: Callable[[int], list[Change]],
+    args: argparse.Namespace,
+) -> tuple[str, float]:
+    """Timed lookups while a thread applies ``batch(i)`` for i = 0, 1, ... back to back
+    (to the same backend); the latencies, and the blocks per second the writer applied
+    meanwhile (it shares the GIL with the lookups, which run back to back too)."""
+    stop = threading.Event()
+    applied = [0]
 
     def write() -> None:
         i = 0
         while not stop.is_set():
-            keys = churn[i % len(churn)]
-            op = Op.STORE if (i // len(churn)) % 2 == 0 else Op.REMOVE
-            backend.apply(events(members[i % len(members)], keys, op))
+            changes = batch(i)
+            apply(changes)
+            applied[0] += sum(len(c.keys) for c in changes)
             i += 1
 
     writer = threading.Thread(target=write)
+    started = time.perf_counter()
     writer.start()
     try:
-        call = cases[0][1]
         (line,) = latencies([call], args.lookups // 4)
-        print(f"  {'list, during writes':<30} {line}")
     finally:
         stop.set()
         writer.join()
+    return line, applied[0] / (time.perf_counter() - started)
 
 
 #: How lookups are timed: wall clock, or this thread's CPU time (``--clock cpu``: steadier

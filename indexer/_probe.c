@@ -360,12 +360,465 @@ done:
     return result;
 }
 
+/* ---- The lookup walk: one call answers a prefix lookup (indexer/table_query.py) ----
+ *
+ * walk(table, gpu, cpu, storage, keys, seed, shift, max_disp, zero_slot, allowed, width,
+ *      names, make) -> list
+ *
+ * Each member's longest run of leading `keys` held in any tier, as `make(name, blocks,
+ * (gpu, cpu, storage))` objects in the order the numpy path gives (most blocks first;
+ * then, GPU-only, by name; with CPU or storage masks, by blocks held off the GPU, then
+ * name). Key by key: probe, OR the tier masks of its slot, AND into the running mask,
+ * stop at the first key no (allowed) member holds. The running mask only loses bits, so
+ * each member's length is where its bit drops: those drops are logged as groups, and the
+ * answer is the groups read backwards.
+ *
+ * `gpu` (and `cpu`/`storage`, or None) are the tier masks, `width` uint64 words per slot;
+ * `keys` a uint64 buffer or a list/tuple of ints (TypeError or OverflowError for anything
+ * else: the caller converts such keys itself and calls again); `allowed` None (every
+ * member) or the member filter as a non-negative int; `zero_slot` -1 when key 0 is not
+ * stored; `names[m]` member id m's name (a str for every id with a bit set). */
+
+/* How many keys ahead the walk prefetches a key's home slot. */
+#define PREFETCH_AHEAD 8
+
+/* A lookup's keys as uint64s: a buffer's memory, or ints copied out of a list/tuple. */
+typedef struct {
+    const uint64_t *k;
+    Py_ssize_t n;
+    uint64_t *owned;
+    Buf buf;
+} Keys;
+
+static void keys_release(Keys *keys) {
+    PyMem_Free(keys->owned);
+    keys->owned = NULL;
+    release(&keys->buf);
+}
+
+/* An int as uint64 (OverflowError outside 0..2**64-1). PyLong_AsUnsignedLong where it
+ * is 64 bits: CPython reads its digits in a loop there, where PyLong_AsUnsignedLongLong
+ * goes through the generic byte-array conversion (3.11), at twice the cost per key. */
+static inline uint64_t as_u64(PyObject *item) {
+#if ULONG_MAX == 0xFFFFFFFFFFFFFFFFULL
+    return (uint64_t)PyLong_AsUnsignedLong(item);
+#else
+    return (uint64_t)PyLong_AsUnsignedLongLong(item);
+#endif
+}
+
+static int keys_get(PyObject *obj, Keys *out) {
+    out->owned = NULL;
+    out->buf.held = 0;
+    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+        PyObject **items = PySequence_Fast_ITEMS(obj);
+        uint64_t *dst = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(uint64_t));
+        if (dst == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        out->owned = dst;
+        /* exact ints and bool only: reading them runs no Python code, so the list
+         * cannot change under the loop */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = items[i];
+            if (!PyLong_Check(item)) {
+                PyErr_SetString(PyExc_TypeError, "block keys must be integers");
+                keys_release(out);
+                return -1;
+            }
+            uint64_t v = as_u64(item);
+            if (v == (uint64_t)-1 && PyErr_Occurred()) {
+                keys_release(out);
+                return -1;
+            }
+            dst[i] = v;
+        }
+        out->k = dst;
+        out->n = n;
+        return 0;
+    }
+    if (get(obj, &out->buf, 8, 0, "keys") < 0) {
+        return -1;
+    }
+    out->k = out->buf.view.buf;
+    out->n = out->buf.view.len / 8;
+    return 0;
+}
+
+static inline Py_ssize_t slot_of(const uint64_t *t, Py_ssize_t size, uint64_t key,
+                                 uint64_t seed, unsigned shift, Py_ssize_t max_disp,
+                                 Py_ssize_t zero_slot) {
+    if (key == 0) {
+        return zero_slot;
+    }
+    Py_ssize_t s = home_of(key, seed, shift);
+    for (Py_ssize_t d = 0; d <= max_disp && s + d < size; d++) {
+        uint64_t at = t[s + d];
+        if (at == key) {
+            return s + d;
+        }
+        if (at == 0) {
+            return -1;
+        }
+    }
+    return -1;
+}
+
+/* The member filter as `width` words; every bit when `allowed` is None. */
+static int allowed_words(PyObject *allowed, uint64_t *out, Py_ssize_t width) {
+    if (allowed == Py_None) {
+        for (Py_ssize_t w = 0; w < width; w++) {
+            out[w] = ~0ULL;
+        }
+        return 0;
+    }
+    if (!PyLong_Check(allowed)) {
+        PyErr_SetString(PyExc_TypeError, "allowed: expected None or an int");
+        return -1;
+    }
+    PyObject *rest = Py_NewRef(allowed), *word_mask = PyLong_FromUnsignedLongLong(~0ULL);
+    PyObject *shift = PyLong_FromLong(64);
+    int status = (word_mask != NULL && shift != NULL) ? 0 : -1;
+    for (Py_ssize_t w = 0; w < width && status == 0; w++) {
+        PyObject *low = PyNumber_And(rest, word_mask);
+        if (low == NULL) {
+            status = -1;
+            break;
+        }
+        out[w] = PyLong_AsUnsignedLongLong(low);
+        Py_DECREF(low);
+        if (out[w] == (unsigned long long)-1 && PyErr_Occurred()) {
+            status = -1;
+            break;
+        }
+        PyObject *next = PyNumber_Rshift(rest, shift);
+        Py_DECREF(rest);
+        rest = next;
+        if (rest == NULL) {
+            status = -1;
+        }
+    }
+    Py_XDECREF(rest);
+    Py_XDECREF(word_mask);
+    Py_XDECREF(shift);
+    return status;
+}
+
+/* Ordering of one group of equal length: off-GPU blocks (when counted), then name. */
+typedef struct {
+    PyObject **names;
+    const int32_t *off;
+} Order;
+
+static inline int before(const Order *o, int32_t a, int32_t b) {
+    if (o->off != NULL && o->off[a] != o->off[b]) {
+        return o->off[a] < o->off[b];
+    }
+    return PyUnicode_Compare(o->names[a], o->names[b]) < 0;
+}
+
+/* Sort ids[0..n) by `before` (names are distinct, so any stable or unstable sort gives
+ * the one order); `tmp` has room for n ids. Insertion sort for short runs, else merge. */
+static void sort_ids(const Order *o, int32_t *ids, int32_t *tmp, Py_ssize_t n) {
+    if (n <= 16) {
+        for (Py_ssize_t i = 1; i < n; i++) {
+            int32_t id = ids[i];
+            Py_ssize_t j = i;
+            while (j > 0 && before(o, id, ids[j - 1])) {
+                ids[j] = ids[j - 1];
+                j--;
+            }
+            ids[j] = id;
+        }
+        return;
+    }
+    Py_ssize_t half = n / 2;
+    sort_ids(o, ids, tmp, half);
+    sort_ids(o, ids + half, tmp, n - half);
+    Py_ssize_t a = 0, b = half, k = 0;
+    while (a < half && b < n) {
+        tmp[k++] = before(o, ids[b], ids[a]) ? ids[b++] : ids[a++];
+    }
+    while (a < half) {
+        tmp[k++] = ids[a++];
+    }
+    while (b < n) {
+        tmp[k++] = ids[b++];
+    }
+    memcpy(ids, tmp, (size_t)n * sizeof(int32_t));
+}
+
+/* Append the ids of the set bits of `bits` (width words) to ids[*count...]. */
+static inline void push_bits(const uint64_t *bits, Py_ssize_t width, int32_t *ids,
+                             Py_ssize_t *count) {
+    for (Py_ssize_t w = 0; w < width; w++) {
+        uint64_t x = bits[w];
+        while (x) {
+            ids[(*count)++] = (int32_t)(64 * w + __builtin_ctzll(x));
+            x &= x - 1;
+        }
+    }
+}
+
+static inline Py_ssize_t popcount_words(const uint64_t *bits, Py_ssize_t width) {
+    Py_ssize_t n = 0;
+    for (Py_ssize_t w = 0; w < width; w++) {
+        n += __builtin_popcountll(bits[w]);
+    }
+    return n;
+}
+
+/* (a, b, c) as a tuple of ints (Py_BuildValue parses its format on every call). */
+static PyObject *triple(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c) {
+    PyObject *out = PyTuple_New(3);
+    if (out == NULL) {
+        return NULL;
+    }
+    Py_ssize_t v[3] = {a, b, c};
+    for (int i = 0; i < 3; i++) {
+        PyObject *item = PyLong_FromSsize_t(v[i]);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+/* (n, 0, 0), the tiers of a GPU-only match: one shared tuple per n below the bound, made
+ * on first use. Each new tuple is tracked by the garbage collector, and ~50 of them per
+ * lookup triggered a young-generation collection every dozen lookups: the p99. */
+#define SHARED_TIERS 16384
+static PyObject *gpu_only_tiers[SHARED_TIERS];
+
+static PyObject *gpu_only(Py_ssize_t n) {
+    if (n < 0 || n >= SHARED_TIERS) {
+        return triple(n, 0, 0);
+    }
+    if (gpu_only_tiers[n] == NULL) {
+        gpu_only_tiers[n] = triple(n, 0, 0);
+        if (gpu_only_tiers[n] == NULL) {
+            return NULL;
+        }
+    }
+    return Py_NewRef(gpu_only_tiers[n]);
+}
+
+/* One object of the answer: make(name, blocks, tiers). */
+static inline PyObject *make_row(PyObject *make, PyObject *name, PyObject *blocks,
+                                 PyObject *tiers) {
+    PyObject *args[3] = {name, blocks, tiers};
+    return PyObject_Vectorcall(make, args, 3, NULL);
+}
+
+static PyObject *probe_walk(PyObject *self, PyObject *args) {
+    PyObject *table_o, *gpu_o, *cpu_o, *storage_o, *keys_o, *allowed_o, *names, *make;
+    unsigned long long seed;
+    unsigned int shift;
+    Py_ssize_t max_disp, zero_slot, width;
+    if (!PyArg_ParseTuple(args, "OOOOOKInnOnO!O", &table_o, &gpu_o, &cpu_o, &storage_o,
+                          &keys_o, &seed, &shift, &max_disp, &zero_slot, &allowed_o, &width,
+                          &PyList_Type, &names, &make)) {
+        return NULL;
+    }
+    if (width < 1) {
+        PyErr_SetString(PyExc_ValueError, "width must be positive");
+        return NULL;
+    }
+    Buf table = {0}, gpu = {0}, cpu = {0}, storage = {0};
+    Keys keys = {0};
+    uint64_t *words = NULL; /* run, cur, scratch and the row's GPU and CPU words */
+    int32_t *ids = NULL, *tmp = NULL, *off = NULL, *on_cpu = NULL;
+    Py_ssize_t *group_len = NULL, *group_start = NULL;
+    PyObject *result = NULL;
+    int has_cpu = cpu_o != Py_None, has_storage = storage_o != Py_None;
+    if (get(table_o, &table, 8, 0, "table") < 0 || get(gpu_o, &gpu, 8, 0, "gpu") < 0 ||
+        (has_cpu && get(cpu_o, &cpu, 8, 0, "cpu") < 0) ||
+        (has_storage && get(storage_o, &storage, 8, 0, "storage") < 0) ||
+        keys_get(keys_o, &keys) < 0) {
+        goto done;
+    }
+    Py_ssize_t size = table.view.len / 8, row_words = size * width;
+    if (gpu.view.len / 8 != row_words || (has_cpu && cpu.view.len / 8 != row_words) ||
+        (has_storage && storage.view.len / 8 != row_words)) {
+        PyErr_SetString(PyExc_ValueError, "masks must have width words per table slot");
+        goto done;
+    }
+    words = PyMem_Malloc((size_t)(5 * width) * sizeof(uint64_t));
+    if (words == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *run = words, *cur = words + width, *scratch = words + 2 * width;
+    uint64_t *seen_gpu = words + 3 * width, *seen_cpu = words + 4 * width;
+    if (allowed_words(allowed_o, run, width) < 0) {
+        goto done;
+    }
+    const uint64_t *t = table.view.buf, *g = gpu.view.buf;
+    const uint64_t *c = has_cpu ? cpu.view.buf : NULL;
+    const uint64_t *st = has_storage ? storage.view.buf : NULL;
+    int tiered = has_cpu || has_storage;
+    const uint64_t *k = keys.k;
+    Py_ssize_t n = keys.n, length = 0, groups = 0, dropped = 0, members = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+#if defined(__GNUC__)
+        /* The chain's slots are scattered over a table of megabytes: start loading the
+         * home slot (key and GPU mask row) of a key a few ahead, so the cache misses of
+         * consecutive keys overlap instead of queueing (a lookup right after ingest
+         * traffic finds few of them in cache). */
+        if (i + PREFETCH_AHEAD < n) {
+            Py_ssize_t ahead = home_of(k[i + PREFETCH_AHEAD], seed, shift);
+            if (ahead < size) {
+                __builtin_prefetch(t + ahead, 0, 3);
+                __builtin_prefetch(g + ahead * width, 0, 3);
+            }
+        }
+#endif
+        Py_ssize_t s = slot_of(t, size, k[i], seed, shift, max_disp, zero_slot);
+        if (s < 0 || s >= size) {
+            break;
+        }
+        uint64_t any = 0, changed = 0;
+        /* each mask word is read once: a writer may change it meanwhile (see
+         * MemoryBackend: lookups do not wait for a step), and one read is one state */
+        for (Py_ssize_t w = 0; w < width; w++) {
+            uint64_t on_gpu = g[s * width + w], held = on_gpu;
+            uint64_t in_cpu = c != NULL ? c[s * width + w] : 0;
+            held |= in_cpu;
+            if (st != NULL) {
+                held |= st[s * width + w];
+            }
+            seen_gpu[w] = on_gpu;
+            seen_cpu[w] = in_cpu;
+            cur[w] = run[w] & held;
+            any |= cur[w];
+            changed |= cur[w] ^ run[w];
+        }
+        if (i == 0) {
+            if (!any) {
+                break;
+            }
+            /* every later drop is one of these members */
+            members = popcount_words(cur, width);
+            ids = PyMem_Malloc((size_t)members * sizeof(int32_t));
+            tmp = PyMem_Malloc((size_t)members * sizeof(int32_t));
+            group_len = PyMem_Malloc((size_t)(members + 1) * sizeof(Py_ssize_t));
+            group_start = PyMem_Malloc((size_t)(members + 1) * sizeof(Py_ssize_t));
+            if (tiered) {
+                off = PyMem_Calloc((size_t)(64 * width), sizeof(int32_t));
+                on_cpu = PyMem_Calloc((size_t)(64 * width), sizeof(int32_t));
+            }
+            if (ids == NULL || tmp == NULL || group_len == NULL || group_start == NULL ||
+                (tiered && (off == NULL || on_cpu == NULL))) {
+                PyErr_NoMemory();
+                goto done;
+            }
+        } else if (changed) { /* the members whose prefix is exactly i blocks */
+            for (Py_ssize_t w = 0; w < width; w++) {
+                scratch[w] = run[w] & ~cur[w];
+            }
+            group_start[groups] = dropped;
+            group_len[groups++] = i;
+            push_bits(scratch, width, ids, &dropped);
+            if (!any) {
+                memset(run, 0, (size_t)width * sizeof(uint64_t));
+                break;
+            }
+        }
+        for (Py_ssize_t w = 0; w < width; w++) {
+            run[w] = cur[w];
+        }
+        length = i + 1;
+        if (tiered) { /* prefix blocks held only off the GPU, and of them in CPU memory */
+            for (Py_ssize_t w = 0; w < width; w++) {
+                uint64_t x = run[w] & ~seen_gpu[w], in_cpu = seen_cpu[w];
+                while (x) {
+                    int b = __builtin_ctzll(x);
+                    off[64 * w + b]++;
+                    on_cpu[64 * w + b] += (int32_t)((in_cpu >> b) & 1);
+                    x &= x - 1;
+                }
+            }
+        }
+    }
+    if (length > 0 && popcount_words(run, width) > 0) { /* the whole walk: `length` blocks */
+        group_start[groups] = dropped;
+        group_len[groups++] = length;
+        push_bits(run, width, ids, &dropped);
+    }
+    result = PyList_New(dropped);
+    if (result == NULL) {
+        goto done;
+    }
+    Py_ssize_t names_n = PyList_GET_SIZE(names);
+    PyObject **name_items = ((PyListObject *)names)->ob_item;
+    for (Py_ssize_t j = 0; j < dropped; j++) {
+        if (ids[j] >= names_n || !PyUnicode_Check(name_items[ids[j]])) {
+            PyErr_SetString(PyExc_ValueError, "a member id with bits set has no name");
+            Py_CLEAR(result);
+            goto done;
+        }
+    }
+    Order order = {name_items, off};
+    Py_ssize_t at = 0;
+    for (Py_ssize_t gi = groups - 1; gi >= 0; gi--) {
+        Py_ssize_t start = group_start[gi];
+        Py_ssize_t end = gi + 1 < groups ? group_start[gi + 1] : dropped;
+        Py_ssize_t blocks = group_len[gi];
+        if (end - start > 1 || tiered) {
+            sort_ids(&order, ids + start, tmp, end - start);
+        }
+        /* one length object per group, and GPU-only one tiers tuple (immutable) */
+        PyObject *length_o = PyLong_FromSsize_t(blocks);
+        PyObject *shared = length_o == NULL || tiered ? NULL : gpu_only(blocks);
+        if (length_o == NULL || (!tiered && shared == NULL)) {
+            Py_XDECREF(length_o);
+            Py_CLEAR(result);
+            goto done;
+        }
+        for (Py_ssize_t j = start; j < end; j++) {
+            int32_t m = ids[j];
+            PyObject *tiers = tiered ? triple(blocks - off[m], on_cpu[m], off[m] - on_cpu[m])
+                                     : Py_NewRef(shared);
+            PyObject *row = tiers == NULL ? NULL : make_row(make, name_items[m], length_o, tiers);
+            Py_XDECREF(tiers);
+            if (row == NULL) {
+                Py_DECREF(length_o);
+                Py_XDECREF(shared);
+                Py_CLEAR(result);
+                goto done;
+            }
+            PyList_SET_ITEM(result, at++, row);
+        }
+        Py_DECREF(length_o);
+        Py_XDECREF(shared);
+    }
+done:
+    release(&table);
+    release(&gpu);
+    release(&cpu);
+    release(&storage);
+    keys_release(&keys);
+    PyMem_Free(words);
+    PyMem_Free(ids);
+    PyMem_Free(tmp);
+    PyMem_Free(off);
+    PyMem_Free(on_cpu);
+    PyMem_Free(group_len);
+    PyMem_Free(group_start);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"move_rows", probe_move_rows, METH_VARARGS, "dst[dst_rows] = src[src_rows], row by row."},
     {"distinct", probe_distinct, METH_O, "Whether no value of an int64 buffer repeats."},
     {"find", probe_find, METH_VARARGS, "Slots of keys (-1 absent), and insert cursors."},
     {"insert", probe_insert, METH_VARARGS, "Place absent keys; largest displacement or -1."},
     {"layout", probe_layout, METH_VARARGS, "Lay keys out in an empty table; displacement."},
+    {"walk", probe_walk, METH_VARARGS, "Each member's longest held prefix, best first."},
     {NULL, NULL, 0, NULL},
 };
 

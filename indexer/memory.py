@@ -9,17 +9,18 @@ interning members to bit positions, the capacity bound, locking, and answering l
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import secrets
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from kvindex.indexer import compiled
 from kvindex.indexer.backend import (
     TIERS,
-    BackendError,
     Change,
     IndexStats,
     MemberMatch,
@@ -27,12 +28,12 @@ from kvindex.indexer.backend import (
     MemberStats,
     Tier,
 )
-from kvindex.indexer.memory_answer import answer, member_mask
+from kvindex.indexer.memory_answer import longest, member_bits, member_mask
+from kvindex.indexer.memory_ids import _MemberIds
 from kvindex.indexer.memory_plan import NO_KEYS, Clear, Group, plan
 from kvindex.indexer.memory_table import (
     DEAD_FRACTION,
     EVICT_FRACTION,
-    MAX_MEMBERS,
     MIN_CAP,
     REMOVE,
     STAMP_MAX,
@@ -47,7 +48,7 @@ from kvindex.indexer.memory_table import (
 )
 
 
-class MemoryBackend:
+class MemoryBackend(_MemberIds):
     """The block index in this process's memory (see the module docstring for layout).
 
     Batching: ``apply`` gathers the STORE/REMOVE changes of a call, across members, into
@@ -57,9 +58,10 @@ class MemoryBackend:
     its own, so nothing moves across it. 128 events of 32 blocks in one call cost about
     as much as a dozen applied one per call (numpy's cost is mostly per operation).
 
-    Costs: ``lookup`` probes the chain once (vectorised) and then does a few Python
-    operations per member that matched; ``clear_member`` and ``member_keys`` cost time
-    proportional to that member's blocks (a per-member reverse record, never a scan);
+    Costs: ``lookup`` is one compiled call (``BlockTable.walk``; the numpy path probes
+    the chain once, vectorised, and decodes a few change rows); ``clear_member`` and
+    ``member_keys`` cost time proportional to that member's blocks (a per-member
+    reverse record, never a scan);
     ``stats``, ``member_stats`` and ``members`` time proportional to members and models.
 
     Capacity: with ``capacity_blocks`` set, when distinct live (model, key) pairs exceed
@@ -70,11 +72,30 @@ class MemoryBackend:
     ``IndexStats.evictions`` counts evicted keys.
 
     Thread safety: any number of reader threads and writers (serialised among
-    themselves; the ingest path has one). A lock guards the state; a writer holds it for
-    one step at a time, so a lookup waits at most one step (a few milliseconds), and may
-    see a call's effect step by step. The O(table) work (rebuilding a table that grows
-    or has too many dead slots, choosing keys to evict) runs outside that lock, reading
-    a table no one else changes, and is swapped in with the lock held.
+    themselves by ``_writer``; the ingest path has one). Two more locks, taken in this
+    order when both are:
+
+    * ``_step``: held by the writer while it applies a step (about ``CHUNK_KEYS`` keys,
+      a few hundred µs), and by the readers of counters and records (``stats``,
+      ``member_stats``, ``member_keys``), which so see whole steps.
+    * ``_lock``, the read lock: held by every reader, and by the writer only for
+      *structural* changes: installing a rebuilt table, a new member id (which may widen
+      the masks), releasing or renumbering ids, dropping an emptied table.
+
+    A compiled ``lookup`` takes the read lock only, so it does not wait for a step: it
+    may see part of one (a key placed but its bit not yet set reads as not held; a
+    block moving tiers may read as held in neither for that instant), as it may see a
+    call's effect step by step. That is sound because a step changes a table in place
+    and only so: it fills empty key slots (keys never move, nor leave a gap between home
+    and slot), sets and clears mask bits, and raises ``max_disp`` after placing keys;
+    anything else (arrays replaced or reshaped, ids renumbered) is structural. The walk
+    holds the GIL and reads each mask word once, so it sees the writer between two of
+    its Python operations, or inside a numpy loop that released the GIL, word by word.
+    The numpy path and ``presence`` read the masks in several passes, so they take both
+    locks and see whole steps. bench/bench_index.py's "during writes" rows measure a
+    lookup beside a writer applying batches back to back. The O(table) work (rebuilding
+    a table that grows or has too many dead slots, choosing keys to evict) runs outside
+    both locks, reading a table no one else changes, and is swapped in with both held.
 
     Member ids (bit positions) are reused once a member holds nothing (lowest first),
     and when the members left fit in half the mask words, those with high ids move to
@@ -88,8 +109,9 @@ class MemoryBackend:
             raise ValueError("capacity_blocks must be positive (or None for unbounded)")
         self._capacity = capacity_blocks
         self._seed = secrets.randbits(64) if hash_seed is None else hash_seed & (2**64 - 1)
-        self._lock = threading.Lock()  # readers, and the writer while it changes state
         self._writer = threading.Lock()  # one writer at a time
+        self._step = threading.Lock()  # the writer's steps; readers of counters
+        self._lock = threading.Lock()  # lookups; the writer's structural changes
         self._tables: dict[str, BlockTable] = {}
         self._ids: dict[str, int] = {}
         self._names: list[str | None] = []
@@ -116,7 +138,7 @@ class MemoryBackend:
                     self._run_groups(step)
 
     def _run_clear(self, step: Clear) -> None:
-        with self._lock:
+        with self._step:
             mid = self._ids.get(step.member)
             if mid is None:
                 return
@@ -129,11 +151,11 @@ class MemoryBackend:
         touched: set[int] = set()
         first = True
         while pending:
-            with self._lock:
+            with self._step:
                 if first:  # one stamp per step
                     self._tick, first = self._next_tick(), False
                 grow = self._apply_groups(pending, touched)
-            if grow is not None:  # rebuilt outside the lock: readers keep reading
+            if grow is not None:  # rebuilt outside the locks: readers keep reading
                 self._rebuild(*grow)
         self._maintain(touched)
 
@@ -148,6 +170,7 @@ class MemoryBackend:
             table = self._tables.get(model)
             op = group.op_codes()
             if table is None and not (isinstance(op, int) and op == REMOVE):
+                # a new, empty table: one dict store, readers see it whole or not at all
                 table = self._tables[model] = BlockTable(
                     self._width, seed=self._seed, stamped=self._capacity is not None
                 )
@@ -164,9 +187,9 @@ class MemoryBackend:
         return None
 
     def _rebuild(self, table: BlockTable, cap: int) -> None:
-        """Rebuild ``table`` (writer only): built without the lock, swapped in with it."""
+        """Rebuild ``table`` (writer only): built without the locks, swapped in with both."""
         layout = table.plan_rebuild(cap)
-        with self._lock:
+        with self._step, self._lock:
             table.install(layout)
 
     def _member_ids(
@@ -200,22 +223,24 @@ class MemoryBackend:
         """After a step (writer only): enforce the capacity, drop emptied tables,
         reclaim dead slots, release members that hold nothing."""
         if self._capacity is not None and self._live_keys() > self._capacity:
-            chosen = self._plan_eviction(self._capacity)  # a scan: without the lock
-            with self._lock:
+            chosen = self._plan_eviction(self._capacity)  # a scan: without the locks
+            with self._step:  # in place: bits cleared
                 for table, slots in chosen:
                     table.drop_slots(slots)
                     self._evictions += slots.size
             touched = set(self._ids.values())
-        with self._lock:
-            for model, table in list(self._tables.items()):
-                if not table.n_live:  # nobody holds anything there: its records are stale
-                    del self._tables[model]
-            released = False
-            for mid in touched:
-                if not any(t.held[mid] for t in self._tables.values()):
-                    released |= self._release(mid)
-            if released:
-                self._compact_ids()
+        with self._step:
+            tables = self._tables
+            # nobody holds anything there: its records are stale
+            empty = [model for model, table in tables.items() if not table.n_live]
+            idle = [mid for mid in touched if not any(t.held[mid] for t in tables.values())]
+            if empty or idle:  # structural: readers wait for this
+                with self._lock:
+                    for model in empty:
+                        del tables[model]
+                    released = [self._release(mid) for mid in idle]
+                    if any(released):
+                        self._compact_ids()
             dead = [
                 t
                 for t in self._tables.values()
@@ -228,7 +253,7 @@ class MemoryBackend:
         """Drop everything ``member`` holds; return the (block, tier) entries dropped (a
         block held in two tiers counts twice). Cost: the member's reverse records."""
         with self._writer:
-            with self._lock:
+            with self._step:
                 mid = self._ids.get(member)
                 if mid is None:
                     return 0
@@ -273,72 +298,6 @@ class MemoryBackend:
             self._tick >>= 1
         return self._tick + 1
 
-    # -- members -------------------------------------------------------------------------------
-
-    def _intern(self, member: str) -> int:
-        mid = self._ids.get(member)
-        if mid is not None:
-            return mid
-        if self._free_ids:
-            mid = heapq.heappop(self._free_ids)  # lowest first keeps the masks narrow
-            self._names[mid] = member
-        else:
-            mid = len(self._names)
-            if mid >= MAX_MEMBERS:
-                raise BackendError(f"more than {MAX_MEMBERS} members hold blocks at once")
-            self._names.append(member)
-            if mid >= 64 * self._width:
-                self._width += 1
-                for table in self._tables.values():
-                    table.widen(self._width)
-        self._ids[member] = mid
-        return mid
-
-    def _release(self, mid: int) -> bool:
-        name = self._names[mid]
-        if name is None:
-            return False
-        for table in self._tables.values():
-            table.forget_member(mid)
-        del self._ids[name]
-        self._names[mid] = None
-        heapq.heappush(self._free_ids, mid)
-        return True
-
-    def _compact_ids(self) -> None:
-        """Narrow the bitmasks when the members left fit in half the words (with the
-        lock held). Members with ids past the new width move to free low ids (cost:
-        their blocks); halving, not shrinking by a word, keeps a member count that
-        swings around a word boundary from rebuilding masks back and forth."""
-        names = self._names
-        while names and names[-1] is None:
-            names.pop()
-        words = max(1, -(-len(self._ids) // 64))
-        if 2 * words > self._width:
-            self._free_ids = [i for i in self._free_ids if i < len(names)]
-            heapq.heapify(self._free_ids)
-            return
-        limit = 64 * words
-        free = (i for i in range(limit) if i >= len(names) or names[i] is None)
-        for old in [mid for mid in self._ids.values() if mid >= limit]:
-            new = next(free)
-            for table in self._tables.values():
-                table.move_member(old, new)
-            name = names[old]
-            assert name is not None
-            if new >= len(names):
-                names.extend([None] * (new + 1 - len(names)))
-            names[new], names[old] = name, None
-            self._ids[name] = new
-        del names[limit:]
-        while names and names[-1] is None:
-            names.pop()
-        self._free_ids = [i for i, n in enumerate(names) if n is None]
-        heapq.heapify(self._free_ids)
-        for table in self._tables.values():
-            table.narrow(words)
-        self._width = words
-
     # -- snapshots ---------------------------------------------------------------------------
 
     def to_state(self) -> dict[str, Any]:
@@ -376,7 +335,7 @@ class MemoryBackend:
                 raise ValueError(f"table of model {model!r} does not match the index")
             tables[str(model)] = table
         with self._writer:
-            with self._lock:
+            with self._step, self._lock:
                 self._seed = int(state["seed"]) & WORD
                 self._tables = tables
                 self._names = list(names)
@@ -394,18 +353,21 @@ class MemoryBackend:
         self, model: str, keys: Sequence[int], members: Collection[str] | None = None
     ) -> list[MemberMatch]:
         """Each member's longest consecutive prefix of ``keys`` held in any tier, best
-        first: most blocks, then most GPU blocks, then member id. Members with no match
-        (and, with ``members``, members not listed) are left out."""
-        chain = as_keys(keys)
-        with self._lock:
-            target = self._read_target(model, chain, members)
-            if target is None:
-                return []
-            table, allowed = target
-            found = table.match(chain, allowed)
-            if found is None:
-                return []
-            return answer(found, self._names)
+        first: most blocks, then most GPU blocks, then member name. Members with no
+        match (and, with ``members``, members not listed) are left out. Bad keys raise
+        ValueError, whatever the model."""
+        fast = compiled.probe is not None
+        # The compiled walk reads a list of ints itself (about 2 µs for 512 keys).
+        chain = keys if fast and type(keys) is list else as_keys(keys)
+        # Compiled, one walk reads each mask word once: it need not wait for a step. The
+        # numpy path reads the masks in several passes, so it waits, for exact counts.
+        with self._lock if fast else self._both():
+            table = self._tables.get(model)
+            allowed = None if members is None else member_bits(self._ids, members)
+            if table is not None and len(chain) and allowed != 0:
+                return longest(table, chain, allowed, self._names)
+        as_keys(chain)  # nothing to look up: the keys are still checked
+        return []
 
     def presence(
         self, model: str, keys: Sequence[int], members: Collection[str] | None = None
@@ -413,7 +375,7 @@ class MemoryBackend:
         """Per member, which positions of ``keys`` it holds in each tier (see
         :meth:`IndexBackend.presence`); one vectorised probe of every key."""
         wanted = as_keys(keys)
-        with self._lock:
+        with self._both():  # several numpy passes over the masks: whole steps only
             target = self._read_target(model, wanted, members)
             if target is None:
                 return []
@@ -423,6 +385,12 @@ class MemoryBackend:
             out = [MemberPresence(names[mid], tuple(masks)) for mid, masks in found.items()]  # type: ignore[arg-type]
         out.sort(key=lambda p: p.member)
         return out
+
+    @contextlib.contextmanager
+    def _both(self) -> Iterator[None]:
+        """The step lock, then the read lock (the writer's order)."""
+        with self._step, self._lock:
+            yield
 
     def _read_target(
         self, model: str, keys: U64s, members: Collection[str] | None
@@ -439,7 +407,7 @@ class MemoryBackend:
         return None if allowed is None else (table, allowed)
 
     def member_stats(self, member: str) -> MemberStats | None:
-        with self._lock:
+        with self._step:  # whole steps: counters and records agree
             mid = self._ids.get(member)
             if mid is None:
                 return None
@@ -453,7 +421,7 @@ class MemoryBackend:
     def member_keys(self, member: str, model: str, tier: Tier | None = None) -> list[int]:
         """Every key ``member`` holds for ``model`` (in ``tier``, or in any tier), sorted.
         Costs time proportional to that member's blocks in that model."""
-        with self._lock:
+        with self._step:  # whole steps: counters and records agree
             mid = self._ids.get(member)
             table = self._tables.get(model)
             if mid is None or table is None:
@@ -469,7 +437,7 @@ class MemoryBackend:
             return sorted(self._tables)
 
     def stats(self) -> IndexStats:
-        with self._lock:
+        with self._step:  # whole steps: counters and records agree
             tables = self._tables.values()
             blocks = {t: sum(int(tb.counts[t].sum()) for tb in tables) for t in TIERS}
             return IndexStats(
@@ -494,7 +462,7 @@ class MemoryBackend:
 
     def close(self) -> None:
         """Drop all data; the backend stays usable (as an empty index)."""
-        with self._writer, self._lock:
+        with self._writer, self._step, self._lock:
             self._tables.clear()
             self._ids.clear()
             self._names.clear()

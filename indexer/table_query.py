@@ -1,5 +1,6 @@
-"""Answering lookups: each member's longest held prefix (:meth:`_Queries.match`) and
-per-position presence for hybrid models (:meth:`_Queries.presence`).
+"""Answering lookups: each member's longest held prefix (:meth:`_Queries.walk`, one
+compiled call, or :meth:`_Queries.match`, the numpy path) and per-position presence for
+hybrid models (:meth:`_Queries.presence`).
 
 Part of :class:`~kvindex.indexer.memory_table.BlockTable` (a mixin; read-only).
 """
@@ -10,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvindex.indexer.backend import Tier
+from kvindex.indexer import compiled
+from kvindex.indexer.backend import MemberMatch, Tier
 from kvindex.indexer.table_layout import (
     Slots,
     U64s,
@@ -97,6 +99,38 @@ class _Queries:
         if self.masks[Tier.CPU] is not None or self.masks[Tier.STORAGE] is not None:
             self._count_tiers(found, slots[:length], run)
         return found
+
+    def walk(
+        self, keys: U64s | list[int], allowed: int | None, names: list[str | None]
+    ) -> list[MemberMatch]:
+        """Each member's longest run of leading ``keys`` held in any tier, as the
+        compiled kernel answers it in one call (``indexer/_probe.c`` ``walk``): probing,
+        the running mask, the prefix lengths, the tier counts and the answer objects,
+        best first (the order :func:`kvindex.indexer.memory_answer.answer` gives).
+
+        ``keys`` is a ``uint64`` array or a list of ints (read in C; anything else in
+        the list raises TypeError or OverflowError, and the caller converts it);
+        ``allowed`` the member filter as an int of bits (None: every member); ``names``
+        member id -> name. Only when :data:`kvindex.indexer.compiled.probe` is set.
+        """
+        probe = compiled.probe
+        assert probe is not None
+        gpu, cpu, storage = self.masks
+        return probe.walk(  # type: ignore[no-any-return]
+            self.keys,
+            gpu,
+            cpu,
+            storage,
+            keys,
+            int(self.seed),
+            int(self.shift),
+            self.max_disp,
+            self.zero_slot if self.zero_used else -1,
+            allowed,
+            self.width,
+            names,
+            MemberMatch,
+        )
 
     def presence(self, keys: U64s, allowed: np.ndarray | np.uint64 | None) -> dict[int, list[int]]:
         """Per member id holding any of ``keys``: one bitmask per tier over the positions

@@ -22,7 +22,6 @@ matches, scraped load, in-flight ledger) and enters the decision in the ledger.
 from __future__ import annotations
 
 import itertools
-import math
 import random
 from enum import StrEnum
 
@@ -94,48 +93,62 @@ class Router:
         fallback: Reason | None = None,
     ) -> Decision:
         """Choose among ``pods``; ``kv_usage_max`` is each pod's fullest engine (for
-        admission); ``fallback`` set means load only, and is the decision's reason."""
-        load_only = fallback is not None
-        weights, admission = self.weights, self.admission
+        admission); ``fallback`` set means load only, and is the decision's reason.
+        (``/route`` without P/D or data-parallel ranks takes the same decision in one
+        pass over its candidates: :mod:`kvindex.scoring.route_pass`.)"""
+        admission = self.admission
         max_kv, max_waiting = admission.max_kv_usage, admission.max_waiting
-        costs = pod_costs(pods, prompt_tokens, block_size, weights, load_only)
-        # One pass builds every candidate and the admitted ones' best cost and longest
-        # reusable prefix: it runs for every candidate of every request.
+        costs = pod_costs(pods, prompt_tokens, block_size, self.weights, fallback is not None)
         candidates: list[Candidate] = []
-        admitted: list[Candidate] = []
-        best, longest = math.inf, 0
-        for p, terms in zip(pods, costs, strict=True):
+        admitted: list[int] = []
+        for i, (p, terms) in enumerate(zip(pods, costs, strict=True)):
             usage, waiting = kv_usage_max.get(p.pod), p.waiting
             if (usage is not None and usage > max_kv) or (
                 max_waiting and waiting is not None and waiting > max_waiting
             ):  # the refusal text only when refused
                 candidates.append(Candidate(p, terms, admission.refusal(usage, waiting)))
                 continue
-            candidate = Candidate(p, terms, None)
-            candidates.append(candidate)
-            admitted.append(candidate)
-            if terms.total < best:
-                best = terms.total
-            if terms.usable_blocks > longest:
-                longest = terms.usable_blocks
+            candidates.append(Candidate(p, terms, None))
+            admitted.append(i)
+        chosen, reason = self.choose(
+            [p.pod for p in pods],
+            [t.total for t in costs],
+            [t.load for t in costs],
+            [t.usable_blocks for t in costs],
+            admitted,
+            fallback,
+        )
+        return Decision(None if chosen is None else pods[chosen].pod, reason, candidates)
+
+    def choose(
+        self,
+        pods: list[str],
+        totals: list[float],
+        loads: list[float],
+        usable: list[int],
+        admitted: list[int],
+        fallback: Reason | None,
+    ) -> tuple[int | None, Reason]:
+        """The chosen candidate's index and the reason, from each candidate's cost,
+        load terms and reusable blocks, and the indices of the admitted ones (ascending):
+        the rules of the module docstring. The one place ties are broken, so every path
+        to a decision draws from the RNG and the round-robin counter alike."""
         if not admitted:
-            if not self.least_bad or not candidates:
-                return Decision(None, Reason.NO_CAPACITY, candidates)
-            key = (lambda c: c.terms.load) if load_only else (lambda c: c.terms.total)
-            best = min(key(c) for c in candidates)
-            tied = [c for c in candidates if key(c) <= best + _EPSILON]
-            chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-            return Decision(chosen.inputs.pod, Reason.LEAST_BAD, candidates)
-        if load_only:
-            best = min(c.terms.load for c in admitted)
+            if not self.least_bad or not pods:
+                return None, Reason.NO_CAPACITY
+            key = loads if fallback is not None else totals
+            best = min(key)
+            tied = [i for i, value in enumerate(key) if value <= best + _EPSILON]
+            return (tied[0] if len(tied) == 1 else self._rng.choice(tied)), Reason.LEAST_BAD
+        if fallback is not None:
+            best = min([loads[i] for i in admitted])
             tied = sorted(
-                (c for c in admitted if c.terms.load <= best + _EPSILON),
-                key=lambda c: c.inputs.pod,
+                (i for i in admitted if loads[i] <= best + _EPSILON), key=pods.__getitem__
             )
-            chosen = tied[next(self._turn) % len(tied)]
-            return Decision(chosen.inputs.pod, fallback, candidates)
-        tied = [c for c in admitted if c.terms.total <= best + _EPSILON]
+            return tied[next(self._turn) % len(tied)], fallback
+        best = min([totals[i] for i in admitted])
+        tied = [i for i in admitted if totals[i] <= best + _EPSILON]
         chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-        usable = chosen.terms.usable_blocks
-        reason = Reason.PREFIX if usable > 0 and usable == longest else Reason.LOAD
-        return Decision(chosen.inputs.pod, reason, candidates)
+        longest = max([usable[i] for i in admitted])
+        mine = usable[chosen]
+        return chosen, Reason.PREFIX if mine > 0 and mine == longest else Reason.LOAD

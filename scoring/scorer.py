@@ -74,9 +74,12 @@ class ScoreResult:
     pods: list[PodScore] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)  # the prompt's block keys, block 0 first
+    best: int | None = None  # best_matched_blocks when the scorer knew it (pods best first)
 
     @property
     def best_matched_blocks(self) -> int:
+        if self.best is not None:
+            return self.best
         return max((p.matched_blocks for p in self.pods), default=0)
 
 
@@ -99,6 +102,7 @@ class Scorer:
         self._weights = weights or TierWeights()
         self._layouts = layouts
         self._content: dict[int, ContentHasher] = {}
+        self._gpu_scores: list[float] = []  # score of n GPU blocks (see _add_scores)
 
     def block_keys(
         self,
@@ -186,28 +190,63 @@ class Scorer:
             matches = self._backend.lookup(model, keys, candidates) if keys else []
         else:
             matches = self._hybrid_matches(model, keys, max_length, block_size, layout, candidates)
-        weights = self._weights
-        w_gpu, w_cpu, w_storage = weights.gpu, weights.cpu, weights.storage
-        for match in matches:
-            gpu, cpu, storage = match.by_tier
-            result.pods.append(
-                PodScore(
-                    match.member,
-                    match.matched_blocks,
-                    match.matched_blocks * block_size,
-                    gpu,
-                    cpu,
-                    storage,
-                    round(gpu * w_gpu + cpu * w_cpu + storage * w_storage, 6),
-                )
-            )
-        result.pods.sort(key=lambda p: (-p.score, -p.matched_blocks, p.pod))
+        self._add_scores(result, matches, block_size, in_order=layout is None)
         if candidates:
             seen = {p.pod for p in result.pods}
             result.pods.extend(
                 PodScore(pod, 0, 0, 0, 0, 0, 0.0) for pod in sorted(set(candidates) - seen)
             )
         return result
+
+    def _add_scores(
+        self, result: ScoreResult, matches: list[MemberMatch], block_size: int, in_order: bool
+    ) -> None:
+        """Each match as a PodScore in ``result.pods``, best first (score, then matched
+        blocks, descending, then pod). Runs for every pod of every request, so:
+
+        A backend's lookup answers best first by blocks, then GPU blocks, then member
+        (the IndexBackend contract). When every match is GPU-only, the score grows with
+        the blocks, so that order *is* the answer's: it is checked in the same loop
+        (``in_order`` says whether the matches come from a lookup at all) and the sort
+        is skipped. A GPU-only score depends on the block count alone and comes from a
+        table (``round`` is ~100 ns a call).
+        """
+        weights = self._weights
+        w_gpu, w_cpu, w_storage = weights.gpu, weights.cpu, weights.storage
+        gpu_scores = self._gpu_scores
+        if matches and len(gpu_scores) <= matches[0].matched_blocks:
+            gpu_scores = self._gpu_score_table(max(m.matched_blocks for m in matches))
+        pods = result.pods
+        append = pods.append
+        ordered = in_order and w_gpu >= 0
+        last_n, last_pod = -1, ""
+        for match in matches:
+            n = match.matched_blocks
+            gpu, cpu, storage = match.by_tier
+            pod = match.member
+            if gpu == n and n < len(gpu_scores):
+                score = gpu_scores[n]
+            else:
+                ordered = False  # (a hybrid answer may exceed the table: no order then)
+                score = round(gpu * w_gpu + cpu * w_cpu + storage * w_storage, 6)
+            if ordered and last_n >= 0 and (n > last_n or (n == last_n and pod < last_pod)):
+                ordered = False
+            last_n, last_pod = n, pod
+            append(PodScore(pod, n, n * block_size, gpu, cpu, storage, score))
+        if matches:
+            result.best = matches[0].matched_blocks if ordered else None
+        if not ordered:
+            pods.sort(key=_answer_order)
+
+    def _gpu_score_table(self, blocks: int) -> list[float]:
+        """Scores of 0..``blocks`` GPU blocks (at least), grown by doubling; replaced in
+        one assignment, so threads scoring at once each see a whole table."""
+        table = self._gpu_scores
+        size = max(blocks + 1, 2 * len(table), 64)
+        w_gpu = self._weights.gpu
+        table = table + [round(n * w_gpu, 6) for n in range(len(table), size)]
+        self._gpu_scores = table
+        return table
 
     def _hybrid_matches(
         self,
@@ -270,6 +309,10 @@ class Scorer:
                 MemberMatch(member, blocks, (blocks - on_cpu - on_storage, on_cpu, on_storage))
             )
         return out
+
+
+def _answer_order(p: PodScore) -> tuple[float, int, str]:
+    return (-p.score, -p.matched_blocks, p.pod)
 
 
 def _is_plain(layout: dict[int, GroupSpec]) -> bool:

@@ -32,7 +32,7 @@ from kvindex.scoring.route_cost import PodInputs
 from kvindex.scoring.scorer import PodScore
 
 _DP = "/dp"
-_PENDING_WAITING = 1  # a pending pod's assumed queue (see the module docstring)
+PENDING_WAITING = 1  # a pending pod's assumed queue (see the module docstring)
 
 
 class Target(msgspec.Struct, frozen=True, gc=False):
@@ -55,6 +55,11 @@ def member_rank(member: str) -> int:
     """The data-parallel rank of an index member (0 for the pod itself)."""
     _, sep, rank = member.partition(_DP)
     return int(rank) if sep and rank.isdigit() else 0
+
+
+def has_ranks(members: Iterable[str]) -> bool:
+    """Whether any of these index members is a data-parallel rank other than 0."""
+    return _DP in "\0".join(members)  # one C search (no member name holds a NUL)
 
 
 def build_targets(
@@ -88,7 +93,7 @@ def build_targets(
             if not known:
                 kv_max = None
                 if load.reason == "pending":
-                    waiting, kv = _PENDING_WAITING, 0.0
+                    waiting, kv = PENDING_WAITING, 0.0
                 else:
                     waiting = kv = None
             elif per_engine and (engine := load.engines.get(str(rank))) is not None:

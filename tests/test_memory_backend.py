@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvindex.indexer import memory_table
+from kvindex.indexer import compiled, memory_table
 from kvindex.indexer.backend import BackendError, Change, MemberMatch, Op, Tier
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.memory_table import CHUNK_KEYS, MIN_CAP, PAD
@@ -413,3 +413,69 @@ def test_readers_during_growth_and_rebuilds() -> None:
     stats = backend.stats()
     assert stats.extra["rebuilds"] >= 3
     assert stats.keys == 300 + 3000
+
+
+@pytest.mark.skipif(compiled.probe is None, reason="the compiled walk was not built")
+def test_a_compiled_lookup_does_not_wait_for_a_writers_step() -> None:
+    """The writer holds ``_step`` while it applies a step; a compiled lookup takes only
+    the read lock, so it answers meanwhile (the numpy path waits: it reads the masks in
+    several passes)."""
+    backend = MemoryBackend()
+    backend.apply([store(A, [1, 2, 3])])
+    answers: list[list[MemberMatch]] = []
+    with backend._step:  # a writer in the middle of a step
+        reader = threading.Thread(target=lambda: answers.append(backend.lookup(M, [1, 2, 3])))
+        reader.start()
+        reader.join(timeout=30)
+        finished = not reader.is_alive()
+    reader.join(timeout=30)
+    assert finished
+    assert answers == [[MemberMatch(A, 3, (3, 0, 0))]]
+
+
+def test_lookups_beside_large_steps_read_only_states_between_before_and_after() -> None:
+    """Steps of thousands of keys, where numpy releases the GIL mid-write, and tier moves
+    (B's blocks from GPU to CPU and back, A's prefix stored and removed): a lookup that
+    reads a step half done still answers sanely: known members only, A's prefix within
+    what it held before and after, tier counts adding up, B's prefix whole (it holds
+    every block in one tier or the other at every step boundary, so at worst it reads
+    shorter while a block moves)."""
+    backend = MemoryBackend()
+    rng = np.random.default_rng(8)
+    chain = rng.integers(1, 2**64 - 1, 3000, dtype=np.uint64)
+    backend.apply([store(B, chain)])
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for i in range(30):
+                backend.apply([store(A, chain)] if i % 2 == 0 else [remove(A, chain)])
+                src, dst = (GPU, CPU) if i % 2 == 0 else (CPU, GPU)
+                backend.apply([store(B, chain, dst), remove(B, chain, src)])
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def read() -> None:
+        keys = chain.tolist()
+        try:
+            while not done.is_set():
+                for found in backend.lookup(M, keys):
+                    assert found.member in (A, B)
+                    assert 0 < found.matched_blocks <= 3000
+                    assert sum(found.by_tier) == found.matched_blocks
+                    assert min(found.by_tier) >= 0
+                    if found.member == A:
+                        assert found.by_tier[0] == found.matched_blocks
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[0]
+    assert backend.lookup(M, chain) == [MemberMatch(B, 3000, (3000, 0, 0))]

@@ -161,3 +161,70 @@ def test_move_rows_kernel_matches_numpy_and_checks_bounds() -> None:
         compiled.probe.move_rows(src, got, np.array([500], np.intp), np.array([0], np.intp), 4)
     with pytest.raises(ValueError):
         compiled.probe.move_rows(src, got, src_rows, dst_rows[:5], 4)
+
+
+def prefix_changes(rng: random.Random, chain: list[int], members: list[str]) -> list[Change]:
+    """Members holding prefixes of ``chain`` (many of equal length, so ties are ordered
+    by name), some of it off the GPU, with holes past the prefix."""
+    changes = []
+    for member in members:
+        n = rng.choice([0, 1, 5, 5, 17, len(chain) // 2, len(chain)])
+        tiers = rng.choice(["gpu", "gpu", "cpu half", "storage tail", "all three"])
+        held = chain[:n]
+        if tiers == "gpu":
+            changes.append(Change(Op.STORE, member, M, Tier.GPU, held))
+        elif tiers == "cpu half":
+            changes.append(Change(Op.STORE, member, M, Tier.GPU, held[: n // 2]))
+            changes.append(Change(Op.STORE, member, M, Tier.CPU, held[n // 2 :]))
+        elif tiers == "storage tail":
+            changes.append(Change(Op.STORE, member, M, Tier.GPU, held[: n - 3]))
+            changes.append(Change(Op.STORE, member, M, Tier.STORAGE, held[n - 3 :]))
+        else:  # a block in two tiers counts in the better one
+            changes.append(Change(Op.STORE, member, M, Tier.CPU, held))
+            changes.append(Change(Op.STORE, member, M, Tier.STORAGE, held[::2]))
+            changes.append(Change(Op.STORE, member, M, Tier.GPU, held[::3]))
+        if rng.random() < 0.3:  # blocks past a hole do not count
+            changes.append(Change(Op.STORE, member, M, Tier.GPU, chain[n + 1 : n + 9]))
+    return changes
+
+
+@pytest.mark.parametrize("members", [5, 64, 150])
+def test_compiled_walk_answers_as_the_numpy_path(members: int, monkeypatch) -> None:
+    """The compiled lookup walk (one C call: probe, running mask, tier counts, answer
+    objects in order) against the numpy probe and answer(), over one and several mask
+    words, every tier, ties of length and the member filter."""
+    rng = random.Random(members)
+    names = [f"10.0.{i % 7}.{i}:8000" for i in range(members)]
+    rng.shuffle(names)  # ids in another order than names
+    chain = [0] + [rng.getrandbits(64) for _ in range(300)] + colliding(40, rng)
+    changes = prefix_changes(rng, chain, names)
+    fast = MemoryBackend(hash_seed=SEED)
+    fast.apply(changes)
+    with monkeypatch.context() as numpy_only:
+        numpy_only.setattr(compiled, "probe", None)
+        slow = MemoryBackend(hash_seed=SEED)
+        slow.apply(changes)
+    queries = [
+        (chain, None),
+        (chain[1:], None),
+        (chain[:9], None),
+        (chain, names[::3]),
+        (chain, [*names[-1:], "10.9.9.9:8000"]),
+        (np.array(chain, np.uint64), None),
+        ([np.uint64(k) for k in chain[:50]], None),  # not ints: converted first
+        ([*chain, rng.getrandbits(64)], rng.sample(names, min(20, members))),
+    ]
+    for keys, allowed in queries:
+        with monkeypatch.context() as numpy_only:
+            numpy_only.setattr(compiled, "probe", None)
+            expected = slow.lookup(M, keys, allowed)
+        got = fast.lookup(M, keys, allowed)
+        assert got == expected
+    assert fast.lookup(M, chain) and fast._width == -(-members // 64)
+    tiered = [m for m in fast.lookup(M, chain) if m.by_tier[0] != m.matched_blocks]
+    assert tiered  # the tier counts were exercised
+    for bad in ([1, -1], [1, 2**64], [1, "x"]):
+        with pytest.raises(ValueError, match="block keys must be integers"):
+            fast.lookup(M, bad)
+        with pytest.raises(ValueError, match="block keys must be integers"):
+            fast.lookup("no-such-model", bad)

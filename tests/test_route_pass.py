@@ -1,0 +1,127 @@
+"""The one-pass /route decision (scoring/route_pass.py) against the general path
+(routing targets, Router.decide, then the answer rows), over random fleets.
+
+Both paths must choose the same pod for the same reason and give the same rows, float
+for float, request after request: two routers with the same seed, one per path, so a
+tie broken differently, or drawn from the RNG a different number of times, shows up in
+a later decision too. The fleets mix every load state (known, pending, not scraped,
+stale), KV usage past the admission limit, long queues, tier-weighted matches,
+speculative blocks, in-flight routes, tiny prompts, load-only fallbacks and least-bad
+routing; fleets with data-parallel ranks must be left to the general path.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvindex.api.route import _candidates_of
+from kvindex.api.schemas import RouteCandidate
+from kvindex.scoring.inflight import InFlight
+from kvindex.scoring.load import PodLoad, Unknown
+from kvindex.scoring.load_metrics import EngineLoad
+from kvindex.scoring.route_cost import CostWeights
+from kvindex.scoring.route_pass import one_pass
+from kvindex.scoring.router import Admission, Reason, Router
+from kvindex.scoring.scorer import PodScore
+from kvindex.scoring.targets import build_targets
+
+BS = 16
+
+
+def fleet(rng: random.Random, pods: list[str], prompt_blocks: int):
+    """Loads, matches, speculative blocks and in-flight routes for ``pods``."""
+    loads: dict[str, PodLoad | Unknown] = {}
+    matches: dict[str, PodScore] = {}
+    speculative: dict[str, int] = {}
+    in_flight: dict[str, InFlight] = {}
+    for pod in pods:
+        flying = InFlight(rng.choice([0, 0, 1, 3]), rng.randrange(100))
+        if flying.requests:
+            in_flight[pod] = flying
+        kind = rng.random()
+        if kind < 0.6:
+            kv = rng.choice([None, 0.0, 0.3, 0.3, 0.96, 1.2, -0.1])
+            waiting = rng.choice([0, 0, 2, 9, 40])
+            engines = {"0": EngineLoad(1, waiting, kv)} if rng.random() < 0.5 else {}
+            kv_max = None if kv is None else max(kv, rng.choice([kv, 0.97]))
+            loads[pod] = PodLoad(pod, rng.randrange(5), waiting, kv, kv_max, engines, flying, 0.2)
+        else:
+            reason = rng.choice(["pending", "not_scraped", "stale"])
+            loads[pod] = Unknown(pod, reason, None, None if reason == "pending" else 4.0, flying)
+        if rng.random() < 0.7:
+            n = rng.choice([1, 5, prompt_blocks // 2, prompt_blocks, prompt_blocks + 3])
+            n = max(1, n)
+            gpu = rng.randrange(n + 1)
+            score = round(gpu + (n - gpu) * 0.8, 6)
+            matches[pod] = PodScore(pod, n, n * BS, gpu, n - gpu, 0, score)
+        if rng.random() < 0.2:
+            speculative[pod] = rng.randrange(1, 20)
+    return loads, matches, speculative, in_flight
+
+
+def general(router: Router, pods, loads, matches, speculative, in_flight, tokens, fallback):
+    """What api/route.py's general path decides and answers (no P/D, no role)."""
+    targets = build_targets(pods, matches, speculative, loads, in_flight)
+    decision = router.decide(
+        [t.inputs for t in targets],
+        {t.member: t.kv_usage_max for t in targets},
+        tokens,
+        BS,
+        fallback,
+    )
+    rows = _candidates_of(decision, None, {t.member: t for t in targets}, {})
+    return decision.pod, decision.reason, rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_pass_decides_and_answers_as_the_general_path(seed: int) -> None:
+    rng = random.Random(seed)
+    admission = Admission(max_kv_usage=0.95, max_waiting=rng.choice([0, 10]))
+    weights = CostWeights(*rng.choice([(2.0, 1.0, 1.0, 4.0), (0.0, 1.0, 0.5, 2.0)]))
+    least_bad = seed % 2 == 1
+    fast = Router(weights, admission, seed=seed, least_bad=least_bad)
+    slow = Router(weights, admission, seed=seed, least_bad=least_bad)
+    reasons = set()
+    for step in range(150):
+        pods = [f"10.0.{step % 3}.{i}:8000" for i in range(rng.choice([1, 2, 7, 64]))]
+        prompt_blocks = rng.choice([1, 4, 32, 512])
+        tokens = prompt_blocks * BS + rng.choice([0, 1, -BS + 1])
+        loads, matches, speculative, in_flight = fleet(rng, pods, prompt_blocks)
+        if rng.random() < 0.3:  # equal pods: ties, broken by the RNG
+            loads = {p: PodLoad(p, 0, 0, 0.1, 0.1, {}, InFlight(), 0.1) for p in pods}
+            matches, speculative, in_flight = {}, {}, {}
+        fallback = rng.choice([None, None, None, Reason.FALLBACK_STALE_INDEX])
+        want = general(slow, pods, loads, matches, speculative, in_flight, tokens, fallback)
+        done = one_pass(
+            fast, pods, matches, speculative, loads, in_flight, tokens, BS, fallback,
+            RouteCandidate,
+        )  # fmt: skip
+        assert done is not None
+        pod = None if done.chosen is None else pods[done.chosen]
+        assert (pod, done.reason, done.rows) == want, f"step {step}"
+        if done.chosen is not None:
+            assert done.confirmed == (matches[pod].matched_blocks if pod in matches else 0)
+        reasons.add(done.reason)
+    assert Reason.PREFIX in reasons and Reason.LOAD in reasons  # both kinds were decided
+    assert (Reason.LEAST_BAD if least_bad else Reason.NO_CAPACITY) in reasons
+
+
+def test_pods_with_data_parallel_ranks_take_the_general_path() -> None:
+    router = Router(seed=1)
+    pod = "10.0.0.1:8000"
+    idle = InFlight()
+    two_engines = PodLoad(
+        pod, 0, 0, 0.1, 0.1, {"0": EngineLoad(0, 0, 0.1), "1": EngineLoad(0, 0, 0.1)}, idle, 0.1
+    )
+    one_engine = PodLoad(pod, 0, 0, 0.1, 0.1, {}, idle, 0.1)
+    rank = PodScore(f"{pod}/dp1", 3, 48, 3, 0, 0, 3.0)
+    cases = [
+        ({pod: two_engines}, {}, {}),  # ranks from the metrics page
+        ({pod: one_engine}, {rank.pod: rank}, {}),  # a rank's index entries
+        ({pod: one_engine}, {}, {f"{pod}/dp2": 4}),  # a rank's speculative entries
+    ]
+    for loads, matches, speculative in cases:
+        args = ([pod], matches, speculative, loads, {}, 64, BS, None, RouteCandidate)
+        assert one_pass(router, *args) is None

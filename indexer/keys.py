@@ -333,6 +333,8 @@ class BlockHasher:
         parent: bytes | None,
         first_block_index: int,
     ) -> list[tuple[bytes, int]]:
+        if isinstance(tokens, array):  # one list, not a new int per token of every block
+            tokens = tokens.tolist()
         cfg = self.config
         size = cfg.block_size
         lookahead = cfg.lookahead_tokens

@@ -64,15 +64,18 @@ static uint64_t published(const unsigned char *digest, Py_ssize_t n) {
     return key;
 }
 
-/* One block's hash input into w, chained from `parent`. */
+/* One block's hash input into w, chained from `parent`. `extra_template` is the extra
+ * keys' pickle when it can be copied in (pickle_fast), else NULL: not for a block whose
+ * parent object the extra keys could hold too (the pickler would refer to it). */
 static int write_block(Writer *w, int serialisation, const char *parent, Py_ssize_t parent_len,
                        PyObject *parent_obj, const Tokens *t, Py_ssize_t start,
-                       Py_ssize_t size, Py_ssize_t look, PyObject *extra) {
+                       Py_ssize_t size, Py_ssize_t look, PyObject *extra,
+                       const Template *extra_template) {
     if (serialisation == SER_CBOR) {
         return cbor_block(w, parent, parent_len, t, start, size, look, extra);
     }
-    if (plain_fits(parent_len, size, look, extra)) {
-        return pickle_plain(w, parent, parent_len, t, start, size);
+    if (extra_template != NULL && fast_fits(parent_len, size, look, extra_template)) {
+        return pickle_fast(w, parent, parent_len, t, start, size, look, extra_template);
     }
     return pickle_block(w, parent, parent_len, parent_obj, t, start, size, look, extra);
 }
@@ -92,13 +95,24 @@ static int run_chain(const Chain *c, const Tokens *t, PyObject *parent_o, Writer
     const char *prev = PyBytes_AS_STRING(parent_o);
     Py_ssize_t prev_len = PyBytes_GET_SIZE(parent_o);
     PyObject *prev_obj = Py_NewRef(parent_o); /* NULL while the digest lives in `sha` */
+    Template none, rest;
+    template_of(w, Py_None, &none);
+    int status = c->serialisation == SER_PICKLE ? template_of(w, c->extra_rest, &rest) : UNSUPPORTED;
+    if (status == FAILED) {
+        goto fail;
+    }
+    const Template *rest_template = status == OK ? &rest : NULL;
     Py_ssize_t i = c->start;
     for (; i < c->count; i++) {
         PyObject *extra = c->first_index + i == 0 ? c->extra_first : c->extra_rest;
-        /* only the caller's parent object could be met again inside the extra keys */
+        /* Only the caller's parent object could be met again inside the extra keys
+         * (later parents are digests made here), so only its block has to track it. */
         PyObject *identity = i == c->start ? parent_o : NULL;
-        int status = write_block(w, c->serialisation, prev, prev_len, identity, t,
-                                 i * c->size, c->size, c->look, extra);
+        const Template *template = extra == Py_None                      ? &none
+                                   : extra == c->extra_rest && i > c->start ? rest_template
+                                                                            : NULL;
+        status = write_block(w, c->serialisation, prev, prev_len, identity, t, i * c->size,
+                             c->size, c->look, extra, template);
         if (status == FAILED) {
             goto fail;
         }
@@ -243,19 +257,22 @@ done:
 }
 
 PyDoc_STRVAR(serialise_doc,
-"serialise(serialisation, tokens, block_size, lookahead, start, parent, extra)\n"
+"serialise(serialisation, tokens, block_size, lookahead, start, parent, extra, fast)\n"
 "    -> bytes | None\n"
 "\n"
 "The hash input chain() writes for the block of tokens at token index `start`, or\n"
 "None where the pure path must serialise it. For tests: it must equal\n"
 "pickle.dumps((parent, block, extra), protocol=5) or cbor2.dumps(..., canonical=True),\n"
-"with extra = (extra, *lookahead tokens) under lookahead.");
+"with extra = (extra, *lookahead tokens) under lookahead. fast: as chain() writes a\n"
+"block after its first (the extra keys copied in, the parent's identity not tracked:\n"
+"the extra keys must not hold the parent object).");
 
 static PyObject *serialise(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "serialise() takes 7 arguments");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "serialise() takes 8 arguments");
         return NULL;
     }
+    int fast = PyObject_IsTrue(args[7]);
     int serialisation = PyLong_AsLong(args[0]) == SER_CBOR ? SER_CBOR : SER_PICKLE;
     Py_ssize_t size = PyLong_AsSsize_t(args[2]), look = PyLong_AsSsize_t(args[3]);
     Py_ssize_t start = PyLong_AsSsize_t(args[4]);
@@ -276,8 +293,14 @@ static PyObject *serialise(PyObject *module, PyObject *const *args, Py_ssize_t n
     if (start + size + look > t.n) {
         PyErr_SetString(PyExc_ValueError, "serialise(): block past the tokens");
     } else if ((w = writer_new()) != NULL) {
-        int status = write_block(w, serialisation, PyBytes_AS_STRING(parent),
-                                 PyBytes_GET_SIZE(parent), parent, &t, start, size, look, extra);
+        Template template;
+        int status = fast && serialisation == SER_PICKLE ? template_of(w, extra, &template)
+                                                         : UNSUPPORTED;
+        if (status != FAILED) {
+            status = write_block(w, serialisation, PyBytes_AS_STRING(parent),
+                                 PyBytes_GET_SIZE(parent), fast ? NULL : parent, &t, start, size,
+                                 look, extra, status == OK ? &template : NULL);
+        }
         result = status == FAILED        ? NULL
                  : status == UNSUPPORTED ? Py_NewRef(Py_None)
                                          : PyBytes_FromStringAndSize((char *)w->buf, w->len);

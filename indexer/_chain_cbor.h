@@ -41,6 +41,22 @@ static inline int cbor_head(Writer *w, unsigned major, uint64_t arg) {
 }
 
 static inline unsigned char *cbor_int_at(unsigned char *b, const Int *x) {
+    if (!x->is_big && (uint64_t)x->v <= 0xffffffffULL) {
+        /* A token id: its head chosen without a branch (a prompt mixes the 1-, 2-, 3-
+         * and 5-byte forms at random), four argument bytes stored whatever the length
+         * (the writer has room). */
+        static const unsigned char heads[4] = {0, 24, 25, 26};
+        static const unsigned char lengths[4] = {0, 1, 2, 4};
+        uint64_t v = (uint64_t)x->v;
+        unsigned kind = (unsigned)(v > 23) + (unsigned)(v > 0xff) + (unsigned)(v > 0xffff);
+        b[0] = kind ? heads[kind] : (unsigned char)v;
+        uint32_t top = (uint32_t)(v << (8 * (4 - lengths[kind]))); /* argument, left-aligned */
+        b[1] = (unsigned char)(top >> 24);
+        b[2] = (unsigned char)(top >> 16);
+        b[3] = (unsigned char)(top >> 8);
+        b[4] = (unsigned char)top;
+        return b + 1 + lengths[kind];
+    }
     if (x->is_big) {
         return cbor_head_at(b, C_UINT, x->big);
     }

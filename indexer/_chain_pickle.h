@@ -323,22 +323,70 @@ static int pickle_block(Writer *w, const char *parent, Py_ssize_t parent_len,
     return OK;
 }
 
-/* Whether pickle_plain() can write a block: no extras, no lookahead, a short parent,
- * and too few tokens for the one frame to reach 64 KiB. */
-static inline int plain_fits(Py_ssize_t parent_len, Py_ssize_t size, Py_ssize_t look,
-                             PyObject *extra) {
-    return extra == Py_None && look == 0 && parent_len <= 0xff &&
-           size < (FRAME_TARGET - 0x200) / MAX_PICKLED_INT;
+/* ---- the usual block, written straight ---- */
+
+/* The extra keys' pickle as every block's pickle holds it: after the parent and the
+ * block's tuple (memo entries 0 and 1), framing never in the way (see fast_fits). A
+ * block's extra keys are the same objects block after block (the LoRA adapter), so
+ * this is written once per chain and copied. */
+typedef struct {
+    unsigned char bytes[512];
+    Py_ssize_t len;
+} Template;
+
+static int template_of(Writer *scratch, PyObject *extra, Template *out) {
+    if (extra == Py_None) {
+        out->bytes[0] = P_NONE;
+        out->len = 1;
+        return OK;
+    }
+    scratch->len = 0;
+    scratch->frame_start = -1;
+    scratch->framing = 0;
+    scratch->memo_size = 2;
+    scratch->memo_known = 0;
+    int status = pickle_obj(scratch, extra, 0);
+    if (status != OK) {
+        return status;
+    }
+    if (scratch->len > (Py_ssize_t)sizeof(out->bytes)) {
+        return UNSUPPORTED;
+    }
+    memcpy(out->bytes, scratch->buf, (size_t)scratch->len);
+    out->len = scratch->len;
+    return OK;
 }
 
-/* The same bytes as pickle_block() for a block plain_fits() accepts, written straight:
- * PROTO 5, FRAME n, SHORT_BINBYTES parent MEMOIZE, [MARK] ints TUPLE(n) MEMOIZE, NONE,
- * TUPLE3 MEMOIZE STOP. UNSUPPORTED where pickle_block() would say so too (a token that
- * is not an int in [-2^63, 2^64)). */
-static int pickle_plain(Writer *w, const char *parent, Py_ssize_t parent_len,
-                        const Tokens *t, Py_ssize_t start, Py_ssize_t size) {
+/* Whether pickle_fast() can write a block: a short parent, and too few bytes for its
+ * one frame to reach 64 KiB (so the pickler would split nothing). */
+static inline int fast_fits(Py_ssize_t parent_len, Py_ssize_t size, Py_ssize_t look,
+                            const Template *extra) {
+    return parent_len <= 0xff &&
+           (size + look) * MAX_PICKLED_INT + extra->len < FRAME_TARGET - 0x200;
+}
+
+static inline unsigned char *ints_at(unsigned char *p, const Tokens *t, Py_ssize_t from,
+                                     Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Int x;
+        if (token_at(t, from + i, &x) != OK) {
+            return NULL;
+        }
+        p = pickle_int_at(p, &x);
+    }
+    return p;
+}
+
+/* pickle_block()'s bytes for a block fast_fits() accepts, written straight: PROTO 5,
+ * FRAME n, SHORT_BINBYTES parent MEMOIZE, [MARK] ints TUPLE(n) MEMOIZE, the extra keys
+ * (with lookahead: [MARK] extra keys, ints, TUPLE(n) MEMOIZE), TUPLE3 MEMOIZE STOP.
+ * UNSUPPORTED where pickle_block() would say so too (a token that is not an int in
+ * [-2^63, 2^64)). */
+static int pickle_fast(Writer *w, const char *parent, Py_ssize_t parent_len, const Tokens *t,
+                       Py_ssize_t start, Py_ssize_t size, Py_ssize_t look,
+                       const Template *extra) {
     w->len = 0;
-    if (reserve(w, 32 + parent_len + size * MAX_PICKLED_INT) < 0) {
+    if (reserve(w, 32 + parent_len + (size + look) * MAX_PICKLED_INT + extra->len) < 0) {
         return FAILED;
     }
     unsigned char *p = w->buf;
@@ -353,16 +401,23 @@ static int pickle_plain(Writer *w, const char *parent, Py_ssize_t parent_len,
     if (size > 3) {
         *p++ = P_MARK;
     }
-    for (Py_ssize_t i = 0; i < size; i++) {
-        Int x;
-        if (token_at(t, start + i, &x) != OK) {
-            return UNSUPPORTED;
-        }
-        p = pickle_int_at(p, &x);
+    if ((p = ints_at(p, t, start, size)) == NULL) {
+        return UNSUPPORTED;
     }
     *p++ = tuple_op(size);
     *p++ = P_MEMOIZE;
-    *p++ = P_NONE;
+    if (look > 2) {
+        *p++ = P_MARK;
+    }
+    memcpy(p, extra->bytes, (size_t)extra->len);
+    p += extra->len;
+    if (look > 0) {
+        if ((p = ints_at(p, t, start + size, look)) == NULL) {
+            return UNSUPPORTED;
+        }
+        *p++ = tuple_op(look + 1);
+        *p++ = P_MEMOIZE;
+    }
     *p++ = P_TUPLE3;
     *p++ = P_MEMOIZE;
     *p++ = P_STOP;

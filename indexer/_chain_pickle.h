@@ -110,7 +110,7 @@ static inline unsigned char *pickle_int_at(unsigned char *b, const Int *x) {
         static const unsigned char lengths[3] = {1, 2, 4};
         unsigned kind = (unsigned)(v > 0xff) + (unsigned)(v > 0xffff);
         b[0] = ops[kind];
-        le(b + 1, (uint64_t)v, 4);
+        le32(b + 1, (uint64_t)v);
         return b + 1 + lengths[kind];
     }
     if (v >= INT32_MIN && v <= INT32_MAX) {

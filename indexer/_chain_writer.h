@@ -118,6 +118,18 @@ static inline void copy_short(unsigned char *dst, const char *src, Py_ssize_t n)
     }
 }
 
+/* The low 4 bytes of v, little-endian: one store on a little-endian machine. */
+static inline void le32(unsigned char *out, uint64_t v) {
+#if PY_LITTLE_ENDIAN
+    uint32_t u = (uint32_t)v;
+    memcpy(out, &u, 4);
+#else
+    for (int i = 0; i < 4; i++) {
+        out[i] = (unsigned char)(v >> (8 * i));
+    }
+#endif
+}
+
 static inline void le(unsigned char *out, uint64_t v, int n) {
     for (int i = 0; i < n; i++) {
         out[i] = (unsigned char)(v >> (8 * i));

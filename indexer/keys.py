@@ -187,17 +187,18 @@ class BlockHasher:
 
     Hashing is the hot path of ``/score``. The compiled chain (indexer/_chain.c, when
     built: :data:`kvindex.indexer.compiled.chain`) writes each block's pickle or CBOR
-    bytes itself and hashes them with OpenSSL, ~0.1 µs a block; blocks it cannot write
-    (tokens past 64 bits, extra keys of other types) are hashed here, one by one, by
-    the pure path, which stays the reference.
+    bytes itself and hashes them with OpenSSL, ~0.2 µs a block, about half of it
+    SHA-256's own compressions; blocks it cannot write (tokens past 64 bits, extra keys
+    of other types) are hashed here, one by one, by the pure path, which stays the
+    reference.
 
-    The pure path (pickle + hashlib, ~1 µs a block) memoises each block's (digest,
+    The pure path (pickle + hashlib, ~1-3 µs a block) memoises each block's (digest,
     published key) per (parent digest, block tokens, extras): prompts that share a
     system prompt or a chat history re-hash only their new blocks, and a hit costs
     building the block's token tuple and one dict lookup. The memo is two generations
     of dicts, swapped when the young one fills, bounding memory at ``2 * memo_size``
     entries without per-hit LRU bookkeeping. The compiled path has no memo: a hit
-    (~0.3 µs, the tuple and the lookup) costs more than hashing the block again
+    (~0.5 µs, the tuple and the lookup) costs more than hashing the block again
     (bench/bench_hash.py).
     """
 

@@ -55,7 +55,7 @@ def one_clear_line(result: subprocess.CompletedProcess[str]) -> str:
 
 def test_version() -> None:
     result = run_cli("--version")
-    assert result.returncode == 0 and result.stdout.strip() == (f"kvindex {VERSION} ({describe()})")
+    assert result.returncode == 0 and result.stdout.strip() == f"kvindex {VERSION} ({describe()})"
 
 
 def test_zmq_bind_without_a_scheme_is_one_line() -> None:

@@ -1,9 +1,11 @@
 # syntax=docker/dockerfile:1
 # kvindex service image. Build: docker build -t kvindex:0.1.0 .
-# Stage 1 builds kvindex's wheel (with its compiled table kernels, indexer/_probe.c) and
-# every dependency's wheel on the full Python image, which has a C compiler; stage 2
-# installs them offline on the slim image of the same Python and Debian release, so no
-# compiler, build backend or download reaches the image.
+# Stage 1 builds kvindex's wheel (with its compiled table kernels, indexer/_probe.c, and
+# hash chain, indexer/_chain.c) and every dependency's wheel on the full Python image,
+# which has a C compiler and libssl-dev (buildpack-deps); stage 2 installs them offline
+# on the slim image of the same Python and Debian release, whose libssl3 (Python's ssl
+# module needs it) the hash chain links against, so no compiler, build backend or
+# download reaches the image.
 # tests/test_dockerfile.py runs these exact RUN and ENTRYPOINT commands.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm

@@ -1,8 +1,14 @@
-"""Build hook for the one compiled module; everything else is in pyproject.toml.
+"""Build hook for the compiled modules; everything else is in pyproject.toml.
 
-``kvindex.indexer._probe`` (indexer/_probe.c, the memory table's probing kernels) is
-optional: without a C compiler ``pip install`` still succeeds and kvindex runs the
-pure-numpy path, which gives identical answers (``kvindex --version`` says which runs).
+Both are optional: without a C compiler (or OpenSSL's headers) ``pip install`` still
+succeeds and kvindex runs the pure path, which gives identical answers (``kvindex
+--version`` says which runs):
+
+- ``kvindex.indexer._probe`` (indexer/_probe.c): the memory table's probing kernels;
+- ``kvindex.indexer._chain`` (indexer/_chain.c): vLLM's block-hash chain, hashed with
+  OpenSSL's libcrypto (libssl-dev to build, libssl3 at run time; Python's own ssl
+  module needs the latter anyway).
+
 setuptools reads extension modules from setup.py on every version this project
 supports (its pyproject.toml form is still marked experimental).
 """
@@ -16,6 +22,14 @@ setup(
             sources=["indexer/_probe.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvindex.indexer._chain",
+            sources=["indexer/_chain.c"],
+            depends=["indexer/_chain_writer.h", "indexer/_chain_pickle.h", "indexer/_chain_cbor.h"],
+            extra_compile_args=["-O3"],
+            libraries=["crypto"],
+            optional=True,
+        ),
     ]
 )

@@ -28,7 +28,7 @@ from kvindex.api.settings_load import (
     environment_variables,
 )
 from kvindex.api.version import VERSION
-from kvindex.indexer.compiled import implementation
+from kvindex.indexer.compiled import describe
 
 __all__ = ["build_parser", "format_score_table", "main", "unknown_variables"]
 
@@ -186,9 +186,7 @@ def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvindex", description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--version", action="version", version=f"kvindex {VERSION} ({implementation()} table)"
-    )
+    parser.add_argument("--version", action="version", version=f"kvindex {VERSION} ({describe()})")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = commands.add_parser(

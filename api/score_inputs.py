@@ -112,8 +112,11 @@ def binary_request(kind: type[R], query: list[tuple[str, str]], body: bytes) -> 
     return req
 
 
-def binary_tokens(body: bytes) -> list[int]:
-    """Little-endian uint32 token ids; a body that is not whole uint32s is a 400."""
+def binary_tokens(body: bytes) -> array.array[int]:
+    """Little-endian uint32 token ids; a body that is not whole uint32s is a 400.
+
+    Kept as the array: everything after takes a sequence of ints, and the compiled hash
+    chain reads the array's buffer without a Python int per token."""
     if len(body) % 4:
         raise ClientError(
             f"binary body of {len(body)} bytes is not a whole number of token ids "
@@ -122,7 +125,7 @@ def binary_tokens(body: bytes) -> list[int]:
     tokens = array.array(_UINT32, body)
     if sys.byteorder != "little":
         tokens.byteswap()
-    return tokens.tolist()
+    return tokens
 
 
 def prompt_form(req: ScoreRequest) -> str:

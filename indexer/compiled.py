@@ -1,13 +1,18 @@
-"""Which implementation of the memory table's probing runs: compiled or pure numpy.
+"""Which implementations run: compiled or pure Python, for the table and for hashing.
 
 ``kvindex.indexer._probe`` (indexer/_probe.c) is built by ``pip install`` when a C
 compiler is present and skipped otherwise (setup.py marks it optional). Both paths keep
 the same table invariants and give the same answers; the compiled one is several times
-faster at inserting fresh keys and rebuilding (bench/bench_ingest.py). ``kvindex
---version`` and the startup line say which one runs.
+faster at inserting fresh keys and rebuilding (bench/bench_ingest.py).
 
-Tests run the table with both (``tests/test_memory_table_paths.py``) by swapping
-:data:`probe` for None.
+``kvindex.indexer._chain`` (indexer/_chain.c) computes vLLM's block-hash chain (the
+pickle or CBOR bytes written directly, SHA-256 from OpenSSL's libcrypto); it is also
+optional (it needs OpenSSL's headers to build) and gives the keys of the pure path in
+indexer/keys.py, several times faster (bench/bench_hash.py).
+
+``kvindex --version`` and the startup line say which ones run. Tests run both paths
+(``tests/test_memory_table_paths.py``, ``tests/test_keys_compiled.py``) by swapping
+:data:`probe` or :data:`chain` for None.
 """
 
 from __future__ import annotations
@@ -18,11 +23,27 @@ try:
     from kvindex.indexer import _probe as _compiled
 except ImportError:  # built without a compiler: the numpy path runs
     _compiled = None
+try:
+    from kvindex.indexer import _chain as _compiled_chain
+except ImportError:  # built without a compiler or OpenSSL headers: pickle + hashlib run
+    _compiled_chain = None
 
 #: The compiled kernels, or None when the pure-numpy path runs.
 probe: ModuleType | None = _compiled
+#: The compiled hash chain, or None when the pure-Python path runs.
+chain: ModuleType | None = _compiled_chain
 
 
 def implementation() -> str:
     """``"compiled"`` or ``"numpy"``: the probing path this process runs."""
     return "compiled" if probe is not None else "numpy"
+
+
+def hashing() -> str:
+    """``"compiled"`` or ``"python"``: the block-hash path this process runs."""
+    return "compiled" if chain is not None else "python"
+
+
+def describe() -> str:
+    """Both, as ``--version`` and the startup line print them."""
+    return f"{implementation()} table, {hashing()} hashing"

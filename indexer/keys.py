@@ -30,14 +30,17 @@ from __future__ import annotations
 import enum
 import hashlib
 import pickle
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import cbor2
 import xxhash
 
 from kvindex.events.errors import ClientError
+from kvindex.indexer import compiled
 
 _U64_MASK = 2**64 - 1
 
@@ -167,16 +170,36 @@ class BlockExtras:
 NO_EXTRAS = BlockExtras()
 
 
+_INT_TYPECODES = frozenset("bBhHiIlLqQ")
+
+#: The chain's serialisation code for indexer/_chain.c and its digest (None: SHA-256 in C).
+_COMPILED: dict[HashAlgo, tuple[int, Callable[[bytes], bytes] | None]] = {
+    HashAlgo.SHA256: (0, None),
+    HashAlgo.SHA256_CBOR: (1, None),
+    HashAlgo.XXHASH: (0, xxhash.xxh3_128_digest),
+    HashAlgo.XXHASH_CBOR: (1, xxhash.xxh3_128_digest),
+}
+
+
 @dataclass(slots=True)
 class BlockHasher:
     """Computes vLLM block-hash chains for one HashConfig.
 
-    Hashing is the hot path of ``/score`` (pickle + SHA-256 per block, ~1.4 µs), so each
-    block's (digest, published key) is memoised per (parent digest, block tokens,
-    extras): prompts that share a system prompt or a chat history re-hash only their new
-    blocks, and a memo hit costs building the block's token tuple and one dict lookup.
-    The memo is two generations of dicts, swapped when the young one fills, which bounds
-    memory at ``2 * memo_size`` entries without per-hit LRU bookkeeping.
+    Hashing is the hot path of ``/score``. The compiled chain (indexer/_chain.c, when
+    built: :data:`kvindex.indexer.compiled.chain`) writes each block's pickle or CBOR
+    bytes itself and hashes them with OpenSSL, ~0.2 µs a block, about half of it
+    SHA-256's own compressions; blocks it cannot write (tokens past 64 bits, extra keys
+    of other types) are hashed here, one by one, by the pure path, which stays the
+    reference.
+
+    The pure path (pickle + hashlib, ~1-3 µs a block) memoises each block's (digest,
+    published key) per (parent digest, block tokens, extras): prompts that share a
+    system prompt or a chat history re-hash only their new blocks, and a hit costs
+    building the block's token tuple and one dict lookup. The memo is two generations
+    of dicts, swapped when the young one fills, bounding memory at ``2 * memo_size``
+    entries without per-hit LRU bookkeeping. The compiled path has no memo: a hit
+    (~0.5 µs, the tuple and the lookup) costs more than hashing the block again
+    (bench/bench_hash.py).
     """
 
     config: HashConfig
@@ -212,6 +235,10 @@ class BlockHasher:
         ``first_block_index`` is the position of ``tokens[0]``'s block in its sequence
         (extras such as the cache salt apply to block 0 only).
         """
+        if compiled.chain is not None:
+            digests: list[bytes] = []
+            self._compiled(compiled.chain, tokens, extras, parent, first_block_index, digests)
+            return digests
         return [d for d, _ in self._chain(tokens, extras, parent, first_block_index)]
 
     def keys(
@@ -221,8 +248,84 @@ class BlockHasher:
         parent: bytes | None = None,
         first_block_index: int = 0,
     ) -> list[int]:
-        """Published uint64 keys of every full block of ``tokens``."""
+        """Published uint64 keys of every full block of ``tokens``.
+
+        ``tokens`` is a list or tuple of ints, or an ``array.array`` of integers (the
+        binary ``/score`` body): the compiled path reads either directly.
+        """
+        if compiled.chain is not None:
+            return self._compiled(compiled.chain, tokens, extras, parent, first_block_index)
         return [k for _, k in self._chain(tokens, extras, parent, first_block_index)]
+
+    def _block_count(self, tokens: Sequence[int]) -> int:
+        lookahead = self.config.lookahead_tokens
+        if len(tokens) < lookahead:
+            return 0
+        return (len(tokens) - lookahead) // self.config.block_size
+
+    def _compiled(
+        self,
+        core: ModuleType,
+        tokens: Sequence[int],
+        extras: BlockExtras,
+        parent: bytes | None,
+        first_block_index: int,
+        digests: list[bytes] | None = None,
+    ) -> list[int]:
+        count = self._block_count(tokens)
+        if count == 0:
+            return []
+        cfg = self.config
+        if not isinstance(tokens, list | tuple) and not (
+            isinstance(tokens, array) and tokens.typecode in _INT_TYPECODES
+        ):
+            tokens = list(tokens)
+        first = rest = None
+        if extras != NO_EXTRAS:
+            first = extras.for_block(first_block_index, cfg.extra_key_style)
+            rest = extras.for_block(first_block_index + 1, cfg.extra_key_style)
+        serialisation, digest = _COMPILED[cfg.algo]
+        previous = parent if parent else self._none_hash
+        want_digests = digests is not None
+        keys: list[int] = []
+        done = 0
+        while True:
+            got, got_digests, done, previous = core.chain(
+                serialisation, digest, tokens, cfg.block_size, cfg.lookahead_tokens, done,
+                count, previous, first, rest, first_block_index, want_digests,
+            )  # fmt: skip
+            keys = got if not keys else keys + got
+            if digests is not None:
+                digests += got_digests
+            if done == count:
+                return keys
+            # a block the compiled writer leaves to the reference serialisation
+            previous = hash_value(
+                cfg.algo, self._block_input(tokens, done, previous, extras, first_block_index)
+            )
+            keys.append(published(previous))
+            if digests is not None:
+                digests.append(previous)
+            done += 1
+
+    def _block_input(
+        self,
+        tokens: Sequence[int],
+        index: int,
+        previous: bytes,
+        extras: BlockExtras,
+        first_block_index: int,
+    ) -> tuple[bytes, tuple[int, ...], Any]:
+        """What vLLM hashes for block ``index``: (parent digest, tokens, extra keys)."""
+        cfg = self.config
+        size, lookahead = cfg.block_size, cfg.lookahead_tokens
+        start = index * size
+        extra = None
+        if extras != NO_EXTRAS:
+            extra = extras.for_block(first_block_index + index, cfg.extra_key_style)
+        if lookahead:
+            extra = (extra, *tokens[start + size : start + size + lookahead])
+        return (previous, tuple(tokens[start : start + size]), extra)
 
     def _chain(
         self,
@@ -231,18 +334,19 @@ class BlockHasher:
         parent: bytes | None,
         first_block_index: int,
     ) -> list[tuple[bytes, int]]:
+        if isinstance(tokens, array):  # one list, not a new int per token of every block
+            tokens = tokens.tolist()
         cfg = self.config
         size = cfg.block_size
         lookahead = cfg.lookahead_tokens
         algo = cfg.algo
         style = cfg.extra_key_style
-        count = (len(tokens) - lookahead) // size if len(tokens) >= lookahead else 0
         previous = parent if parent else self._none_hash
         young, old = self._young, self._old
         plain = extras == NO_EXTRAS and not lookahead
         extra = None
         out: list[tuple[bytes, int]] = []
-        for i in range(count):
+        for i in range(self._block_count(tokens)):
             start = i * size
             block = tuple(tokens[start : start + size])
             if not plain:

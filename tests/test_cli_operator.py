@@ -25,7 +25,7 @@ from kvindex.api.settings import SECTIONS
 from kvindex.api.settings_load import from_flags
 from kvindex.api.testing import ServeProcess, free_port
 from kvindex.api.version import VERSION
-from kvindex.indexer.compiled import implementation
+from kvindex.indexer.compiled import describe
 from kvindex.indexer.redis_backend import RedisBackend
 from tests.redis_fixtures import RedisServer
 
@@ -55,9 +55,7 @@ def one_clear_line(result: subprocess.CompletedProcess[str]) -> str:
 
 def test_version() -> None:
     result = run_cli("--version")
-    assert result.returncode == 0 and result.stdout.strip() == (
-        f"kvindex {VERSION} ({implementation()} table)"
-    )
+    assert result.returncode == 0 and result.stdout.strip() == f"kvindex {VERSION} ({describe()})"
 
 
 def test_zmq_bind_without_a_scheme_is_one_line() -> None:
@@ -151,7 +149,7 @@ def test_startup_line_and_unknown_variable_warning() -> None:
         log = s.log_tail()
     assert "KVINDEX_ZMQ_BINDD is not a kvindex setting" in log
     assert (
-        f"kvindex {VERSION} started: backend=memory ({implementation()} table) "
+        f"kvindex {VERSION} started: backend=memory ({describe()}) "
         "hash_algo=sha256 block_size=16 "
         f"key_mode=engine models=m listen=127.0.0.1:{s.port} "
         f"events=bind tcp://127.0.0.1:{zmq_port}"

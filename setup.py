@@ -1,8 +1,10 @@
-"""Build hook for the one compiled module; everything else is in pyproject.toml.
+"""Build hook for the compiled modules; everything else is in pyproject.toml.
 
-``kvindex.indexer._probe`` (indexer/_probe.c, the memory table's probing kernels) is
+``kvindex.indexer._probe`` (indexer/_probe.c, the memory table's probing kernels) and
+``kvindex.events._wire_scan`` (events/_wire_scan.c, the KV-event payload scanner) are
 optional: without a C compiler ``pip install`` still succeeds and kvindex runs the
-pure-numpy path, which gives identical answers (``kvindex --version`` says which runs).
+pure-numpy table and the msgspec decoder, which give identical answers (``kvindex
+--version`` says which runs).
 setuptools reads extension modules from setup.py on every version this project
 supports (its pyproject.toml form is still marked experimental).
 """
@@ -16,6 +18,12 @@ setup(
             sources=["indexer/_probe.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvindex.events._wire_scan",
+            sources=["events/_wire_scan.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

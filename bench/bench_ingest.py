@@ -1,8 +1,9 @@
 """End-to-end ingest: frames on a ZMQ socket -> subscriber -> ingestor -> memory index.
 
 A publisher process sends pre-encoded vLLM batches (32-block BlockStored events with
-their token ids: real vLLM hashes of random prompts, every block a fresh key, no
-payload sent twice) as fast as ZMQ takes them; this
+their token ids, ``medium="GPU"`` and ``group_idx=0`` as vLLM 0.33's BlockPool sends
+them: real vLLM hashes of random prompts, every block a fresh key, no payload sent
+twice) as fast as ZMQ takes them; this
 process runs the real Subscriber (receiver + applier threads), Ingestor (with the
 sampled hash check) and MemoryBackend, pinned to one core, and measures blocks applied
 per second from the first delivery to the last, and per CPU-second this process used
@@ -22,6 +23,7 @@ import time
 import numpy as np
 
 from kvindex.api.testing import free_port
+from kvindex.events import scanned
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.layouts import wire_format
 from kvindex.events.subscriber import Subscriber
@@ -57,7 +59,8 @@ def _publish(endpoint: str, batches: int, events_per_batch: int, version: str, r
     for _ in range(batches):
         events = []
         for tokens in rng.integers(0, 150_000, (events_per_batch, EVENT_TOKENS)).tolist():
-            events.append(BlockStored(hasher.keys(tokens), None, tokens, BLOCK_SIZE))
+            keys = hasher.keys(tokens)
+            events.append(BlockStored(keys, None, tokens, BLOCK_SIZE, medium="GPU", group_idx=0))
         payloads.append(fmt.encode_batch(events, time.time(), 0))
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -144,7 +147,8 @@ def main() -> None:
         os.sched_setaffinity(0, {args.cpu})
     print(
         f"end-to-end ingest, {BLOCKS_PER_EVENT}-block BlockStored events with token ids, "
-        f"vLLM {args.vllm_version} layout, subscriber pinned to core {args.cpu}"
+        f"vLLM {args.vllm_version} layout, subscriber pinned to core {args.cpu}, "
+        f"payloads read by {scanned.implementation()}"
     )
     for per_batch in args.events_per_batch:
         r = run(args.blocks, per_batch, args.vllm_version)

@@ -196,12 +196,13 @@ class Door:
             )  # fmt: skip
         if rank is None:
             rank = target.rank if target is not None else 0
-        if target is None and not self._admit_stream(StreamId(pod, rank), peer or ""):
+        sid = StreamId(pod, rank)
+        if target is None and not self._admit_stream(sid, peer or ""):
             return self._skip(
                 SENDER_STREAM_CAP,
                 source,
                 "new stream %s from %s (max_streams_per_sender is %d)",
-                StreamId(pod, rank),
+                sid,
                 peer,
                 self._config.max_streams_per_sender,
             )
@@ -212,7 +213,7 @@ class Door:
         else:
             replay = None
         return Arrival(
-            StreamId(pod, rank), model, seq, payload, self._clock(), replay,
+            sid, model, seq, payload, self._clock(), replay,
             topic=topic, connected=target is not None, decoded=decoded,
         )  # fmt: skip
 

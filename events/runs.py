@@ -73,7 +73,7 @@ def runs_of(batch: EventBatch | ScannedBatch) -> BatchRuns:
     """The batch as runs; raises ValueError for a hash outside ``[0, 2**64)`` (possible
     only in a batch built in-process: the wire cannot carry one)."""
     if type(batch) is ScannedBatch:
-        return BatchRuns(batch.runs, batch.hashes)
+        return (batch.runs, batch.hashes)  # type: ignore[return-value]  # a BatchRuns
     runs: list[Run] = []
     hashes = array("Q")
     last: tuple | None = None

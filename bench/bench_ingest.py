@@ -97,14 +97,16 @@ class CountingSink:
         self.inner.reset(stream, reason)
 
 
-def run(blocks: int, events_per_batch: int, version: str) -> dict[str, float]:
+def run(
+    blocks: int, events_per_batch: int, version: str, stream_queue: int = 1_000_000
+) -> dict[str, float]:
     batches = blocks // (BLOCKS_PER_EVENT * events_per_batch)
     backend = MemoryBackend()
     catalog = ModelCatalog()
     ingestor = Ingestor(backend, catalog, HashVerifier(catalog.keying, catalog.hasher))
     sink = CountingSink(ingestor)
     subscriber = Subscriber(
-        sink, SubscriberConfig(queue_capacity=1_000_000, catch_up_on_first_contact=False)
+        sink, SubscriberConfig(queue_capacity=stream_queue, catch_up_on_first_contact=False)
     )
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     subscriber.bind(endpoint)
@@ -116,7 +118,10 @@ def run(blocks: int, events_per_batch: int, version: str) -> dict[str, float]:
     proc.start()
     ready.set()
     deadline = time.monotonic() + 600  # includes the publisher hashing every batch
-    while sink.batches < batches and time.monotonic() < deadline:
+    while sink.batches < batches and time.monotonic() < deadline and proc.is_alive():
+        time.sleep(0.05)
+    quiet_until = time.monotonic() + 2.0  # what is still queued once the publisher is done
+    while sink.batches < batches and time.monotonic() < quiet_until:
         time.sleep(0.05)
     proc.join(30)
     subscriber.stop()
@@ -142,6 +147,13 @@ def main() -> None:
     parser.add_argument("--events-per-batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--vllm-version", default="0.33")
     parser.add_argument("--cpu", type=int, default=0, help="core to pin this process to (-1: none)")
+    parser.add_argument(
+        "--stream-queue",
+        type=int,
+        default=1_000_000,
+        help="the subscriber's queue per stream (the service's --stream-queue); the "
+        "default holds every batch, a smaller one shows what a burst overflows",
+    )
     args = parser.parse_args()
     if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
@@ -151,7 +163,7 @@ def main() -> None:
         f"payloads read by {scanned.implementation()}"
     )
     for per_batch in args.events_per_batch:
-        r = run(args.blocks, per_batch, args.vllm_version)
+        r = run(args.blocks, per_batch, args.vllm_version, args.stream_queue)
         print(
             f"  {per_batch} event(s)/batch: {r['blocks_per_s']:>12,.0f} blocks/s "
             f"({r['blocks_per_cpu_s']:,.0f} per CPU-second of this process)  "

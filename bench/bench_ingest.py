@@ -98,10 +98,14 @@ class CountingSink:
 
 
 def run(
-    blocks: int, events_per_batch: int, version: str, stream_queue: int = 1_000_000
+    blocks: int,
+    events_per_batch: int,
+    version: str,
+    stream_queue: int = 1_000_000,
+    expected_keys: int | None = None,
 ) -> dict[str, float]:
     batches = blocks // (BLOCKS_PER_EVENT * events_per_batch)
-    backend = MemoryBackend()
+    backend = MemoryBackend(expected_keys=expected_keys)
     catalog = ModelCatalog()
     ingestor = Ingestor(backend, catalog, HashVerifier(catalog.keying, catalog.hasher))
     sink = CountingSink(ingestor)
@@ -120,9 +124,13 @@ def run(
     deadline = time.monotonic() + 600  # includes the publisher hashing every batch
     while sink.batches < batches and time.monotonic() < deadline and proc.is_alive():
         time.sleep(0.05)
-    quiet_until = time.monotonic() + 2.0  # what is still queued once the publisher is done
-    while sink.batches < batches and time.monotonic() < quiet_until:
+    # Once the publisher is done, what is still queued: until all arrived, or nothing
+    # more for 10 s (batches a full queue dropped never arrive).
+    seen, quiet_until = sink.batches, time.monotonic() + 10.0
+    while sink.batches < batches and time.monotonic() < min(quiet_until, deadline):
         time.sleep(0.05)
+        if sink.batches != seen:
+            seen, quiet_until = sink.batches, time.monotonic() + 10.0
     proc.join(30)
     subscriber.stop()
     elapsed = max(sink.last - sink.first, 1e-9)
@@ -154,6 +162,12 @@ def main() -> None:
         help="the subscriber's queue per stream (the service's --stream-queue); the "
         "default holds every batch, a smaller one shows what a burst overflows",
     )
+    parser.add_argument(
+        "--presize",
+        action="store_true",
+        help="size the index for --blocks keys up front (MemoryBackend expected_keys), "
+        "so it does not grow from empty",
+    )
     args = parser.parse_args()
     if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
@@ -163,7 +177,8 @@ def main() -> None:
         f"payloads read by {scanned.implementation()}"
     )
     for per_batch in args.events_per_batch:
-        r = run(args.blocks, per_batch, args.vllm_version, args.stream_queue)
+        presize = args.blocks if args.presize else None
+        r = run(args.blocks, per_batch, args.vllm_version, args.stream_queue, presize)
         print(
             f"  {per_batch} event(s)/batch: {r['blocks_per_s']:>12,.0f} blocks/s "
             f"({r['blocks_per_cpu_s']:,.0f} per CPU-second of this process)  "

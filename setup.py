@@ -22,6 +22,7 @@ setup(
         Extension(
             "kvindex.events._wire_scan",
             sources=["events/_wire_scan.c"],
+            depends=["events/_wire_scan_read.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -1,13 +1,15 @@
 """Build hook for the compiled modules; everything else is in pyproject.toml.
 
-Both are optional: without a C compiler (or OpenSSL's headers) ``pip install`` still
-succeeds and kvindex runs the pure path, which gives identical answers (``kvindex
---version`` says which runs):
+All three are optional: without a C compiler (or OpenSSL's headers, for the hash chain)
+``pip install`` still succeeds and kvindex runs the pure path, which gives identical
+answers (``kvindex --version`` says which runs):
 
 - ``kvindex.indexer._probe`` (indexer/_probe.c): the memory table's probing kernels;
 - ``kvindex.indexer._chain`` (indexer/_chain.c): vLLM's block-hash chain, hashed with
   OpenSSL's libcrypto (libssl-dev to build, libssl3 at run time; Python's own ssl
-  module needs the latter anyway).
+  module needs the latter anyway);
+- ``kvindex.events._wire_scan`` (events/_wire_scan.c): the KV-event payload scanner
+  (the msgspec decoder otherwise).
 
 setuptools reads extension modules from setup.py on every version this project
 supports (its pyproject.toml form is still marked experimental).
@@ -29,6 +31,13 @@ setup(
             depends=["indexer/_chain_writer.h", "indexer/_chain_pickle.h", "indexer/_chain_cbor.h"],
             extra_compile_args=["-O3"],
             libraries=["crypto"],
+            optional=True,
+        ),
+        Extension(
+            "kvindex.events._wire_scan",
+            sources=["events/_wire_scan.c"],
+            depends=["events/_wire_scan_read.h"],
+            extra_compile_args=["-O3"],
             optional=True,
         ),
     ]

@@ -112,7 +112,7 @@ class EventsSettings(_Section):
             "batches waiting per engine stream before the newest is dropped "
             "(and fetched again by replay); raise it if queue_overflow is counted"
         ),
-    ] = 4096
+    ] = 32_768
     replay_endpoint: Annotated[
         list[str],
         doc(

@@ -5,7 +5,9 @@ kvindex process can ingest (target: >= 2,000,000 hashes/s). Payloads are realist
 BlockStored events of 32 blocks of 16 tokens, with token ids, as vLLM sends them,
 in the array layout (vLLM <= 0.23) and the map layout (vLLM >= 0.24). Also shown: the
 receiver's envelope peek (rank and ts, events skipped) and a decode whose first layout
-guess is wrong (what a stream pays once, when its engine is upgraded).
+guess is wrong (what a stream pays once, when its engine is upgraded), and the compiled
+scanner (``events/_wire_scan.c``: hashes as one uint64 buffer, token ids skipped),
+which is what the receiver runs when it is built.
 
 Run: ``python bench/bench_decode.py [--seconds 1.0]``. Prints figures; asserts nothing.
 """
@@ -19,7 +21,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvindex.events import BatchDecoder, BlockStored, Layout, wire_format
+from kvindex.events import BatchDecoder, BlockStored, Layout, scanned, wire_format
 from kvindex.events.wire import EnvelopeDecoder
 
 BLOCKS_PER_EVENT = 32
@@ -75,6 +77,8 @@ def main() -> None:
             ("  wrong first guess", lambda p=payload, d=decoder, o=other: d.decode(p, o)),
             ("  envelope peek only", lambda p=payload: envelope.decode(p)),
         )
+        if scanned.scanner is not None:  # what the receiver runs when it is built
+            cases += (("  compiled scan (_wire_scan.c)", lambda p=payload: scanned.scan(p)),)
         for name, fn in cases:
             per_s = rate(fn, args.seconds)
             print(f"{name:<34}{len(payload):>10}{per_s:>12,.0f}{per_s * hashes_per_batch:>14,.0f}")

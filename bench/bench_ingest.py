@@ -1,8 +1,9 @@
 """End-to-end ingest: frames on a ZMQ socket -> subscriber -> ingestor -> memory index.
 
 A publisher process sends pre-encoded vLLM batches (32-block BlockStored events with
-their token ids: real vLLM hashes of random prompts, every block a fresh key, no
-payload sent twice) as fast as ZMQ takes them; this
+their token ids, ``medium="GPU"`` and ``group_idx=0`` as vLLM 0.33's BlockPool sends
+them: real vLLM hashes of random prompts, every block a fresh key, no payload sent
+twice) as fast as ZMQ takes them; this
 process runs the real Subscriber (receiver + applier threads), Ingestor (with the
 sampled hash check) and MemoryBackend, pinned to one core, and measures blocks applied
 per second from the first delivery to the last, and per CPU-second this process used
@@ -22,6 +23,7 @@ import time
 import numpy as np
 
 from kvindex.api.testing import free_port
+from kvindex.events import scanned
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.layouts import wire_format
 from kvindex.events.subscriber import Subscriber
@@ -57,7 +59,8 @@ def _publish(endpoint: str, batches: int, events_per_batch: int, version: str, r
     for _ in range(batches):
         events = []
         for tokens in rng.integers(0, 150_000, (events_per_batch, EVENT_TOKENS)).tolist():
-            events.append(BlockStored(hasher.keys(tokens), None, tokens, BLOCK_SIZE))
+            keys = hasher.keys(tokens)
+            events.append(BlockStored(keys, None, tokens, BLOCK_SIZE, medium="GPU", group_idx=0))
         payloads.append(fmt.encode_batch(events, time.time(), 0))
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -94,14 +97,20 @@ class CountingSink:
         self.inner.reset(stream, reason)
 
 
-def run(blocks: int, events_per_batch: int, version: str) -> dict[str, float]:
+def run(
+    blocks: int,
+    events_per_batch: int,
+    version: str,
+    stream_queue: int = 1_000_000,
+    expected_keys: int | None = None,
+) -> dict[str, float]:
     batches = blocks // (BLOCKS_PER_EVENT * events_per_batch)
-    backend = MemoryBackend()
+    backend = MemoryBackend(expected_keys=expected_keys)
     catalog = ModelCatalog()
     ingestor = Ingestor(backend, catalog, HashVerifier(catalog.keying, catalog.hasher))
     sink = CountingSink(ingestor)
     subscriber = Subscriber(
-        sink, SubscriberConfig(queue_capacity=1_000_000, catch_up_on_first_contact=False)
+        sink, SubscriberConfig(queue_capacity=stream_queue, catch_up_on_first_contact=False)
     )
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     subscriber.bind(endpoint)
@@ -113,8 +122,15 @@ def run(blocks: int, events_per_batch: int, version: str) -> dict[str, float]:
     proc.start()
     ready.set()
     deadline = time.monotonic() + 600  # includes the publisher hashing every batch
-    while sink.batches < batches and time.monotonic() < deadline:
+    seen, quiet_until = 0, deadline
+    while sink.batches < batches and time.monotonic() < min(quiet_until, deadline):
         time.sleep(0.05)
+        if sink.batches != seen:
+            seen, quiet_until = sink.batches, deadline
+        elif not proc.is_alive() and subscriber.error_counts().get("queue_overflow"):
+            # A full queue dropped batches: they never arrive. Take what is still
+            # queued, until nothing more comes for 10 s.
+            quiet_until = min(quiet_until, time.monotonic() + 10.0)
     proc.join(30)
     subscriber.stop()
     elapsed = max(sink.last - sink.first, 1e-9)
@@ -139,15 +155,30 @@ def main() -> None:
     parser.add_argument("--events-per-batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--vllm-version", default="0.33")
     parser.add_argument("--cpu", type=int, default=0, help="core to pin this process to (-1: none)")
+    parser.add_argument(
+        "--stream-queue",
+        type=int,
+        default=1_000_000,
+        help="the subscriber's queue per stream (the service's --stream-queue); the "
+        "default holds every batch, a smaller one shows what a burst overflows",
+    )
+    parser.add_argument(
+        "--presize",
+        action="store_true",
+        help="size the index for --blocks keys up front (MemoryBackend expected_keys), "
+        "so it does not grow from empty",
+    )
     args = parser.parse_args()
     if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
     print(
         f"end-to-end ingest, {BLOCKS_PER_EVENT}-block BlockStored events with token ids, "
-        f"vLLM {args.vllm_version} layout, subscriber pinned to core {args.cpu}"
+        f"vLLM {args.vllm_version} layout, subscriber pinned to core {args.cpu}, "
+        f"payloads read by {scanned.implementation()}"
     )
     for per_batch in args.events_per_batch:
-        r = run(args.blocks, per_batch, args.vllm_version)
+        presize = args.blocks if args.presize else None
+        r = run(args.blocks, per_batch, args.vllm_version, args.stream_queue, presize)
         print(
             f"  {per_batch} event(s)/batch: {r['blocks_per_s']:>12,.0f} blocks/s "
             f"({r['blocks_per_cpu_s']:,.0f} per CPU-second of this process)  "

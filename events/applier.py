@@ -36,16 +36,14 @@ from kvindex.events.receiver import Arrival
 from kvindex.events.recovery import Anchor
 from kvindex.events.replaying import ReplayDone, ReplayRecovery, ReplayWorkers
 from kvindex.events.resync import Resync
+from kvindex.events.runs import TAG_NAMES, event_count, tag_counts
 from kvindex.events.sequence import Action
 from kvindex.events.sink import BatchSink, Delivery
 from kvindex.events.status import ReasonCounts
 from kvindex.events.stream import COUNTERS, JobKind, Stream
 from kvindex.events.stream_table import StreamTable
 from kvindex.events.wire import (
-    AllBlocksCleared,
     BatchDecoder,
-    BlockRemoved,
-    BlockStored,
     DecodedBatch,
     DecodeError,
 )
@@ -53,22 +51,6 @@ from kvindex.events.wire import (
 log = logging.getLogger("kvindex.events.subscriber")
 
 _IDLE_WAIT_S = 1.0
-
-_EVENT_NAMES: dict[type, str] = {}
-
-
-def _event_name(event: object) -> str:
-    cls = type(event)
-    name = _EVENT_NAMES.get(cls)
-    if name is None:
-        for base in (BlockStored, BlockRemoved, AllBlocksCleared):
-            if isinstance(event, base):
-                name = base.__name__
-                break
-        else:
-            name = cls.__name__
-        _EVENT_NAMES[cls] = name
-    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,7 +380,7 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
                 reason,
             )
         batch = decoded.batch
-        if batch.events:
+        if event_count(batch):
             stream.layout = decoded.layout
         pending.append(Delivery(stream.sid, model, seq, batch, received_at, replayed))
 
@@ -435,12 +417,12 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
             return False
         counts = self._event_counts
         for delivery in pending:
-            for event in delivery.batch.events:
-                name = _event_name(event)
-                counts[name] = counts.get(name, 0) + 1
-                if name == "AllBlocksCleared" and delivery.seq > rec.lost_through:
-                    # The engine dropped everything: whatever was lost before is moot.
-                    rec.gapped = rec.incomplete = False
+            for name, count in zip(TAG_NAMES, tag_counts(delivery.batch), strict=True):
+                if count:
+                    counts[name] = counts.get(name, 0) + count
+                    if name == "AllBlocksCleared" and delivery.seq > rec.lost_through:
+                        # The engine dropped everything: whatever was lost before is moot.
+                        rec.gapped = rec.incomplete = False
         last = pending[-1]
         if stream.first_seq is None:
             stream.first_seq = pending[0].seq

@@ -17,8 +17,12 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     #: Connect mode subscribes to everything (vLLM's default topic is ``""``).
     topic_filter: str = "kv@"
     #: Messages waiting per stream (pod and DP rank). When full, the newest message is
-    #: dropped and counted; the gap it leaves is recovered by replay.
-    queue_capacity: int = 4096
+    #: dropped and counted; the gap it leaves is recovered by replay, but only from the
+    #: engine's last ``buffer_steps`` batches (10,000 by default), so a burst past both is
+    #: lost. 32,768 holds a 31,000-message burst of 1-event batches that dropped 3,500-3,900
+    #: batches at the old 4,096 (bench_ingest.py --stream-queue); it costs memory only while
+    #: a stream is behind (at most ~80 MB for a stream of 2.5 KB batches).
+    queue_capacity: int = 32_768
     #: Payloads above this are skipped and counted (ZMQ's own hard cap is 256 MiB).
     max_payload_bytes: int = 16 * 1024 * 1024
     #: Bind mode: the engines' replay port (``replay_endpoint`` of ``--kv-events-config``)

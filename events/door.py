@@ -33,6 +33,8 @@ from kvindex.events.endpoints import PodEndpoint, endpoint_host, tcp_endpoint
 from kvindex.events.identity import IdentityError, StreamId, normalize_pod, parse_topic, pod_host
 from kvindex.events.known_pods import KnownPods
 from kvindex.events.ratelog import RateLimitedLog
+from kvindex.events.runs import event_count
+from kvindex.events.scanned import scan
 from kvindex.events.status import ReasonCounts
 from kvindex.events.wire import (
     MAX_DP_RANK,
@@ -194,12 +196,13 @@ class Door:
             )  # fmt: skip
         if rank is None:
             rank = target.rank if target is not None else 0
-        if target is None and not self._admit_stream(StreamId(pod, rank), peer or ""):
+        sid = StreamId(pod, rank)
+        if target is None and not self._admit_stream(sid, peer or ""):
             return self._skip(
                 SENDER_STREAM_CAP,
                 source,
                 "new stream %s from %s (max_streams_per_sender is %d)",
-                StreamId(pod, rank),
+                sid,
                 peer,
                 self._config.max_streams_per_sender,
             )
@@ -210,12 +213,20 @@ class Door:
         else:
             replay = None
         return Arrival(
-            StreamId(pod, rank), model, seq, payload, self._clock(), replay,
+            sid, model, seq, payload, self._clock(), replay,
             topic=topic, connected=target is not None, decoded=decoded,
         )  # fmt: skip
 
     def _decode(self, payload: bytes) -> DecodedBatch | None:
-        """The whole batch, or None when it is not a usable batch with a valid rank."""
+        """The whole batch, or None when it is not a usable batch with a valid rank.
+
+        The compiled scanner reads the batches vLLM sends (no Python int per hash, token
+        ids skipped at memory speed); msgspec decodes whatever it does not take."""
+        scanned = scan(payload)
+        if scanned is not None:  # a valid rank, nothing skipped: the scanner checked
+            if scanned.n_events:
+                self._layout = scanned.layout
+            return DecodedBatch(scanned, scanned.layout)
         try:
             decoded = self._batches.decode(payload, self._layout)
         except DecodeError:
@@ -223,7 +234,7 @@ class Door:
         rank = decoded.batch.data_parallel_rank
         if rank is not None and rank > MAX_DP_RANK:
             return None  # the envelope decoder rejects it, and counts it
-        if decoded.batch.events:
+        if event_count(decoded.batch):
             self._layout = decoded.layout
         return decoded
 

@@ -344,18 +344,23 @@ class Receiver:
     def _drain(self, sock: zmq.Socket, source: Source, out: list[Arrival]) -> None:
         bind_mode = source.target is None
         peer: str | None = None
+        recv = sock.recv
+        admit = self._door.admit
         for _ in range(_DRAIN_PER_SOCKET):
+            # Frames, not bytes: a Frame says whether more parts follow (recv_multipart
+            # asks the socket, a getsockopt per part, which costs more than the copy)
+            # and carries the sender's Peer-Address (bind mode).
             try:
-                if bind_mode:
-                    # Frames, not bytes: only a Frame carries the sender's Peer-Address.
-                    received = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    peer = _peer_address(received[0])
-                    frames = [frame.bytes for frame in received]
-                else:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                frame = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            arrival = self._door.admit(source, frames, peer)
+            if bind_mode:
+                peer = _peer_address(frame)
+            frames = [frame.bytes]
+            while frame.more:  # ZMQ delivers a message whole: its other parts are here
+                frame = recv(zmq.NOBLOCK, copy=False)
+                frames.append(frame.bytes)
+            arrival = admit(source, frames, peer)
             if arrival is not None:
                 out.append(arrival)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvindex.events.identity import StreamId
+from kvindex.events.scanned import ScannedBatch
 from kvindex.events.wire import EventBatch
 
 
@@ -19,13 +20,15 @@ class Delivery:
     """One batch, in stream order, ready to apply.
 
     ``seq`` is the engine's sequence number; within a stream, deliveries arrive with
-    strictly increasing ``seq`` (duplicates from replay are already dropped).
+    strictly increasing ``seq`` (duplicates from replay are already dropped). ``batch``
+    is an EventBatch, or a ScannedBatch standing in for one (its ``events`` are decoded
+    on first use; :mod:`kvindex.events.runs` reads either without decoding them).
     """
 
     stream: StreamId
     model: str
     seq: int
-    batch: EventBatch
+    batch: EventBatch | ScannedBatch
     received_at: float
     replayed: bool = False
 

@@ -162,6 +162,12 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
 
 # The same three as msgpack maps (``{"ts": .., "events": [..], "data_parallel_rank": ..}``),
 # should vLLM ever drop ``array_like`` from its EventBatch the way 0.24 did for events.
+#: The typed decodes of a batch (array envelope) and of one event, per event layout: what
+#: the compiled scanner's batches decode their events with (events/scanned.py).
+BATCH_TYPES = {Layout.ARRAY: _ArrayBatch, Layout.MAP: _MapBatch}
+EVENT_TYPES = {Layout.ARRAY: _ArrayEvent, Layout.MAP: _MapEvent}
+
+
 class _ArrayBatchAsMap(_ArrayBatch, array_like=False):
     pass
 
@@ -241,9 +247,13 @@ class DecodeError(ValueError):
 
 
 class DecodedBatch(msgspec.Struct, gc=False):
-    """A decoded batch plus what was skipped inside it (``reason -> count``)."""
+    """A decoded batch plus what was skipped inside it (``reason -> count``).
 
-    batch: EventBatch
+    ``batch`` is an EventBatch, or a :class:`~kvindex.events.scanned.ScannedBatch`
+    standing in for one (read by the compiled scanner; nothing skipped).
+    """
+
+    batch: Any  # EventBatch | ScannedBatch (scanned.py imports this module)
     layout: Layout
     skipped: dict[str, int] = {}
 

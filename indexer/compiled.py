@@ -10,7 +10,8 @@ pickle or CBOR bytes written directly, SHA-256 from OpenSSL's libcrypto); it is 
 optional (it needs OpenSSL's headers to build) and gives the keys of the pure path in
 indexer/keys.py, several times faster (bench/bench_hash.py).
 
-``kvindex --version`` and the startup line say which ones run. Tests run both paths
+``kvindex --version`` and the startup line say which ones run, and which payload reader
+(events/_wire_scan.c or msgspec). Tests run both paths
 (``tests/test_memory_table_paths.py``, ``tests/test_keys_compiled.py``) by swapping
 :data:`probe` or :data:`chain` for None.
 """
@@ -18,6 +19,8 @@ indexer/keys.py, several times faster (bench/bench_hash.py).
 from __future__ import annotations
 
 from types import ModuleType
+
+from kvindex.events.scanned import implementation as payloads
 
 try:
     from kvindex.indexer import _probe as _compiled
@@ -45,5 +48,7 @@ def hashing() -> str:
 
 
 def describe() -> str:
-    """Both, as ``--version`` and the startup line print them."""
-    return f"{implementation()} table, {hashing()} hashing"
+    """The table, the hashing and the KV-event payload reader
+    (:func:`kvindex.events.scanned.implementation`), as ``--version`` and the startup
+    line print them."""
+    return f"{implementation()} table, {hashing()} hashing, {payloads()} payloads"

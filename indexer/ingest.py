@@ -50,11 +50,15 @@ memory). Rules, each one a pitfall other indexers hit:
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvindex.events.identity import StreamId
+from kvindex.events.runs import CLEARED, STORED, event_at, runs_of
 from kvindex.events.sink import Delivery
 from kvindex.events.wire import (
     AllBlocksCleared,
@@ -111,11 +115,11 @@ class Ingestor:
         self.counts = IngestCounts()
 
     def deliver(self, deliveries: Sequence[Delivery]) -> None:
-        changes: list[Change] = []
+        changes = ChangeList()
         for delivery in deliveries:
             self._changes_for(delivery, changes)
         if changes:
-            self._backend.apply(changes)
+            self._backend.apply(changes.finish())
 
     def reset(self, stream: StreamId, reason: str) -> None:
         member = stream.member
@@ -150,13 +154,61 @@ class Ingestor:
         for model, idx, kind, window, block_size in state.get("layouts", ()):
             self.layouts.learn(str(model), int(idx), str(kind), window, int(block_size))
 
-    def _changes_for(self, delivery: Delivery, changes: list[Change]) -> None:
+    def _changes_for(self, delivery: Delivery, changes: ChangeList) -> None:
+        """The batch's changes, a run of like events at a time (:mod:`kvindex.events.runs`):
+        its hashes go to the backend as one ``uint64`` buffer, never as Python ints."""
         member = delivery.stream.member
         model = delivery.model
         keying = self._catalog.keying(model)
-        tokens_mode = keying.key_mode is KeyMode.TOKENS
+        if keying.key_mode is KeyMode.TOKENS:
+            self._token_changes(delivery, changes)
+            return
         # Under report mode "full" a store from the root may be an announcement (docstring)
         root_op = Op.ANNOUNCE if keying.report_mode is ReportMode.FULL else Op.STORE
+        counts = self.counts
+        batch = delivery.batch
+        runs, hashes = runs_of(batch)
+        for run in runs:
+            tag, first, count, start, stop, parent_none = run[:6]
+            if tag == CLEARED:
+                counts.events["AllBlocksCleared"] += count
+                for _ in range(count):
+                    self._engine_map.clear(member)
+                    changes.clear(member, model)
+                continue
+            medium, group_idx, kind, locality = run[7], run[8], run[9], run[11]
+            stored = tag == STORED
+            counts.events["BlockStored" if stored else "BlockRemoved"] += count
+            if locality == _REMOTE:
+                counts.skipped["remote_locality"] += count
+                continue
+            if stored and group_idx is not None:
+                self._learn_group(member, model, count, run)
+            place = self._place(member, model, group_idx, kind, medium, False, count)
+            if place is None:
+                continue
+            target, tier = place
+            if stored:
+                op = root_op if parent_none else Op.STORE
+                if self._verifier is not None:
+                    self._verifier.observe_many(
+                        member, model, count, lambda i, b=batch, f=first: event_at(b, f + i)
+                    )
+                counts.blocks_stored += stop - start
+            else:
+                op = Op.REMOVE
+                counts.blocks_removed += stop - start
+            if stop > start:
+                changes.add(op, member, target, tier, _span(hashes, start, stop))
+
+    def _token_changes(self, delivery: Delivery, changes: ChangeList) -> None:
+        """Token-key mode: every event's own keys come from its token ids, one event at
+        a time (the content hash chain, the engine-hash map)."""
+        member = delivery.stream.member
+        model = delivery.model
+        # Under report mode "full" a store from the root may be an announcement (docstring)
+        report_full = self._catalog.keying(model).report_mode is ReportMode.FULL
+        root_op = Op.ANNOUNCE if report_full else Op.STORE
         counts = self.counts
         for event in delivery.batch.events:
             if isinstance(event, BlockStored):
@@ -164,62 +216,50 @@ class Ingestor:
                 if event.locality == _REMOTE:
                     counts.skipped["remote_locality"] += 1
                     continue
-                if event.group_idx is not None and not tokens_mode:
-                    self._learn_group(member, model, event)
                 place = self._place(
-                    member,
-                    model,
-                    event.group_idx,
-                    event.kv_cache_spec_kind,
-                    event.medium,
-                    tokens_mode,
+                    member, model, event.group_idx, event.kv_cache_spec_kind, event.medium, True
                 )
                 if place is None:
                     continue
                 target, tier = place
                 op = root_op if event.parent_block_hash is None else Op.STORE
-                if tokens_mode:
-                    keys = self._content_keys(member, model, tier, event, op)
-                else:
-                    keys = hashes_to_ints(event.block_hashes)
-                    if self._verifier is not None:
-                        self._verifier.observe(member, model, event)
+                keys = self._content_keys(member, model, tier, event, op)
                 if keys:
                     counts.blocks_stored += len(keys)
-                    _add(changes, op, member, target, tier, keys)
+                    changes.add(op, member, target, tier, _packed(keys))
             elif isinstance(event, BlockRemoved):
                 counts.events["BlockRemoved"] += 1
                 if event.locality == _REMOTE:
                     counts.skipped["remote_locality"] += 1
                     continue
-                place = self._place(member, model, event.group_idx, None, event.medium, tokens_mode)
+                place = self._place(member, model, event.group_idx, None, event.medium, True)
                 if place is None:
                     continue
                 target, tier = place
-                keys = hashes_to_ints(event.block_hashes)
-                if tokens_mode:
-                    keys = self._engine_map.forget(member, tier, keys)
+                keys = self._engine_map.forget(member, tier, hashes_to_ints(event.block_hashes))
                 if keys:
                     counts.blocks_removed += len(keys)
-                    _add(changes, Op.REMOVE, member, target, tier, keys)
+                    changes.add(Op.REMOVE, member, target, tier, _packed(keys))
             elif isinstance(event, AllBlocksCleared):
                 counts.events["AllBlocksCleared"] += 1
                 self._engine_map.clear(member)
-                changes.append(Change(Op.CLEAR, member, model, None))
+                changes.clear(member, model)
 
-    def _learn_group(self, member: str, model: str, event: BlockStored) -> None:
-        """Record the group layout a store announces (engine-key mode only: token-key
-        mode indexes the primary group alone)."""
-        kind = event.kv_cache_spec_kind
+    def _learn_group(self, member: str, model: str, count: int, run: tuple) -> None:
+        """Record the group layout a run of ``count`` stores announces (engine-key mode
+        only: token-key mode indexes the primary group alone)."""
+        block_size, medium, group_idx, kind, window = run[6:11]
         if kind is None:
             return
         self._grouped.add(member)
-        if event.medium not in (None, "GPU"):
+        if medium not in (None, "GPU"):
             return  # offload tiers have block sizes of their own
-        block_size = event.block_size if event.token_ids else 0
-        self.layouts.learn(
-            model, event.group_idx or 0, kind, event.kv_cache_spec_sliding_window, block_size
-        )
+        layouts = self.layouts
+        conflicts = layouts.conflicts
+        layouts.learn(model, group_idx or 0, kind, window, block_size)
+        if layouts.conflicts != conflicts:  # each store that disagrees is one conflict
+            for _ in range(count - 1):
+                layouts.learn(model, group_idx or 0, kind, window, block_size)
 
     def _place(
         self,
@@ -229,9 +269,10 @@ class Ingestor:
         kind: str | None,
         medium: str | None,
         tokens_mode: bool,
+        count: int = 1,
     ) -> tuple[str, Tier] | None:
-        """The index namespace and tier an event of this KV-cache group and medium
-        applies to; None (counted) when it is not indexed."""
+        """The index namespace and tier ``count`` events of this KV-cache group and
+        medium apply to; None (counted) when they are not indexed."""
         if group_idx is None:
             target: str | None = model
         elif member in self._grouped:
@@ -239,11 +280,11 @@ class Ingestor:
         else:
             target = model if self._indexed_group(member, group_idx, kind) else None
         if target is None:
-            self.counts.skipped["other_kv_group"] += 1
+            self.counts.skipped["other_kv_group"] += count
             return None
         tier = _TIERS.get(medium)
         if tier is None:
-            self.counts.skipped["unknown_medium"] += 1
+            self.counts.skipped["unknown_medium"] += count
             return None
         return target, tier
 
@@ -298,20 +339,64 @@ class Ingestor:
         return own
 
 
-def _add(
-    changes: list[Change], op: Op, member: str, model: str, tier: Tier, keys: list[int]
-) -> None:
-    """Append a change, or extend the last one when it has the same op, member, model
-    and tier: applying the two in a row is the same as applying their keys as one, and
-    an engine's batch is mostly a run of such events (fewer, longer changes are what
-    the backends batch best)."""
-    if changes:
-        last = changes[-1]
-        if last.op is op and last.tier is tier and last.member == member and last.model == model:
-            last.keys.extend(keys)  # type: ignore[attr-defined]  # made a list below
-            return
-    # A copy: the event's own list must not grow when a later event extends this change
-    changes.append(Change(op, member, model, tier, list(keys)))
+class ChangeList:
+    """The changes of one ``deliver`` call, as they are built.
+
+    Keys arrive as native ``uint64`` buffers (a run's slice of a batch's hashes). A
+    run with the same op, member, model and tier as the change before it extends that
+    change: applying the two in a row is the same as applying their keys as one, and an
+    engine's batches are mostly such runs (fewer, longer changes are what the backends
+    batch best). :meth:`finish` joins each change's buffers into one ``uint64`` array.
+    """
+
+    __slots__ = ("_changes", "_pieces")
+
+    def __init__(self) -> None:
+        self._changes: list[Change] = []
+        self._pieces: list[list[bytes | memoryview] | None] = []  # per change; None: CLEAR
+
+    def __bool__(self) -> bool:
+        return bool(self._changes)
+
+    def add(self, op: Op, member: str, model: str, tier: Tier, keys: bytes | memoryview) -> None:
+        if self._changes:
+            last = self._changes[-1]
+            if (
+                last.op is op
+                and last.tier is tier
+                and last.member == member
+                and last.model == model
+            ):
+                self._pieces[-1].append(keys)  # type: ignore[union-attr]  # not a CLEAR
+                return
+        self._changes.append(Change(op, member, model, tier))
+        self._pieces.append([keys])
+
+    def clear(self, member: str, model: str) -> None:
+        self._changes.append(Change(Op.CLEAR, member, model, None))
+        self._pieces.append(None)
+
+    def finish(self) -> list[Change]:
+        for change, pieces in zip(self._changes, self._pieces, strict=True):
+            if pieces is not None:
+                joined = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                change.keys = np.frombuffer(joined, np.uint64)
+        return self._changes
+
+
+def _span(hashes: bytes | memoryview, start: int, stop: int) -> bytes | memoryview:
+    """Hashes ``start:stop`` (in items) of a native ``uint64`` buffer, without a copy."""
+    if start == 0 and 8 * stop == len(hashes):
+        return hashes
+    return memoryview(hashes)[8 * start : 8 * stop]
+
+
+def _packed(keys: list[int]) -> bytes:
+    """Keys (Python ints, in ``[0, 2**64)``) as a native ``uint64`` buffer."""
+    try:
+        return array("Q", keys).tobytes()
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"block keys must be integers in [0, 2**64): {exc}") from None
 
 
 def _content_extras(event: BlockStored) -> BlockExtras:

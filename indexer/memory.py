@@ -104,10 +104,22 @@ class MemoryBackend(_MemberIds):
     seen (thousands of one-block pods that come and go leave nothing behind).
     """
 
-    def __init__(self, capacity_blocks: int | None = None, *, hash_seed: int | None = None):
+    def __init__(
+        self,
+        capacity_blocks: int | None = None,
+        *,
+        hash_seed: int | None = None,
+        expected_keys: int | None = None,
+    ):
         if capacity_blocks is not None and capacity_blocks < 1:
             raise ValueError("capacity_blocks must be positive (or None for unbounded)")
+        if expected_keys is not None and expected_keys < 0:
+            raise ValueError("expected_keys must be >= 0 (or None)")
         self._capacity = capacity_blocks
+        # A sizing hint: a model's table starts where this many keys need no growth (it
+        # still grows past them). Growing from empty rebuilds the table about
+        # log2(keys / 1024) times, each into fresh memory.
+        self._initial_cap = BlockTable.cap_for(expected_keys or 0)
         self._seed = secrets.randbits(64) if hash_seed is None else hash_seed & (2**64 - 1)
         self._writer = threading.Lock()  # one writer at a time
         self._step = threading.Lock()  # the writer's steps; readers of counters
@@ -172,7 +184,10 @@ class MemoryBackend(_MemberIds):
             if table is None and not (isinstance(op, int) and op == REMOVE):
                 # a new, empty table: one dict store, readers see it whole or not at all
                 table = self._tables[model] = BlockTable(
-                    self._width, seed=self._seed, stamped=self._capacity is not None
+                    self._width,
+                    seed=self._seed,
+                    stamped=self._capacity is not None,
+                    cap=self._initial_cap,
                 )
             if table is not None:
                 keys, mid, op = self._member_ids(group, op, touched)

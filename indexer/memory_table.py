@@ -102,14 +102,17 @@ class BlockTable(_Probing, _Updates, _Copies, _Members, _Queries, _State):
     reverse record, a ``uint32`` array) and ``copies`` (a dict of ints).
     """
 
-    def __init__(self, width: int, *, seed: int, stamped: bool) -> None:
+    def __init__(self, width: int, *, seed: int, stamped: bool, cap: int = MIN_CAP) -> None:
+        """An empty table of ``cap`` slots (a power of two, at least ``MIN_CAP``)."""
+        if cap < MIN_CAP or cap & (cap - 1):
+            raise ValueError(f"table capacity must be a power of two >= {MIN_CAP}, got {cap}")
         self.width = width
         self.seed = np.uint64(seed)
         self.stamped = stamped
         self.counts = np.zeros((len(TIERS), 64 * width), np.int64)
         self.held = np.zeros(64 * width, np.int64)
         self.rebuilds = -1  # the first install is not a rebuild
-        self.install(_empty_layout(MIN_CAP, width, (True, False, False), stamped))
+        self.install(_empty_layout(cap, width, (True, False, False), stamped))
 
     # -- storage -------------------------------------------------------------------------
 
@@ -144,7 +147,8 @@ class BlockTable(_Probing, _Updates, _Copies, _Members, _Queries, _State):
     def dead_slots(self) -> int:
         return self.n_used - self.n_live
 
-    def cap_for(self, live: int) -> int:
+    @staticmethod
+    def cap_for(live: int) -> int:
         """Smallest table where ``live`` keys fill at most ``REBUILD_LOAD`` of it."""
         cap = MIN_CAP
         while live > REBUILD_LOAD * cap:

@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvindex.events.gate import Claim, Ownership
 from kvindex.events.identity import StreamId
+from kvindex.events.runs import CLEARED, tag_counts
 from kvindex.events.sink import BatchSink, Delivery
 from kvindex.events.status import StreamStatus
-from kvindex.events.wire import AllBlocksCleared
 from kvindex.indexer.snapshot_file import SnapshotError, read_snapshot, write_snapshot
 
 if TYPE_CHECKING:
@@ -253,7 +253,7 @@ class _CutSink:
         cleared = {
             d.stream
             for d in deliveries
-            if any(isinstance(e, AllBlocksCleared) for e in d.batch.events)
+            if tag_counts(d.batch)[CLEARED]  # counted without decoding a scanned batch
         }
         if cleared:
             self._gate._cleared(cleared)

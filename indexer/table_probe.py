@@ -237,9 +237,10 @@ class _Probing:
 
     def live_slots(self) -> Slots:
         """Every slot that holds anything; a scan of the whole table."""
-        acc = None
-        for m in self.masks:
-            if m is not None:
-                acc = m.copy() if acc is None else np.bitwise_or(acc, m, out=acc)
-        assert acc is not None
+        allocated = [m for m in self.masks if m is not None]
+        if len(allocated) == 1:  # one tier (most deployments): read it, no copy
+            return np.flatnonzero(_nonzero_rows(allocated[0]))
+        acc = allocated[0].copy()
+        for m in allocated[1:]:
+            np.bitwise_or(acc, m, out=acc)
         return np.flatnonzero(_nonzero_rows(acc))

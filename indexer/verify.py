@@ -107,6 +107,28 @@ class HashVerifier:
         self._seen[member] = seen + 1
         if seen >= self._full_checks and seen % self._sample_every:
             return
+        self._consider(member, model, event)
+
+    def observe_many(
+        self, member: str, model: str, count: int, event_at: Callable[[int], BlockStored]
+    ) -> None:
+        """:meth:`observe` for ``count`` events in a row, where ``event_at(i)`` is the
+        i-th; only the sampled ones are fetched (so a run of events that arrived
+        undecoded is decoded one sampled event at a time)."""
+        seen = self._seen.get(member, 0)
+        self._seen[member] = seen + count
+        full, every = self._full_checks, self._sample_every
+        i = 0
+        while i < count:
+            n = seen + i
+            if n >= full and n % every:
+                i += every - n % every  # to the next sampled position
+                continue
+            self._consider(member, model, event_at(i))
+            i += 1
+
+    def _consider(self, member: str, model: str, event: BlockStored) -> None:
+        """Check a sampled event when it can be recomputed."""
         if event.block_size <= 0:
             return  # placeholder (CPU offload) event: nothing to recompute
         parent = event.parent_block_hash

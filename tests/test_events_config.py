@@ -13,7 +13,7 @@ from kvindex.events.ratelog import RateLimitedLog
 
 def test_config_defaults_and_decoding() -> None:
     config = SubscriberConfig()
-    assert config.topic_filter == "kv@" and config.queue_capacity == 4096
+    assert config.topic_filter == "kv@" and config.queue_capacity == 32_768
     assert config.max_payload_bytes == 16 * 1024 * 1024 and config.replay_port is None
     decoded = msgspec.json.decode(
         b'{"replay_port": 5558, "default_model": "m"}', type=SubscriberConfig

@@ -31,7 +31,7 @@ def serve_settings(argv: list[str], environ: dict[str, str]) -> Settings:
 def test_the_tree_has_the_sections_the_issue_names() -> None:
     settings = Settings()
     assert {"http", "events", "index", "k8s", "scoring"} <= set(SECTIONS)
-    assert settings.http.max_pods == 4096 and settings.events.stream_queue == 4096
+    assert settings.http.max_pods == 4096 and settings.events.stream_queue == 32_768
     assert settings.index.hash_algo.value == "sha256" and settings.k8s.mode == "connect"
 
 

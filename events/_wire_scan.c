@@ -1,0 +1,443 @@
+/* A compiled scanner for vLLM KV-event payloads (events/scanned.py wraps it).
+ *
+ * Why C: decoding a payload with msgspec turns every block hash into a Python int and
+ * walks every token id to skip it (about 12 ns each, 4,096 per message of 8 events);
+ * the ingest path needs neither. This scanner walks the msgpack bytes once, at memory
+ * speed, and yields what ingest needs: every block hash as a native uint64 (no Python
+ * ints), the events grouped into runs of consecutive events whose ingest-relevant
+ * fields are equal, and each event's byte offset (so one event can be decoded by
+ * msgspec on demand: the sampled hash check reads its token ids).
+ *
+ * It recognises the payloads of every vLLM release from 0.9 to 0.33 (DESIGN.md, "The
+ * wire"): a positional batch [ts, events(, rank, ...)] whose events are all positional
+ * arrays (tag first, <= 0.23) or all maps ("type" first, >= 0.24). The rule that keeps
+ * it exact: it accepts only payloads msgspec's typed decoder (events/wire.py) accepts
+ * whole, with nothing skipped, and returns the same values; for anything else -
+ * a map envelope, an int timestamp, an unknown tag or medium-like oddity it does not
+ * model, a negative hash, an oversized event, invalid UTF-8, a msgpack map or ext
+ * inside a skipped value, trailing bytes - it returns None and the caller decodes with
+ * msgspec. Being stricter than msgspec only costs speed; it is never allowed to be
+ * looser.
+ *
+ * scan(payload, release_gil) -> None | (ts, rank, is_map, n_events, hashes, runs, offsets)
+ *   hashes:  bytes, native uint64 per block hash, in event order (BlockStored and
+ *            BlockRemoved); a digest sent as bytes becomes its last 8 bytes, big-endian;
+ *   runs:    tuple of (tag, first, count, start, stop, parent_none, block_size, medium,
+ *            group_idx, kind, window, locality): tag 0 BlockStored, 1 BlockRemoved,
+ *            2 AllBlocksCleared; events first..first+count-1; their hashes are
+ *            hashes[start:stop] (in items); the other fields as events/runs.py defines;
+ *   offsets: bytes, native uint32 per event: where it starts in the payload, then
+ *            where the last one ends.
+ * With release_gil true the walk runs without the GIL (the Python objects are built
+ * after it), so another thread can run meanwhile on another core.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_wire_scan_read.h"
+
+/* A scalar field: nil, int (want_int) or valid string (want_str). 0 or -1. */
+static int read_attr(Scan *s, Attr *a, int want_int, int want_str) {
+    Val v;
+    switch (next(s, &v)) {
+    case V_NIL:
+        a->kind = A_NIL;
+        return 0;
+    case V_INT:
+        if (!want_int) return -1;
+        a->kind = A_INT, a->neg = v.neg, a->u = v.u;
+        return 0;
+    case V_STR:
+        if (!want_str || !utf8_ok(v.data, v.len)) return -1;
+        a->kind = A_STR, a->s = v.data, a->len = v.len;
+        return 0;
+    default:
+        return -1;
+    }
+}
+
+/* An int field with no None allowed (block_size). */
+static int read_int(Scan *s, Attr *a) {
+    Val v;
+    if (next(s, &v) != V_INT) return -1;
+    a->kind = A_INT, a->neg = v.neg, a->u = v.u;
+    return 0;
+}
+
+/* A block hash: a non-negative int, or a digest as bytes (its last 8 bytes, big-endian). */
+static inline int hash_value(const Val *v, uint64_t *out) {
+    if (v->type == V_INT) {
+        if (v->neg) return -1;
+        *out = v->u;
+        return 0;
+    }
+    if (v->type == V_BIN) {
+        uint64_t h = 0;
+        uint32_t from = v->len > 8 ? v->len - 8 : 0;
+        for (uint32_t i = from; i < v->len; i++) h = (h << 8) | v->data[i];
+        *out = h;
+        return 0;
+    }
+    return -1;
+}
+
+static int read_hashes(Scan *s) {
+    Val v;
+    if (next(s, &v) != V_ARR || v.len > MAX_HASHES_PER_EVENT) return -1;
+    uint32_t n = v.len;
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *p = s->p;
+        uint64_t h;
+        /* The common case: a uint64 hash. */
+        if (p < s->end && *p == 0xcf && s->end - p >= 9) {
+            h = be64(p + 1);
+            s->p = p + 9;
+        } else {
+            Val item;
+            next(s, &item);
+            if (hash_value(&item, &h) < 0) return -1;
+        }
+        if (push_hash(s, h) < 0) return -1;
+    }
+    return 0;
+}
+
+static int read_parent(Scan *s, int *none) {
+    Val v;
+    uint64_t ignored;
+    next(s, &v);
+    if (v.type == V_NIL) {
+        *none = 1;
+        return 0;
+    }
+    *none = 0;
+    return hash_value(&v, &ignored);
+}
+
+/* extra_keys: None or an array (of anything skip() accepts). */
+static int read_extra_keys(Scan *s) {
+    const uint8_t *p = s->p;
+    if (p < s->end && *p == 0xc0) {
+        s->p = p + 1;
+        return 0;
+    }
+    Val v;
+    if (next(s, &v) != V_ARR) return -1;
+    for (uint32_t i = 0; i < v.len; i++) {
+        if (skip(s, 1) < 0) return -1;
+    }
+    return 0;
+}
+
+static int str_is(const Val *v, const char *want) {
+    size_t n = strlen(want);
+    return v->type == V_STR && v->len == n && memcmp(v->data, want, n) == 0;
+}
+
+static int tag_of(const Val *v) {
+    if (str_is(v, "BlockStored")) return TAG_STORED;
+    if (str_is(v, "BlockRemoved")) return TAG_REMOVED;
+    if (str_is(v, "AllBlocksCleared")) return TAG_CLEARED;
+    return -1;
+}
+
+/* -- fields by name and position ------------------------------------------------------ */
+
+enum {
+    F_HASHES, F_PARENT, F_TOKENS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM, F_LORA_NAME,
+    F_EXTRA_KEYS, F_GROUP_IDX, F_KIND, F_WINDOW, F_LOCALITY, F_UNKNOWN
+};
+
+/* Positional fields after the tag (events/wire.py's struct field order). */
+static const int STORED_FIELDS[] = {
+    F_HASHES, F_PARENT, F_TOKENS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM, F_LORA_NAME,
+    F_EXTRA_KEYS, F_GROUP_IDX, F_KIND, F_WINDOW, F_LOCALITY,
+};
+static const int REMOVED_FIELDS[] = {F_HASHES, F_MEDIUM, F_GROUP_IDX, F_LOCALITY};
+
+static int field_named(const Val *k, int tag) {
+    static const struct { const char *name; int field; } names[] = {
+        {"block_hashes", F_HASHES}, {"parent_block_hash", F_PARENT},
+        {"token_ids", F_TOKENS}, {"block_size", F_BLOCK_SIZE}, {"lora_id", F_LORA_ID},
+        {"medium", F_MEDIUM}, {"lora_name", F_LORA_NAME}, {"extra_keys", F_EXTRA_KEYS},
+        {"group_idx", F_GROUP_IDX}, {"kv_cache_spec_kind", F_KIND},
+        {"kv_cache_spec_sliding_window", F_WINDOW}, {"locality", F_LOCALITY},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (str_is(k, names[i].name)) {
+            int f = names[i].field;
+            if (tag == TAG_STORED) return f;
+            if (tag == TAG_REMOVED &&
+                (f == F_HASHES || f == F_MEDIUM || f == F_GROUP_IDX || f == F_LOCALITY)) {
+                return f;
+            }
+            return F_UNKNOWN; /* another event's field: ignored, as msgspec does */
+        }
+    }
+    return F_UNKNOWN;
+}
+
+/* Read one field's value into the event's key. */
+static int read_field(Scan *s, int field, Key *key) {
+    switch (field) {
+    case F_HASHES: return read_hashes(s);
+    case F_PARENT: return read_parent(s, &key->parent_none);
+    case F_TOKENS: return skip(s, 0);
+    case F_BLOCK_SIZE: return read_int(s, &key->block_size);
+    case F_LORA_ID: { Attr a; return read_attr(s, &a, 1, 0); }
+    case F_MEDIUM: return read_attr(s, &key->medium, 0, 1);
+    case F_LORA_NAME: { Attr a; return read_attr(s, &a, 0, 1); }
+    case F_EXTRA_KEYS: return read_extra_keys(s);
+    case F_GROUP_IDX: return read_attr(s, &key->group_idx, 1, 0);
+    case F_KIND: return read_attr(s, &key->kind, 0, 1);
+    case F_WINDOW: return read_attr(s, &key->window, 1, 0);
+    case F_LOCALITY: return read_attr(s, &key->locality, 0, 1);
+    default: return skip(s, 0);
+    }
+}
+
+static void key_defaults(Key *key, int tag) {
+    memset(key, 0, sizeof(*key));
+    key->tag = tag;
+    key->parent_none = tag == TAG_STORED; /* parent_block_hash defaults to None */
+    if (tag == TAG_STORED) {
+        key->block_size.kind = A_INT; /* block_size defaults to 0 */
+    }
+}
+
+static int attr_eq(const Attr *a, const Attr *b) {
+    if (a->kind != b->kind) return 0;
+    if (a->kind == A_INT) return a->u == b->u && a->neg == b->neg;
+    if (a->kind == A_STR) return a->len == b->len && memcmp(a->s, b->s, a->len) == 0;
+    return 1;
+}
+
+static int key_eq(const Key *a, const Key *b) {
+    return a->tag == b->tag && a->parent_none == b->parent_none &&
+           attr_eq(&a->block_size, &b->block_size) && attr_eq(&a->medium, &b->medium) &&
+           attr_eq(&a->group_idx, &b->group_idx) && attr_eq(&a->kind, &b->kind) &&
+           attr_eq(&a->window, &b->window) && attr_eq(&a->locality, &b->locality);
+}
+
+static int read_event(Scan *s, uint32_t index) {
+    Val v;
+    Key key;
+    uint32_t start = (uint32_t)s->n_hashes;
+    int has_hashes = 0;
+    if (push_offset(s, (uint32_t)(s->p - s->base)) < 0) return -1;
+    next(s, &v);
+    if (v.type == V_ARR) {
+        if (s->is_map == 1 || v.len < 1) return -1;
+        s->is_map = 0;
+        uint32_t n = v.len;
+        Val t;
+        next(s, &t);
+        int tag = tag_of(&t);
+        if (tag < 0) return -1;
+        key_defaults(&key, tag);
+        const int *fields = tag == TAG_STORED ? STORED_FIELDS : REMOVED_FIELDS;
+        uint32_t known = tag == TAG_STORED ? 12 : tag == TAG_REMOVED ? 4 : 0;
+        for (uint32_t i = 1; i < n; i++) {
+            int field = i - 1 < known ? fields[i - 1] : F_UNKNOWN;
+            if (read_field(s, field, &key) < 0) return -1;
+            has_hashes |= field == F_HASHES;
+        }
+    } else if (v.type == V_MAP) {
+        if (s->is_map == 0 || v.len < 1) return -1;
+        s->is_map = 1;
+        uint32_t n = v.len;
+        Val k, t;
+        next(s, &k);
+        if (!str_is(&k, "type")) return -1; /* vLLM writes the tag first */
+        next(s, &t);
+        int tag = tag_of(&t);
+        if (tag < 0) return -1;
+        key_defaults(&key, tag);
+        uint32_t seen = 0; /* bit per known field: a repeated key is refused */
+        for (uint32_t i = 1; i < n; i++) {
+            next(s, &k);
+            if (k.type != V_STR || !utf8_ok(k.data, k.len) || str_is(&k, "type")) return -1;
+            int field = field_named(&k, tag);
+            if (field != F_UNKNOWN) {
+                if (seen & (1u << field)) return -1;
+                seen |= 1u << field;
+            }
+            if (read_field(s, field, &key) < 0) return -1;
+            has_hashes |= field == F_HASHES;
+        }
+    } else {
+        return -1;
+    }
+    if (key.tag != TAG_CLEARED && !has_hashes) return -1; /* block_hashes is required */
+    if (s->n_runs && key_eq(&s->runs[s->n_runs - 1].key, &key)) {
+        Run *run = &s->runs[s->n_runs - 1];
+        run->count++;
+        run->stop = (uint32_t)s->n_hashes;
+        return 0;
+    }
+    if (s->n_runs == s->cap_runs &&
+        grow((void **)&s->runs, &s->cap_runs, &s->own_runs, sizeof(Run)) < 0) {
+        return -1;
+    }
+    Run *run = &s->runs[s->n_runs++];
+    run->key = key;
+    run->first = index;
+    run->count = 1;
+    run->start = start;
+    run->stop = (uint32_t)s->n_hashes;
+    return 0;
+}
+
+/* The whole walk; touches no Python object. 0, or -1: not a payload this scanner takes. */
+static int walk(Scan *s) {
+    Val v;
+    if (next(s, &v) != V_ARR || v.len < 2) return -1;
+    uint32_t n = v.len;
+    Val ts;
+    if (next(s, &ts) != V_FLOAT) return -1;
+    s->ts = ts.f;
+    Val events;
+    if (next(s, &events) != V_ARR) return -1;
+    for (uint32_t i = 0; i < events.len; i++) {
+        if (read_event(s, i) < 0) return -1;
+    }
+    if (push_offset(s, (uint32_t)(s->p - s->base)) < 0) return -1;
+    if (n >= 3) {
+        Attr rank;
+        if (read_attr(s, &rank, 1, 0) < 0) return -1;
+        if (rank.kind == A_INT) {
+            if (rank.neg || rank.u > MAX_DP_RANK) return -1;
+            s->has_rank = 1;
+            s->rank = rank.u;
+        }
+    }
+    for (uint32_t i = 3; i < n; i++) {
+        if (skip(s, 0) < 0) return -1; /* later fields msgspec ignores */
+    }
+    return s->p == s->end ? 0 : -1;
+}
+
+/* -- Python objects --------------------------------------------------------------------- */
+
+static PyObject *attr_object(const Attr *a) {
+    if (a->kind == A_INT) {
+        return a->neg ? PyLong_FromLongLong((long long)(int64_t)a->u)
+                      : PyLong_FromUnsignedLongLong(a->u);
+    }
+    if (a->kind == A_STR) {
+        return PyUnicode_DecodeUTF8((const char *)a->s, a->len, "strict");
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *run_object(const Run *r) {
+    const Key *k = &r->key;
+    PyObject *t = PyTuple_New(12);
+    if (t == NULL) return NULL;
+    PyObject *items[12];
+    items[0] = PyLong_FromLong(k->tag);
+    items[1] = PyLong_FromUnsignedLong(r->first);
+    items[2] = PyLong_FromUnsignedLong(r->count);
+    items[3] = PyLong_FromUnsignedLong(r->start);
+    items[4] = PyLong_FromUnsignedLong(r->stop);
+    items[5] = PyBool_FromLong(k->parent_none);
+    if (k->tag == TAG_STORED) {
+        items[6] = attr_object(&k->block_size);
+    } else {
+        items[6] = Py_NewRef(Py_None);
+    }
+    items[7] = attr_object(&k->medium);
+    items[8] = attr_object(&k->group_idx);
+    items[9] = attr_object(&k->kind);
+    items[10] = attr_object(&k->window);
+    items[11] = attr_object(&k->locality);
+    for (int i = 0; i < 12; i++) {
+        if (items[i] == NULL) {
+            for (int j = 0; j < 12; j++) Py_XDECREF(items[j]);
+            Py_DECREF(t);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < 12; i++) PyTuple_SET_ITEM(t, i, items[i]);
+    return t;
+}
+
+static PyObject *result(Scan *s) {
+    PyObject *ts = NULL, *rank = NULL, *hashes = NULL, *runs = NULL, *offsets = NULL;
+    ts = PyFloat_FromDouble(s->ts);
+    rank = s->has_rank ? PyLong_FromUnsignedLongLong(s->rank) : Py_NewRef(Py_None);
+    hashes = PyBytes_FromStringAndSize((const char *)s->hashes, s->n_hashes * 8);
+    offsets = PyBytes_FromStringAndSize((const char *)s->offsets, s->n_offsets * 4);
+    runs = PyTuple_New((Py_ssize_t)s->n_runs);
+    if (ts == NULL || rank == NULL || hashes == NULL || offsets == NULL || runs == NULL) {
+        goto fail;
+    }
+    for (size_t i = 0; i < s->n_runs; i++) {
+        PyObject *r = run_object(&s->runs[i]);
+        if (r == NULL) goto fail;
+        PyTuple_SET_ITEM(runs, (Py_ssize_t)i, r);
+    }
+    return Py_BuildValue("(NNOnNNN)", ts, rank, s->is_map == 1 ? Py_True : Py_False,
+                         (Py_ssize_t)(s->n_offsets - 1), hashes, runs, offsets);
+fail:
+    Py_XDECREF(ts);
+    Py_XDECREF(rank);
+    Py_XDECREF(hashes);
+    Py_XDECREF(offsets);
+    Py_XDECREF(runs);
+    return NULL;
+}
+
+static PyObject *wire_scan(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    int release_gil = 0;
+    if (!PyArg_ParseTuple(args, "y*|p", &view, &release_gil)) {
+        return NULL;
+    }
+    if (view.len > (Py_ssize_t)UINT32_MAX) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    uint64_t hashes[1024];
+    Run runs[32];
+    uint32_t offsets[64];
+    Scan s;
+    memset(&s, 0, sizeof(s));
+    s.base = s.p = (const uint8_t *)view.buf;
+    s.end = s.p + view.len;
+    s.hashes = hashes, s.cap_hashes = 1024;
+    s.runs = runs, s.cap_runs = 32;
+    s.offsets = offsets, s.cap_offsets = 64;
+    s.is_map = -1;
+    int status;
+    if (release_gil) {
+        Py_BEGIN_ALLOW_THREADS
+        status = walk(&s);
+        Py_END_ALLOW_THREADS
+    } else {
+        status = walk(&s);
+    }
+    PyObject *out = status < 0 ? Py_NewRef(Py_None) : result(&s);
+    if (s.own_hashes) free(s.hashes);
+    if (s.own_runs) free(s.runs);
+    if (s.own_offsets) free(s.offsets);
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"scan", wire_scan, METH_VARARGS,
+     "scan(payload, release_gil=False): hashes, runs and offsets of a vLLM KV-event "
+     "batch, or None when msgspec must decode it."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_wire_scan", "Compiled scanner of vLLM KV-event payloads.", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__wire_scan(void) { return PyModule_Create(&module); }

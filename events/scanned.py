@@ -1,0 +1,116 @@
+"""Batches read by the compiled scanner (``events/_wire_scan.c``), with msgspec kept for
+everything else.
+
+Decoding a payload with msgspec makes a Python int of every block hash and walks every
+token id to skip it; the ingest path needs neither. The scanner walks the bytes once and
+hands back the hashes as one native ``uint64`` buffer and the events grouped into runs
+(:mod:`kvindex.events.runs`). It recognises the batches of every vLLM release 0.9-0.33;
+for anything else (a layout it does not model, bad input of any kind) :func:`scan`
+returns None and the caller decodes with :class:`~kvindex.events.wire.BatchDecoder`,
+which stays the reference: the scanner takes only what msgspec's typed decoder takes
+whole, and a :class:`ScannedBatch`'s events are msgspec's own, decoded on first use.
+
+``kvindex.events._wire_scan`` is optional (setup.py): without a C compiler :data:`scanner`
+is None, every payload takes the msgspec path, and ingest gives the same index
+(``tests/test_events_scan.py`` runs both).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import msgspec
+
+from kvindex.events.wire import BATCH_TYPES, EVENT_TYPES, Event, Layout
+
+try:
+    from kvindex.events import _wire_scan as _compiled
+except ImportError:  # built without a compiler: msgspec decodes every payload
+    _compiled = None
+
+#: The compiled scanner, or None when every payload is decoded by msgspec. Tests swap it.
+scanner: ModuleType | None = _compiled
+
+#: Payloads at least this long are scanned with the GIL released, so the applier thread
+#: can run on another core meanwhile (bench_ingest, ABBA at load average 6-7 on 2 cores,
+#: unpinned: 0.92-1.19 M blocks/s with the release against 0.62-0.76 M without, 8 events
+#: per message; pinned to one core no loss was seen). A tiny payload is not worth it.
+RELEASE_GIL_BYTES = 2048
+
+_BATCHES = {layout: msgspec.msgpack.Decoder(t) for layout, t in BATCH_TYPES.items()}
+_EVENTS = {layout: msgspec.msgpack.Decoder(t) for layout, t in EVENT_TYPES.items()}
+
+
+def implementation() -> str:
+    """``"compiled"`` or ``"msgspec"``: how this process reads payloads."""
+    return "compiled" if scanner is not None else "msgspec"
+
+
+class ScannedBatch:
+    """One payload as the scanner read it; stands in for an
+    :class:`~kvindex.events.wire.EventBatch` (``ts``, ``data_parallel_rank``,
+    ``events``).
+
+    ``hashes`` holds every block hash of the batch's BlockStored and BlockRemoved
+    events as native ``uint64`` (a digest sent as bytes: its last 8 bytes, big-endian),
+    in event order; ``runs`` groups the events (:class:`~kvindex.events.runs.Run`
+    fields, as plain tuples). ``events`` is msgspec's decode of the payload, made on
+    first use and kept; :meth:`event` decodes a single one.
+    """
+
+    __slots__ = (
+        "_events",
+        "_offsets",
+        "_payload",
+        "data_parallel_rank",
+        "hashes",
+        "layout",
+        "n_events",
+        "runs",
+        "ts",
+    )
+
+    def __init__(self, payload: bytes, scanned: tuple) -> None:
+        ts, rank, is_map, n_events, hashes, runs, offsets = scanned
+        self.ts: float = ts
+        self.data_parallel_rank: int | None = rank
+        self.layout = Layout.MAP if is_map else Layout.ARRAY
+        self.n_events: int = n_events
+        self.hashes: bytes = hashes
+        self.runs: tuple[tuple, ...] = runs
+        self._offsets = offsets
+        self._payload = payload
+        self._events: list[Event] | None = None
+
+    @property
+    def events(self) -> list[Event]:
+        """The batch's events, decoded by msgspec (the same structs the
+        :class:`~kvindex.events.wire.BatchDecoder` makes)."""
+        events = self._events
+        if events is None:
+            events = [] if not self.n_events else _BATCHES[self.layout].decode(self._payload).events
+            self._events = events
+        return events
+
+    def event(self, index: int) -> Event:
+        """Event ``index`` alone, decoded by msgspec from its bytes."""
+        if self._events is not None:
+            return self._events[index]
+        offsets = memoryview(self._offsets).cast("I")
+        span = memoryview(self._payload)[offsets[index] : offsets[index + 1]]
+        return _EVENTS[self.layout].decode(span)
+
+    def __repr__(self) -> str:
+        return f"ScannedBatch(ts={self.ts!r}, events={self.n_events}, runs={len(self.runs)})"
+
+
+def scan(payload: bytes) -> ScannedBatch | None:
+    """The payload as a :class:`ScannedBatch`, or None when msgspec must decode it (no
+    compiled scanner, or a payload the scanner does not take)."""
+    compiled = scanner
+    if compiled is None:
+        return None
+    scanned = compiled.scan(payload, len(payload) >= RELEASE_GIL_BYTES)
+    if scanned is None:
+        return None
+    return ScannedBatch(payload, scanned)

@@ -64,11 +64,12 @@ def redis_cpu_s(client: redis.Redis) -> float:
 
 def redis_busy_us(client: redis.Redis) -> float:
     """Redis's time inside commands since the last CONFIG RESETSTAT, µs: top-level
-    commands only (a transaction's commands are inside its EXEC's time)."""
+    commands only (the commands a transaction or a script ran are inside its time)."""
     stats = client.info("commandstats")
-    inner = {"cmdstat_hmget", "cmdstat_hgetall"} if "cmdstat_exec" in stats else set()
-    skip = inner | {"cmdstat_config|resetstat", "cmdstat_info", "cmdstat_config"}
-    return sum(v["usec"] for k, v in stats.items() if k not in skip)
+    outer = {"cmdstat_multi", "cmdstat_exec", "cmdstat_evalsha", "cmdstat_eval"}
+    if not outer & stats.keys():
+        outer = set(stats) - {"cmdstat_config|resetstat", "cmdstat_info", "cmdstat_config"}
+    return sum(v["usec"] for k, v in stats.items() if k in outer)
 
 
 def process_cpu_s(pid: int) -> float:

@@ -265,9 +265,9 @@ class RedisConnection:
                     if attempt:
                         raise
                     continue
-                if not any(isinstance(r, _REDIRECTS) for r in replies_read):
+                if not self._cluster or not any(isinstance(r, _REDIRECTS) for r in replies_read):
                     return replies_read
-                if attempt or not self._cluster:
+                if attempt:
                     raise ClusterError(f"{op}: {replies_read}")
                 self.client().nodes_manager.initialize()  # type: ignore[union-attr]
             raise AssertionError("unreachable")

@@ -211,6 +211,11 @@ def _in_key_order(values: list, order: np.ndarray, tiers: bool, view: ModelView)
     where[order] = np.arange(order.size)
     at = where.tolist()
     if not tiers:
-        return Blocks([values[i] for i in at], None, None, view)
+        return Blocks(list(map(values.__getitem__, at)), None, None, view)
     gpu, cpu, storage = values[0::3], values[1::3], values[2::3]
-    return Blocks([gpu[i] for i in at], [cpu[i] for i in at], [storage[i] for i in at], view)
+    return Blocks(
+        list(map(gpu.__getitem__, at)),
+        list(map(cpu.__getitem__, at)),
+        list(map(storage.__getitem__, at)),
+        view,
+    )

@@ -18,13 +18,12 @@ import numpy as np
 from kvindex.indexer.backend import MemberMatch, MemberPresence
 from kvindex.indexer.redis_read import Blocks
 
-_START = object()  # differs from every value, None included
 _NOBODY = (None, None, None)
 
 
 def _bits(values: list[bytes | None], width: int) -> np.ndarray:
     """Bitmaps (bit ``id % 8`` of byte ``id // 8``) as a (len, 8 * width) bool matrix."""
-    blob = b"".join((v or b"").ljust(width, b"\0") for v in values)
+    blob = b"".join([(v or b"").ljust(width, b"\0") for v in values])
     rows = np.frombuffer(blob, np.uint8).reshape(len(values), width)
     return np.unpackbits(rows, axis=1, bitorder="little").view(bool)
 
@@ -39,27 +38,22 @@ def _mask(allowed: Collection[int] | None, bits: int) -> np.ndarray | None:
 
 def _runs(blocks: Blocks) -> tuple[list[int], list, int]:
     """Where each run of identical values starts, its value, and where the chain stops
-    (its first block nobody holds, or its end)."""
-    starts: list[int] = []
-    values: list = []
-    prev: object = _START
-    if blocks.cpu is None:
-        for j, v in enumerate(blocks.gpu):
-            if v != prev:
-                if v is None:
-                    return starts, values, j
-                starts.append(j)
-                values.append(v)
-                prev = v
+    (its first block nobody holds, or its end). Comprehensions and ``list.index``: the
+    per-block work of a lookup, kept to one comparison each."""
+    if blocks.cpu is None or blocks.storage is None:
+        values: list = blocks.gpu
+        nobody: object = None
     else:
-        for j, t in enumerate(zip(blocks.gpu, blocks.cpu, blocks.storage or (), strict=True)):
-            if t != prev:
-                if t == _NOBODY:
-                    return starts, values, j
-                starts.append(j)
-                values.append(t)
-                prev = t
-    return starts, values, len(blocks.gpu)
+        values = list(zip(blocks.gpu, blocks.cpu, blocks.storage, strict=True))
+        nobody = _NOBODY
+    try:
+        end = values.index(nobody)
+    except ValueError:
+        end = len(values)
+    if not end:
+        return [], [], 0
+    starts = [0, *[j for j in range(1, end) if values[j] != values[j - 1]]]
+    return starts, [values[j] for j in starts], end
 
 
 def prefix_matches(blocks: Blocks, allowed: Collection[int] | None = None) -> list[MemberMatch]:
@@ -72,11 +66,11 @@ def prefix_matches(blocks: Blocks, allowed: Collection[int] | None = None) -> li
     tiered = blocks.cpu is not None
     if tiered:
         gpu_v, cpu_v, storage_v = (list(col) for col in zip(*values, strict=True))
-        width = max(len(v) for v in (*gpu_v, *cpu_v, *storage_v) if v)
+        width = max(map(len, (v for v in (*gpu_v, *cpu_v, *storage_v) if v)))
         gpu, cpu = _bits(gpu_v, width), _bits(cpu_v, width)
         held = gpu | cpu | _bits(storage_v, width)
     else:
-        width = max(len(v) for v in values)
+        width = max(map(len, values))
         held = gpu = _bits(values, width)
     mask = _mask(allowed, 8 * width)
     if mask is not None:

@@ -347,8 +347,11 @@ def _buckets_of(
 ) -> tuple[list[str], bytes]:
     """The bucket keys ``keys`` fall in, to pass in KEYS from position ``first`` on, and
     per key the KEYS position of its bucket as two big-endian bytes."""
-    unique, inverse = np.unique(bucket_numbers(keys, buckets), return_inverse=True)
-    return [names.bucket(n) for n in unique.tolist()], (inverse + first).astype(">u2").tobytes()
+    numbers = bucket_numbers(keys, buckets)
+    present = np.bincount(numbers, minlength=buckets) > 0  # cheaper than np.unique's sort
+    position = np.cumsum(present) - 1 + first
+    used = np.flatnonzero(present).tolist()
+    return [names.bucket(n) for n in used], position[numbers].astype(">u2").tobytes()
 
 
 # -- planning ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ URL options kvindex reads (and removes before redis-py sees the URL):
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -133,7 +134,9 @@ class RedisConnection:
         self._lock = threading.Lock()
         self._client: redis.Redis | RedisCluster | None = None
         self._local = threading.local()  # per thread: its read connections
-        self._thread_connections: list[Connection] = []
+        # Every thread's read connection, to close them all; weak, so a thread that ends
+        # takes its connection with it (redis-py's Connection disconnects when collected).
+        self._thread_connections: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._cluster: bool | None = options.cluster
         self.errors: Counter[str] = Counter()  # by operation, read by the metrics layer
 
@@ -284,7 +287,7 @@ class RedisConnection:
         if held is None or held[0] is not pool:
             conn = pool.connection_class(**pool.connection_kwargs)
             with self._lock:
-                self._thread_connections.append(conn)
+                self._thread_connections.add(conn)
             held = mine[id(pool)] = (pool, conn, bytearray(READ_SIZE))
         return held[1], held[2]
 
@@ -322,7 +325,8 @@ class RedisConnection:
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
-            connections, self._thread_connections = self._thread_connections, []
+            connections = list(self._thread_connections)
+            self._thread_connections = weakref.WeakSet()
         for conn in connections:
             conn.disconnect()
         if client is not None:

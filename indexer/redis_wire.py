@@ -15,6 +15,7 @@ connecting, AUTH, SELECT and TLS; only the bytes of one exchange go around it.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +51,7 @@ def command(*args: bytes) -> bytes:
 
 
 MULTI, EXEC = command(b"MULTI"), command(b"EXEC")
+_LITTLE = sys.byteorder == "little"
 
 
 def field_records(keys: np.ndarray, tiers: bool) -> tuple[np.ndarray, int]:
@@ -154,8 +156,18 @@ def key_array(keys: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def pack_keys(keys: Sequence[int] | np.ndarray) -> bytes:
-    """Block keys as 8-byte big-endian words (the bucket fields and reverse records)."""
-    return key_array(keys).astype(">u8").tobytes()
+    """Block keys as 8-byte big-endian words (the bucket fields and reverse records);
+    ValueError unless each is in [0, 2**64). Lists (what the decoder makes) go through
+    ``array``, not numpy: ~1 µs for a 32-key event instead of ~2.5."""
+    if isinstance(keys, np.ndarray):
+        return key_array(keys).astype(">u8").tobytes()
+    try:
+        words = array("Q", keys)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"block keys must be integers in [0, 2**64): {exc}") from None
+    if _LITTLE:
+        words.byteswap()
+    return words.tobytes()
 
 
 def unpack_keys(packed: bytes) -> np.ndarray:

@@ -19,10 +19,11 @@ runs on a small pool of threads, and the handler awaits it:
 
 Threads rather than an async Redis client: the same lookup pipelined over
 ``redis.asyncio`` with a connection pool gave no more lookups per second than the
-threads (Redis runs the lookup script on its one thread, and that is the bottleneck;
-``bench/bench_redis.py`` measures both side by side), and only threads also take the
-tokenizer, the model list and the hybrid presence query off the loop without a second,
-async copy of the backend.
+threads (when Redis ran the lookup as a script on its one thread, the bottleneck; since
+Redis layout 2 a lookup is plain reads and the walk is the client's own CPU, which an
+async client would not remove either: ``bench/bench_redis.py``, "off the event loop"),
+and only threads also take the tokenizer, the model list and the hybrid presence query
+off the loop without a second, async copy of the backend.
 
 The memory backend runs inline (``inline=True``): nothing in it can hang, so neither a
 deadline nor a cap has anything to do, and the hop costs latency that issue 13's

@@ -5,24 +5,24 @@
     python bench/bench_redis.py --redis-url redis://127.0.0.1:6379/0   # an existing server
     python bench/bench_redis.py --target-only    # only issue 13's /score figure, PASS/FAIL
 
-Four figures, each with the workload it was measured on:
+The figures, each with the workload it was measured on:
 
 * ingest throughput in blocks/s: 32-block BlockStored changes through
   ``RedisBackend.apply``, 64 changes of one pod per call (what the subscriber's applier
   hands the sink for one stream's turn), then the same blocks removed;
 * Redis memory per (block, pod) entry: ``used_memory`` from ``INFO memory`` before and
   after, divided by the entries added, for two sharing profiles;
-* lookup latency in-process for a 512-block chain (an 8,192-token prompt) across 64
-  pods: the Lua script the backend uses, against two pipeline designs (every block in
-  one pipeline; 64-block pipelines that stop when no pod is left);
-* ``/score`` over HTTP p50/p99 for the 8,192-token prompt, from a ``kvindex serve
-  --backend redis://...`` subprocess over the same index;
+* lookup in-process for a 512-block chain (an 8,192-token prompt) across 64 pods: the
+  backend's reads (one MULTI/EXEC of HMGETs, the walk in the client), with and without
+  hiredis, against redis-py pipelines of one HGET per block; per lookup the latency, the
+  client's CPU, Redis's busy time (``INFO commandstats``) and Redis's CPU (``INFO cpu``);
 * how to keep lookups off the event loop (issue 13): 16 concurrent callers on one
-  asyncio loop, the lookup run inline (one round trip at a time, as before), on a pool
-  of threads, or over ``redis.asyncio`` with a connection pool, side by side;
-* issue 13's Redis target: ``/score`` requests/s with 16 clients and p50 with one,
-  ``token_ids`` and ``block_hashes`` bodies, from a load generator in its own process,
-  with PASS/FAIL (the exit status is 1 on FAIL). ``--target-only`` runs just this.
+  asyncio loop, the lookup run inline or on a pool of threads;
+* ``/score`` over HTTP and issue 13's Redis target (``bench/bench_redis_http.py``):
+  requests/s with 16 clients and p50 with one, ``token_ids`` and ``block_hashes``
+  bodies, from a load generator in its own process, with PASS/FAIL (the exit status is
+  1 on FAIL), and what one request costs kvindex and Redis. ``--target-only`` runs
+  just this.
 
 The private server runs with ``--save '' --appendonly no`` so disk I/O does not enter
 the figures; a deployment with AOF (``deploy/overlays/redis``) adds its fsync cost to
@@ -33,9 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
-import json
-import multiprocessing
 import os
 import shutil
 import statistics
@@ -48,21 +45,37 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import redis
-import redis.asyncio as aredis
 
-from kvindex.api.testing import ServeProcess, free_port
+try:  # run as a script: bench/ is sys.path[0]
+    from bench_redis_http import (
+        bench_http,
+        bench_target,
+        load_average,
+        percentiles,
+        redis_busy_us,
+        redis_cpu_s,
+    )
+except ModuleNotFoundError:  # imported as bench.bench_redis
+    from bench.bench_redis_http import (
+        bench_http,
+        bench_target,
+        load_average,
+        percentiles,
+        redis_busy_us,
+        redis_cpu_s,
+    )
+
+from kvindex.api.testing import free_port
 from kvindex.indexer.backend import Change, MemberMatch, Op, Tier
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from kvindex.indexer.redis_backend import RedisBackend, lookup_reply, pack_keys
+from kvindex.indexer.redis_backend import RedisBackend, pack_keys
 from kvindex.indexer.redis_conn import RedisConnection, RedisOptions
-from kvindex.indexer.redis_scripts import SCRIPTS
 
 MODEL = "bench/model"
 EVENT_BLOCKS = 32  # blocks per BlockStored (one scheduler step of a busy pod)
 EVENTS_PER_CALL = 64  # the applier's batches_per_turn: one stream's turn is one apply
 PROMPT_TOKENS = 8192
 OFF_LOOP_CALLERS, OFF_LOOP_ROUNDS = 16, 5
-TARGET_CLIENTS, TARGET_RPS, TARGET_P50_MS = 16, 2_000, 2.0  # issue 13, Redis backend
 BLOCK_SIZE = 16
 
 
@@ -76,29 +89,6 @@ def random_keys(rng: np.random.Generator, n: int) -> np.ndarray:
 
 def used_memory(client: redis.Redis) -> int:
     return int(client.info("memory")["used_memory"])
-
-
-def percentiles(samples_s: list[float]) -> str:
-    ordered = sorted(samples_s)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
-
-    return (
-        f"p50 {at(0.5):6.3f} ms   p99 {at(0.99):6.3f} ms   "
-        f"mean {statistics.fmean(ordered) * 1000:6.3f} ms"
-    )
-
-
-def timed(call: Callable[[], object], n: int) -> list[float]:
-    for _ in range(min(20, n)):
-        call()
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 # -- ingest and memory ------------------------------------------------------------------------
@@ -276,100 +266,62 @@ def populate_prompt(args: argparse.Namespace, backend: RedisBackend) -> list[int
     return tokens
 
 
-def bench_lookup(args: argparse.Namespace, backend: RedisBackend, tokens: list[int]) -> None:
+def bench_lookup(
+    args: argparse.Namespace, backend: RedisBackend, url: str, tokens: list[int]
+) -> None:
     chain = BlockHasher(HashConfig()).keys(tokens)
+    pure = RedisBackend(
+        RedisConnection(RedisOptions.from_url(url), use_hiredis=False), backend.prefix
+    )
     pipeline = PipelineLookup(backend, MODEL)
-    lua = backend.lookup(MODEL, chain)
-    assert pipeline.lookup(chain, None) == lua, "the pipeline lookup disagrees with Lua"
-    print(f"  answer: {len(lua)} pods, best {lua[0].matched_blocks} blocks")
-    candidates = [m.member for m in lua[::8]]
+    answer = backend.lookup(MODEL, chain)
+    assert pipeline.lookup(chain, None) == answer, "the HGET pipeline disagrees"
+    assert pure.lookup(MODEL, chain) == answer, "the pure-Python reply reader disagrees"
+    print(f"  answer: {len(answer)} pods, best {answer[0].matched_blocks} blocks")
+    candidates = [m.member for m in answer[::8]]
     cases: list[tuple[str, Callable[[], object]]] = [
-        ("Lua script (the backend)", lambda: backend.lookup(MODEL, chain)),
+        ("backend (MULTI of HMGETs, walk here)", lambda: backend.lookup(MODEL, chain)),
         (
-            f"Lua, {len(candidates)} candidate pods",
+            f"backend, {len(candidates)} candidate pods",
             lambda: backend.lookup(MODEL, chain, candidates),
         ),
-        ("Lua, 16-block chain", lambda: backend.lookup(MODEL, chain[:16])),
-        ("pipeline, all blocks, 1 trip", lambda: pipeline.lookup(chain, None)),
+        ("backend, 16-block chain", lambda: backend.lookup(MODEL, chain[:16])),
+        ("backend presence (hybrid models)", lambda: backend.presence(MODEL, chain)),
+        ("backend without hiredis", lambda: pure.lookup(MODEL, chain)),
+        ("pipeline, HGET per block, 1 trip", lambda: pipeline.lookup(chain, None)),
         ("pipeline, 64 per trip, early exit", lambda: pipeline.lookup(chain, 64)),
     ]
     client = backend.connection.client()
+    print(
+        f"  {'':<38} {'':<48} client CPU  Redis busy   Redis CPU  (per lookup; "
+        f"load average {load_average()})"
+    )
     for name, call in cases:
-        for _ in range(20):
+        for _ in range(50):
             call()
         client.config_resetstat()
-        samples = timed(call, args.lookups)
-        stats = client.info("commandstats")
-        server = sum(v["usec"] for v in stats.values()) / (args.lookups + 20)
-        print(f"  {name:<36} {percentiles(samples)}   Redis {server / 1000:5.3f} ms/lookup")
-
-
-# -- /score over HTTP ---------------------------------------------------------------------------
-
-
-def bench_http(args: argparse.Namespace, url: str, prefix: str, tokens: list[int]) -> None:
-    server = ServeProcess(
-        "--backend", url, "--redis-prefix", prefix, "--log-level", "warning"
-    )  # fmt: skip
-    try:
-        server.wait_ready()
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-        bodies = {
-            "same prompt each time": [json.dumps({"model": MODEL, "token_ids": tokens}).encode()],
-            "fresh second half each time": [
-                json.dumps(
-                    {"model": MODEL, "token_ids": tokens[: PROMPT_TOKENS // 2] + fresh}
-                ).encode()
-                for fresh in (
-                    [int(t) for t in np.random.default_rng(i).integers(0, 150_000, 4096)]
-                    for i in range(64)
-                )
-            ],
-        }
+        cpu0, own0 = redis_cpu_s(client), time.process_time()
+        samples = []
+        for _ in range(args.lookups):
+            t0 = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - t0)
+        own = (time.process_time() - own0) / args.lookups * 1e6
+        redis_cpu = (redis_cpu_s(client) - cpu0) / args.lookups * 1e3
+        busy = redis_busy_us(client) / args.lookups / 1e3
         print(
-            f"/score over HTTP: {PROMPT_TOKENS}-token prompt (token_ids), 64 pods, "
-            f"one client, sequential keep-alive requests, kvindex serve --backend {url}"
+            f"  {name:<38} {percentiles(samples)}  {own:6.0f} µs  {busy:6.3f} ms  "
+            f"{redis_cpu:6.3f} ms"
         )
-        for name, payloads in bodies.items():
-            i = 0
-
-            def call(payloads: list[bytes] = payloads) -> None:
-                nonlocal i
-                body = payloads[i % len(payloads)]
-                i += 1
-                conn.request("POST", "/score", body, {"Content-Type": "application/json"})
-                response = conn.getresponse()
-                data = response.read()
-                if response.status != 200:
-                    raise RuntimeError(f"/score answered {response.status}: {data[:200]!r}")
-
-            before = _score_seconds(conn)
-            samples = timed(call, args.requests)
-            inside = (_score_seconds(conn) - before) / (args.requests + 20) * 1000
-            print(f"  {name:<30} {percentiles(samples)}   in handler {inside:5.3f} ms")
-    finally:
-        server.stop()
-
-
-def _score_seconds(conn: http.client.HTTPConnection) -> float:
-    """Total time the server spent answering /score (its kvindex_score_seconds_sum)."""
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    for line in text.splitlines():
-        if line.startswith("kvindex_score_seconds_sum"):
-            return float(line.split()[-1])
-    return 0.0
+    pure.close()
 
 
 # -- off the event loop (issue 13) --------------------------------------------------------------
 
 
-def bench_off_loop(
-    args: argparse.Namespace, backend: RedisBackend, url: str, chain: list[int]
-) -> None:
-    """Lookups per second with 16 callers on one event loop, three ways to wait for
-    Redis: inline (the loop blocks for each round trip), a pool of threads, redis.asyncio."""
-    script, keys = SCRIPTS["lookup"], backend.keys.model(MODEL).script_keys()
+def bench_off_loop(args: argparse.Namespace, backend: RedisBackend, chain: list[int]) -> None:
+    """Lookups per second with 16 callers on one event loop: inline (the loop blocks for
+    each round trip) or on a pool of threads (what api/offload.py does)."""
     expected = backend.lookup(MODEL, chain)
     n = args.lookups
 
@@ -387,11 +339,6 @@ def bench_off_loop(
     async def run() -> dict[str, list[float]]:
         loop = asyncio.get_running_loop()
         pools = {threads: ThreadPoolExecutor(threads) for threads in (4, 8, 16)}
-        client = aredis.Redis.from_url(
-            RedisOptions.from_url(url).url, max_connections=OFF_LOOP_CALLERS
-        )
-        packed = pack_keys(chain)
-        await client.script_load(script.source)
 
         async def inline() -> list[MemberMatch]:
             return backend.lookup(MODEL, chain)
@@ -399,12 +346,8 @@ def bench_off_loop(
         def threaded(pool: ThreadPoolExecutor) -> Callable[[], Awaitable[list[MemberMatch]]]:
             return lambda: loop.run_in_executor(pool, backend.lookup, MODEL, chain)
 
-        async def pooled() -> list[MemberMatch]:
-            return lookup_reply(await client.execute_command(*script.args(keys, [packed])))
-
-        ways = {"inline on the loop (before)": inline}
+        ways = {"inline on the loop": inline}
         ways.update({f"{t} threads": threaded(pool) for t, pool in pools.items()})
-        ways["redis.asyncio, pooled"] = pooled
         rates: dict[str, list[float]] = {name: [] for name in ways}
         try:
             for call in ways.values():
@@ -415,132 +358,18 @@ def bench_off_loop(
         finally:
             for pool in pools.values():
                 pool.shutdown()
-            await client.aclose()
         return rates
 
     print(
         f"off the event loop: {OFF_LOOP_CALLERS} concurrent callers on one asyncio loop, "
         f"{n} lookups of the 512-block chain each way in {OFF_LOOP_ROUNDS} interleaved "
-        f"rounds; load average {_load_average()}"
+        f"rounds; load average {load_average()}"
     )
     for name, rates in asyncio.run(run()).items():
         print(
             f"  {name:<30} {statistics.median(rates):8,.0f} lookups/s "
             f"(rounds: {', '.join(f'{r:,.0f}' for r in rates)})"
         )
-
-
-def bench_target(args: argparse.Namespace, url: str, prefix: str, tokens: list[int]) -> bool:
-    """Issue 13's Redis figure: /score req/s with 16 clients, p50 with one; PASS/FAIL."""
-    keys = BlockHasher(HashConfig()).keys(tokens)
-    bodies = {
-        "token_ids": json.dumps({"model": MODEL, "token_ids": tokens}).encode(),
-        "block_hashes": json.dumps({"model": MODEL, "block_hashes": keys}).encode(),
-    }
-    server = ServeProcess(
-        "--backend", url, "--redis-prefix", prefix, "--model", MODEL, "--log-level", "warning"
-    )  # fmt: skip
-    redis_client = redis.Redis.from_url(RedisOptions.from_url(url).url)
-    passed = True
-    try:
-        server.wait_ready()
-        print(
-            f"/score with the Redis backend (issue 13 target: >= {TARGET_RPS:,} req/s with "
-            f"{TARGET_CLIENTS} clients, p50 <= {TARGET_P50_MS} ms with one); load "
-            f"generator in its own process; load average before: {_load_average()}"
-        )
-        for name, body in bodies.items():
-            _measure(server.port, body, 1, count=100)  # warm up
-            one = _measure(server.port, body, 1, count=args.requests)
-            redis_client.config_resetstat()
-            many = _measure(server.port, body, TARGET_CLIENTS, seconds=args.seconds)
-            scripts = redis_client.info("commandstats").get("cmdstat_evalsha", {})
-            per_lookup = scripts.get("usec", 0) / max(1, scripts.get("calls", 1)) / 1000
-            refused = {**one["refused"], **many["refused"]}
-            ok_rps = many["rps"] >= TARGET_RPS and not refused
-            ok_p50 = one["p50_ms"] <= TARGET_P50_MS and not refused
-            passed = passed and ok_rps and ok_p50
-            print(
-                f"  {name:<13} {TARGET_CLIENTS} clients {many['rps']:7,.0f} req/s "
-                f"(p50 {many['p50_ms']:6.2f} ms) {'PASS' if ok_rps else 'FAIL'};   1 client "
-                f"p50 {one['p50_ms']:6.3f} ms p99 {one['p99_ms']:6.3f} ms "
-                f"{'PASS' if ok_p50 else 'FAIL'}"
-            )
-            if refused:
-                print(f"  {'':<13} answers other than 200: {refused}")
-            print(
-                f"  {'':<13} Redis busy {per_lookup:.3f} ms per script call under load: "
-                f"its one thread caps this at ~{1000 / per_lookup if per_lookup else 0:,.0f}/s"
-            )
-        print(f"  load average after: {_load_average()}")
-    finally:
-        server.stop()
-        redis_client.close()
-    return passed
-
-
-def _measure(port: int, body: bytes, clients: int, *, count: int = 0, seconds: float = 0) -> dict:
-    """Latency and rate of POST /score from a load generator in its own process (so it
-    costs kvindex's process nothing), ``clients`` keep-alive connections, ``count``
-    requests or ``seconds``; answers other than 200 are counted by their error code."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_load, args=(port, body, clients, count, seconds, queue))
-    child.start()
-    try:
-        latencies, elapsed, refused = queue.get(timeout=max(60.0, seconds * 3))
-    finally:
-        child.join(10)
-        if child.is_alive():
-            child.kill()
-    latencies.sort()
-    n = max(1, len(latencies))
-    return {
-        "rps": len(latencies) / elapsed,
-        "p50_ms": 1000 * latencies[n // 2] if latencies else float("inf"),
-        "p99_ms": 1000 * latencies[min(n - 1, int(n * 0.99))] if latencies else float("inf"),
-        "refused": refused,
-    }
-
-
-def _load(port: int, body: bytes, clients: int, count: int, seconds: float, out) -> None:
-    latencies: list[float] = []
-    refused: dict[str, int] = {}
-    head = (
-        "POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
-
-    async def client(stop_at: float, todo: int) -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            while (todo and len(latencies) + sum(refused.values()) < todo) or (
-                not todo and time.perf_counter() < stop_at
-            ):
-                t0 = time.perf_counter()
-                writer.write(head)
-                headers = await reader.readuntil(b"\r\n\r\n")
-                length = int(headers.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-                answer = await reader.readexactly(length)
-                if headers.startswith(b"HTTP/1.1 200"):
-                    latencies.append(time.perf_counter() - t0)
-                else:
-                    code = json.loads(answer).get("error", headers[9:12].decode())
-                    refused[code] = refused.get(code, 0) + 1
-        finally:
-            writer.close()
-
-    async def run() -> float:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(t0 + seconds, count) for _ in range(clients)))
-        return time.perf_counter() - t0
-
-    elapsed = asyncio.run(run())
-    out.put((latencies, elapsed, refused))
-
-
-def _load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs"
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -623,9 +452,9 @@ def main() -> None:
             print()
         tokens = populate_prompt(args, backend)
         if not args.target_only:
-            bench_lookup(args, backend, tokens)
+            bench_lookup(args, backend, url, tokens)
             print()
-            bench_off_loop(args, backend, url, BlockHasher(HashConfig()).keys(tokens))
+            bench_off_loop(args, backend, BlockHasher(HashConfig()).keys(tokens))
             print()
             if not args.skip_http:
                 bench_http(args, url, prefix, tokens)

@@ -9,23 +9,24 @@ listpack encoding (~19 bytes per block, slower lookups). Each member has a rever
 record (the keys it came to hold), so clearing a pod costs that pod's blocks, never a
 scan. Every key starts with the prefix and carries the model as its hash tag.
 
-Round trips: ``apply`` is one pipeline of script calls per delivery chunk (plus one
-per CLEAR, which runs in bounded chunks); ``lookup`` is one script call whatever the
-prompt length. No ``KEYS`` and no ``SCAN`` anywhere.
+Round trips: ``apply`` is one pipeline of script calls per delivery chunk (plus, per
+CLEAR, two per chunk of the member's record: read it, then clear it); ``lookup`` and
+``presence`` are one MULTI/EXEC of HMGETs whatever the prompt length
+(:mod:`kvindex.indexer.redis_read`), the walk done here
+(:mod:`kvindex.indexer.redis_walk`). Every key a script touches is passed in ``KEYS``.
+No ``KEYS`` command and no ``SCAN`` anywhere.
 """
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Collection, Sequence
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from kvindex.indexer.backend import (
     TIERS,
+    BackendError,
     Change,
     IndexStats,
     MemberMatch,
@@ -35,65 +36,40 @@ from kvindex.indexer.backend import (
     Tier,
 )
 from kvindex.indexer.redis_conn import RedisConnection, RedisOptions
-from kvindex.indexer.redis_keys import KeySpace
+from kvindex.indexer.redis_keys import (
+    LAYOUT,
+    KeySpace,
+    ModelKeys,
+    RedisLayoutError,
+    bucket_numbers,
+)
+from kvindex.indexer.redis_read import BlockReader
 from kvindex.indexer.redis_scripts import SCRIPTS
+from kvindex.indexer.redis_walk import held_positions, prefix_matches
+from kvindex.indexer.redis_wire import key_array, pack_keys, unpack_keys
 
 #: Most keys one script call touches: bounds how long one call holds Redis (~2 ms).
 SCRIPT_KEYS = 2048
 #: Reverse-record entries one clear or compaction call reads.
 CLEAR_CHUNK = 4096
 
-_APPLY, _CLEAR, _LOOKUP = SCRIPTS["apply"], SCRIPTS["clear"], SCRIPTS["lookup"]
-_MEMBER_STATS, _MEMBER_KEYS = SCRIPTS["member_stats"], SCRIPTS["member_keys"]
-_MODEL_STATS = SCRIPTS["model_stats"]
-_PRESENCE = SCRIPTS["presence"]
+#: Times a clear reads a chunk of the record again because it changed under it.
+_CLEAR_RETRIES = 8
+
+_APPLY, _CLEAR = SCRIPTS["apply"], SCRIPTS["clear"]
 _OPS = {Op.STORE: b"s", Op.REMOVE: b"r", Op.ANNOUNCE: b"a"}
 _TIER_ARG = {Tier.GPU: b"0", Tier.CPU: b"1", Tier.STORAGE: b"2"}
-_LITTLE = sys.byteorder == "little"
-_decode_flat = msgspec.msgpack.Decoder(list[str | int]).decode
+_LAYOUT = str(LAYOUT).encode()
 
-
-def pack_keys(keys: Sequence[int] | np.ndarray) -> bytes:
-    """Block keys as 8-byte big-endian words; ValueError unless each is in [0, 2**64)."""
-    if isinstance(keys, np.ndarray):
-        if keys.ndim != 1:
-            raise ValueError(f"block keys must be one-dimensional, got shape {keys.shape}")
-        kind = keys.dtype.kind
-        if kind == "u" or (kind == "i" and not (keys < 0).any()):
-            return keys.astype(">u8", copy=False).tobytes()
-        raise ValueError(f"block keys must be unsigned 64-bit integers, got {keys.dtype}")
-    try:
-        words = array("Q", keys)
-    except (OverflowError, TypeError) as exc:
-        raise ValueError(f"block keys must be integers in [0, 2**64): {exc}") from None
-    if _LITTLE:
-        words.byteswap()
-    return words.tobytes()
-
-
-def unpack_keys(packed: bytes) -> list[int]:
-    words = array("Q", packed)
-    if _LITTLE:
-        words.byteswap()
-    return words.tolist()
-
-
-def lookup_reply(packed: bytes) -> list[MemberMatch]:
-    """The lookup script's msgpack reply as matches, best first."""
-    reply = _decode_flat(packed)
-    out = [
-        MemberMatch(reply[i], reply[i + 1], (reply[i + 2], reply[i + 3], reply[i + 4]))
-        for i in range(0, len(reply), 5)
-    ]
-    out.sort(key=lambda m: (-m.matched_blocks, -m.by_tier[0], m.member))
-    return out
+__all__ = ["RedisBackend", "pack_keys"]
 
 
 class RedisBackend:
     """An :class:`~kvindex.indexer.backend.IndexBackend` in Redis (or Redis Cluster).
 
-    Writers and readers may be in different processes; each script call is atomic, so a
-    lookup never sees half of a store. ``buckets`` is used for a model's first write only.
+    Writers and readers may be in different processes; each script call is atomic and a
+    read is one transaction, so a lookup never sees half of a store. ``buckets`` is used
+    for a model's first write only.
     """
 
     def __init__(
@@ -105,6 +81,9 @@ class RedisBackend:
         self._buckets = buckets or connection.options.buckets
         self._models_key = self.keys.models
         self._known_models: list[str] = []  # as last read; a guess, never trusted alone
+        self._reader = BlockReader(connection, self.keys)
+        self._write_buckets: dict[str, int] = {}  # per model, as its meta said
+        self._layout_checked = False
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "kvindex") -> RedisBackend:
@@ -124,85 +103,143 @@ class RedisBackend:
     def apply(self, changes: Sequence[Change]) -> None:
         """Apply in order: runs of stores and removes as one pipeline of script calls
         (one per model and ~``SCRIPT_KEYS`` keys), each CLEAR on its own."""
-        for step in _plan(changes):
+        steps = _plan(changes)
+        if steps and not self._layout_checked:
+            self._check_layout(claim=True)
+        for step in steps:
             if isinstance(step, _ClearStep):
                 self._clear(step.member, step.tier)
             else:
                 self._apply_run(step)
 
-    def _apply_run(self, run: dict[str, list[list[bytes]]]) -> None:
+    def _apply_run(self, run: _Run) -> None:
+        pending = list(run.items())
         commands: list[tuple[Any, ...]] = [("SADD", self._models_key, *run)]
-        default = str(self._buckets).encode()
-        for model, calls in run.items():
-            keys = self._script_keys(model)
-            commands += [_APPLY.args(keys, [default, *argv]) for argv in calls]
-        results = self.connection.pipeline("apply", commands)
-        for model, result in zip(_models_of(run), results[1:], strict=True):
-            for member in result:
-                self._chunked(model, member.decode(), b"")
+        for attempt in range(2):
+            sent = [
+                (model, call, self._write_buckets.get(model, self._buckets))
+                for model, calls in pending
+                for call in calls
+            ]
+            commands += [self._apply_command(model, buckets, call) for model, call, buckets in sent]
+            results = self.connection.pipeline("apply", commands)[len(commands) - len(sent) :]
+            retry: dict[str, list[_Call]] = {}
+            for (model, call, buckets), result in zip(sent, results, strict=True):
+                if int(result[0]) == 1:  # the model's meta fixed another bucket count
+                    self._write_buckets[model] = int(result[1])
+                    retry.setdefault(model, []).append(call)
+                    continue
+                self._write_buckets[model] = buckets
+                for member in result[1:]:
+                    self._chunked(model, member.decode(), b"")
+            if not retry:
+                return
+            if attempt:
+                raise BackendError(f"Redis: bucket counts of {sorted(retry)} kept changing")
+            pending, commands = list(retry.items()), []
+
+    def _apply_command(self, model: str, buckets: int, call: _Call) -> tuple[Any, ...]:
+        """The apply script's EVALSHA for one call: every key it touches in KEYS."""
+        names = self.keys.model(model)
+        keys: list[str] = list(names.script_keys())
+        log_at: dict[str, int] = {}
+        for _, member, _, _ in call:
+            if member not in log_at:
+                log_at[member] = len(keys) + 1
+                keys += [names.log(member), names.log_tmp(member)]
+        packed = b"".join(piece for _, _, _, piece in call)
+        bucket_keys, positions = _buckets_of(names, unpack_keys(packed), buckets, len(keys) + 1)
+        keys += bucket_keys
+        argv: list[Any] = [buckets]
+        at = 0
+        for code, member, tier, piece in call:
+            n = len(piece) // 4  # two position bytes per 8-byte key
+            argv += [code, member, log_at[member], tier, piece, positions[at : at + n]]
+            at += n
+        return _APPLY.args(keys, argv)
 
     def _clear(self, member: str, tier: Tier | None) -> int:
         which = b"a" if tier is None else _TIER_ARG[tier]
         return sum(self._chunked(model, member, which) for model in self._models())
 
     def _chunked(self, model: str, member: str, which: bytes) -> int:
-        """Run the clear/compaction script over the member's whole reverse record."""
-        keys = self._script_keys(model)
-        offset, dropped = 0, 0
+        """Run the clear/compaction script over the member's whole reverse record, a
+        chunk at a time: read the chunk, then clear it with its buckets in KEYS."""
+        names = self.keys.model(model)
+        record, rewrite = names.log(member), names.log_tmp(member)
+        offset, dropped, rereads = 0, 0, 0
         while offset >= 0:
-            n, offset = self.connection.call(
-                "clear", *_CLEAR.args(keys, [member, which, offset, CLEAR_CHUNK])
+            chunk, buckets = self.connection.pipeline(
+                "clear",
+                [
+                    ("GETRANGE", record, offset * 8, (offset + CLEAR_CHUNK) * 8 - 1),
+                    ("HGET", names.meta, "buckets"),
+                ],
             )
+            if buckets is None:
+                return dropped
+            keys = [*names.script_keys(), record, rewrite]
+            bucket_keys, positions = _buckets_of(names, unpack_keys(chunk), int(buckets), 9)
+            argv = [buckets, member, which, offset, CLEAR_CHUNK, chunk, positions]
+            n, next_offset = self.connection.call("clear", *_CLEAR.args(keys + bucket_keys, argv))
+            if next_offset == -2:  # the record changed between the two calls
+                rereads += 1
+                if rereads > _CLEAR_RETRIES:
+                    raise BackendError(f"Redis: {member!r}'s record kept changing during a clear")
+                continue
             dropped += n
+            offset = next_offset
         return dropped
 
     def clear_member(self, member: str) -> int:
         """Drop everything ``member`` holds; cost: its reverse records, in chunks."""
         return self._clear(member, None)
 
+    def _check_layout(self, *, claim: bool) -> None:
+        """Refuse a prefix holding data of another layout; with ``claim``, mark an
+        empty prefix as this layout's (before the first write)."""
+        layout, models = self.connection.pipeline(
+            "layout", [("GET", self.keys.layout), ("EXISTS", self._models_key)]
+        )
+        if layout is None and models:
+            raise RedisLayoutError.found(self.prefix, None, None)
+        if layout is not None and layout != _LAYOUT:
+            raise RedisLayoutError.found(self.prefix, None, layout)
+        if claim and layout is None:
+            self.connection.call("layout", "SET", self.keys.layout, LAYOUT, "NX")
+        self._layout_checked = claim or self._layout_checked
+
     # -- reads -------------------------------------------------------------------------------
 
     def lookup(
         self, model: str, keys: Sequence[int], members: Collection[str] | None = None
     ) -> list[MemberMatch]:
-        """One script call: each member's longest held prefix of ``keys``, best first."""
-        argv: list[Any] = [pack_keys(keys)]
-        if not argv[0]:
+        """One transaction of reads: each member's longest held prefix of ``keys``, best
+        first."""
+        wanted = key_array(keys)
+        if not wanted.size or (members is not None and not members):
             return []
-        if members is not None:
-            argv += list(members)
-            if len(argv) == 1:
-                return []
-        return lookup_reply(
-            self.connection.call("lookup", *_LOOKUP.args(self._script_keys(model), argv))
-        )
+        blocks = self._reader.read(model, wanted)
+        if blocks is None:
+            return []
+        if members is None:
+            return prefix_matches(blocks)
+        return prefix_matches(blocks, _member_ids(blocks.view.ids, members))
 
     def presence(
         self, model: str, keys: Sequence[int], members: Collection[str] | None = None
     ) -> list[MemberPresence]:
-        """One script call: per member, which positions of ``keys`` it holds per tier."""
-        argv: list[Any] = [pack_keys(keys)]
-        if not argv[0]:
+        """One transaction of reads: per member, which positions of ``keys`` it holds
+        per tier."""
+        wanted = key_array(keys)
+        if not wanted.size or (members is not None and not members):
             return []
-        if members is not None:
-            argv += list(members)
-            if len(argv) == 1:
-                return []
-        keys = self._script_keys(model)
-        ids, blocks = self.connection.call("presence", *_PRESENCE.args(keys, argv))
-        names = {int(ids[i]): ids[i + 1].decode() for i in range(0, len(ids), 2)}
-        masks: dict[str, list[int]] = {}
-        for i in range(0, len(blocks), 4):
-            bit = 1 << int(blocks[i])
-            for tier in TIERS:
-                bitmap = int.from_bytes(blocks[i + 1 + tier], "little")  # bit id = member id
-                while bitmap:
-                    low = bitmap & -bitmap
-                    name = names.get(low.bit_length() - 1)
-                    if name is not None:
-                        masks.setdefault(name, [0, 0, 0])[tier] |= bit
-                    bitmap ^= low
-        return [MemberPresence(m, tuple(masks[m])) for m in sorted(masks)]  # type: ignore[arg-type]
+        blocks = self._reader.read(model, wanted)
+        if blocks is None:
+            return []
+        if members is None:
+            return held_positions(blocks)
+        return held_positions(blocks, _member_ids(blocks.view.ids, members))
 
     def models(self) -> list[str]:
         """Every model written to this index (one call; /score's model check uses it
@@ -245,16 +282,22 @@ class RedisBackend:
         return stats if stats.blocks else None
 
     def member_keys(self, member: str, model: str, tier: Tier | None = None) -> list[int]:
-        keys = self._script_keys(model)
-        which = b"" if tier is None else _TIER_ARG[tier]
+        """The member's reverse record, a chunk at a time, each chunk's keys checked
+        with :meth:`presence` (the record also holds keys it dropped since)."""
+        record = self.keys.model(model).log(member)
         found: set[int] = set()
         offset = 0
-        while offset >= 0:
-            packed, offset = self.connection.call(
-                "member_keys", *_MEMBER_KEYS.args(keys, [member, which, offset, CLEAR_CHUNK])
+        while True:
+            chunk = self.connection.call(
+                "member_keys", "GETRANGE", record, offset * 8, (offset + CLEAR_CHUNK) * 8 - 1
             )
-            found.update(unpack_keys(packed))
-        return sorted(found)
+            keys = unpack_keys(chunk)
+            for held in self.presence(model, keys, [member]):
+                mask = held.held if tier is None else held.by_tier[tier]
+                found.update(keys[_positions(mask, keys.size)].tolist())
+            if len(chunk) < CLEAR_CHUNK * 8:
+                return sorted(found)
+            offset += CLEAR_CHUNK
 
     def members(self) -> list[str]:
         names: set[str] = set()
@@ -277,7 +320,9 @@ class RedisBackend:
         )
 
     def ping(self) -> None:
+        """Redis answers, and what it holds under the prefix is in this code's layout."""
         self.connection.ping()
+        self._check_layout(claim=False)
 
     def close(self) -> None:
         self.connection.close()
@@ -285,6 +330,28 @@ class RedisBackend:
     def error_counts(self) -> dict[str, int]:
         """Redis errors since start, by operation (no Redis call: safe while it is down)."""
         return dict(self.connection.errors)
+
+
+def _member_ids(ids: dict[str, int], members: Collection[str]) -> list[int]:
+    return [ids[m] for m in members if m in ids]
+
+
+def _positions(mask: int, n: int) -> np.ndarray:
+    """The set bits of ``mask`` (bit i = position i), as indexes."""
+    raw = np.frombuffer(mask.to_bytes((n + 7) // 8, "little"), np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")[:n])
+
+
+def _buckets_of(
+    names: ModelKeys, keys: np.ndarray, buckets: int, first: int
+) -> tuple[list[str], bytes]:
+    """The bucket keys ``keys`` fall in, to pass in KEYS from position ``first`` on, and
+    per key the KEYS position of its bucket as two big-endian bytes."""
+    numbers = bucket_numbers(keys, buckets)
+    present = np.bincount(numbers, minlength=buckets) > 0  # cheaper than np.unique's sort
+    position = np.cumsum(present) - 1 + first
+    used = np.flatnonzero(present).tolist()
+    return [names.bucket(n) for n in used], position[numbers].astype(">u2").tobytes()
 
 
 # -- planning ------------------------------------------------------------------------------
@@ -298,12 +365,12 @@ class _ClearStep:
         self.tier = tier
 
 
-#: A run of stores and removes: per model, the ARGV tails of its script calls.
-_Run = dict[str, list[list[bytes]]]
-
-
-def _models_of(run: _Run) -> list[str]:
-    return [model for model, calls in run.items() for _ in calls]
+#: One change of a script call: op code, member, tier code, packed keys.
+_Change = tuple[bytes, str, bytes, bytes]
+#: One script call: its changes, about ``SCRIPT_KEYS`` keys in all.
+_Call = list[_Change]
+#: A run of stores and removes: per model, its script calls in order.
+_Run = dict[str, list[_Call]]
 
 
 def _plan(changes: Sequence[Change]) -> list[_Run | _ClearStep]:
@@ -332,7 +399,6 @@ def _plan(changes: Sequence[Change]) -> list[_Run | _ClearStep]:
         packed = pack_keys(change.keys)
         if not packed:
             continue
-        member = change.member.encode()
         calls = run.setdefault(change.model, [])
         step = SCRIPT_KEYS * 8
         for start in range(0, len(packed), step):
@@ -340,7 +406,7 @@ def _plan(changes: Sequence[Change]) -> list[_Run | _ClearStep]:
             if not calls or sizes[change.model] + len(piece) > step:
                 calls.append([])
                 sizes[change.model] = 0
-            calls[-1] += [code, member, _TIER_ARG[tier], piece]
+            calls[-1].append((code, change.member, _TIER_ARG[tier], piece))
             sizes[change.model] += len(piece)
     if run:
         steps.append(run)

@@ -8,16 +8,48 @@ model carries the model as its hash tag (and every key of one stream the stream'
 member), so in Redis Cluster each script's keys live in one slot.
 
 Redis Cluster's rule is that a script names every key it touches in ``KEYS``. The
-index scripts get the model's fixed keys there (:meth:`ModelKeys.script_keys`); the
-bucket (``b:<n>``) and reverse-record (``log:<id>``) keys are still derived inside
-the scripts from the same base, because which ones a call touches is known only there:
-a member's id is allocated by the script, and a clear walks the reverse record it reads.
+scripts never build a key name: the client names every key here and passes it in
+``KEYS`` - the model's fixed keys (:meth:`ModelKeys.script_keys`), the reverse records
+of the members a call writes (:meth:`ModelKeys.log`, by member name, so the client
+knows it without asking Redis for the member's id) and the buckets its block keys fall
+in (:func:`bucket_numbers`, from the bucket count the model's ``meta`` fixed) - and the
+script takes each key from ``KEYS`` by position.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+
+import numpy as np
+
+from kvindex.indexer.backend import BackendUnavailable
+
+#: The layout this code reads and writes, kept in every model's ``meta`` (``layout``)
+#: and prefix-wide in ``<prefix>:layout``. 1 (no ``layout`` field): reverse records
+#: by member id and lookups walked in Lua; 2: reverse records by member name, every key
+#: a script touches in ``KEYS``, a ``meta`` epoch for the member names, lookups read with
+#: plain HMGETs. A model written in another layout is refused (RedisLayoutError).
+LAYOUT = 2
+
+
+class RedisLayoutError(BackendUnavailable):
+    """Redis holds kvindex data of another layout than this code's: refused, never
+    mixed (a reader would misread it and a writer corrupt it)."""
+
+    code = "redis_layout_mismatch"
+
+    @classmethod
+    def found(cls, prefix: str, model: str | None, layout: bytes | str | None) -> RedisLayoutError:
+        found = layout.decode() if isinstance(layout, bytes) else (layout or "1")
+        where = f"model {model!r}" if model is not None else "the index"
+        return cls(
+            f"Redis holds kvindex data of layout {found} under prefix {prefix!r} ({where}); "
+            f"this kvindex reads and writes layout {LAYOUT} only. Start it with another "
+            f"--redis-prefix, or delete every key starting with '{prefix}:' once no older "
+            f"replica writes there; the index then fills from the pods' events (blocks "
+            f"they stored before score as cold until stored again)."
+        )
 
 
 def model_tag(model: str) -> str:
@@ -28,6 +60,11 @@ def model_tag(model: str) -> str:
     return "#" + hashlib.sha1(model.encode()).hexdigest()[:16]
 
 
+def bucket_numbers(keys: np.ndarray, buckets: int) -> np.ndarray:
+    """Which bucket each block key (uint64) lives in: its low 16 bits modulo the count."""
+    return (keys & np.uint64(0xFFFF)).astype(np.int64) % buckets
+
+
 @dataclass(frozen=True, slots=True)
 class ModelKeys:
     """One model's keys; ``base`` is ``<prefix>:{<model tag>}:``."""
@@ -36,7 +73,9 @@ class ModelKeys:
 
     @property
     def meta(self) -> str:
-        """Hash: ``buckets`` (fixed by the model's first write), ``next_id``."""
+        """Hash: ``buckets`` (fixed by the model's first write), ``layout``, ``next_id``,
+        ``epoch`` (bumped whenever a member id is given or freed, so readers can cache
+        the id -> name map)."""
         return self.base + "meta"
 
     @property
@@ -68,16 +107,17 @@ class ModelKeys:
         """Hash ``n`` of the model's buckets: block key (+ tier byte) -> member bitmap."""
         return f"{self.base}b:{n}"
 
-    def log(self, member_id: int) -> str:
+    def log(self, member: str) -> str:
         """String: the member's reverse record (8-byte keys it came to hold)."""
-        return f"{self.base}log:{member_id}"
+        return f"{self.base}log:{member}"
 
-    def log_tmp(self, member_id: int) -> str:
-        """String: the reverse record being compacted."""
-        return f"{self.base}log:{member_id}:tmp"
+    def log_tmp(self, member: str) -> str:
+        """String: the member's reverse record being rewritten (a one-tier clear)."""
+        return f"{self.base}log:{member}:tmp"
 
     def script_keys(self) -> tuple[str, str, str, str, str, str]:
-        """``KEYS`` of every index script, in the order ``prelude.lua`` reads them."""
+        """The first six ``KEYS`` of every index script, in the order ``prelude.lua``
+        reads them."""
         return (self.meta, self.stats, self.ids, self.names, self.free, self.copies)
 
 
@@ -91,16 +131,18 @@ class StreamKeys:
 
 
 class KeySpace:
-    """Every key under ``prefix``: ``models`` (a set of the model names written), each
-    model's :class:`ModelKeys` and each stream's :class:`StreamKeys`."""
+    """Every key under ``prefix``: ``models`` (a set of the model names written),
+    ``layout`` (the layout version of everything under the prefix), each model's
+    :class:`ModelKeys` and each stream's :class:`StreamKeys`."""
 
-    __slots__ = ("_models", "models", "prefix")
+    __slots__ = ("_models", "layout", "models", "prefix")
 
     def __init__(self, prefix: str) -> None:
         if not prefix or "{" in prefix or "}" in prefix:
             raise ValueError(f"Redis key prefix {prefix!r} must be non-empty, without braces")
         self.prefix = prefix
         self.models = f"{prefix}:models"
+        self.layout = f"{prefix}:layout"
         self._models: dict[str, ModelKeys] = {}
 
     def model(self, model: str) -> ModelKeys:

@@ -53,7 +53,7 @@ def test_every_key_is_under_the_prefix_and_nothing_scans(
     backend.apply([store(A, [1, 2]), store(B, [3], model="other")])
     keys = [k.decode() for k in client.scan_iter(count=1000)]  # the test looks; kvindex never does
     assert keys and all(k.startswith("kvt:") for k in keys), keys
-    model_keys = [k for k in keys if k not in ("kvt:models",)]
+    model_keys = [k for k in keys if k not in (backend.keys.models, backend.keys.layout)]
     assert all(f"{{{M}}}" in k or "{other}" in k for k in model_keys), model_keys
 
 
@@ -193,4 +193,5 @@ def test_every_bucket_layout_answers_like_the_memory_backend(
             assert redis_backend.lookup(M, probe) == reference.lookup(M, probe)
             some = members[::7]
             assert redis_backend.lookup(M, probe, some) == reference.lookup(M, probe, some)
+            assert redis_backend.presence(M, probe) == reference.presence(M, probe)
     redis_backend.close()

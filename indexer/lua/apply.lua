@@ -1,10 +1,19 @@
--- ARGV: default bucket count, then per change: op ('s' store: one more copy, 'r' remove:
--- one copy fewer, 'a' announce: at least one copy), member, tier ('0'..'2'), packed
--- keys. Returns the members whose reverse record needs compaction (the client runs
--- CLEAR with no tier for them, in chunks).
+-- Stores, removes and announces of one model, in order.
+-- KEYS: the six fixed keys, then each member's reverse record and its rewrite key
+-- (ModelKeys.log, log_tmp), then the buckets the block keys fall in.
+-- ARGV: the bucket count the client assumed, then per change six values: op ('s' store:
+-- one more copy, 'r' remove: one copy fewer, 'a' announce: at least one copy), member,
+-- the KEYS position of its reverse record (its rewrite key follows it), tier ('0'..'2'),
+-- packed keys (8 bytes each, big-endian), and per key the KEYS position of its bucket
+-- (two bytes each).
+-- Returns {0, members whose reverse record needs compaction...} (the client rewrites
+-- them with clear.lua), or {1, buckets} without writing anything when the model's
+-- bucket count is not the one assumed.
 if not nbuckets then
   nbuckets = tonumber(ARGV[1])
-  call('HSET', META, 'buckets', nbuckets)
+  call('HSET', META, 'buckets', nbuckets, 'layout', LAYOUT)
+elseif nbuckets ~= tonumber(ARGV[1]) then
+  return {1, nbuckets}
 end
 
 local appended = {}
@@ -21,19 +30,21 @@ local function intern(name)
   end
   call('HSET', IDS, name, mid)
   call('HSET', NAMES, mid, name)
+  call('HINCRBY', META, 'epoch', 1)
   ids[name] = mid
   return mid
 end
 
-for c = 2, #ARGV, 4 do
-  local op = ARGV[c]
+for c = 2, #ARGV, 6 do
+  local op, name = ARGV[c], ARGV[c + 1]
   local store = op ~= 'r'  -- 's' adds a copy, 'a' holds at least one, 'r' drops one
   local mid
-  if store then mid = intern(ARGV[c + 1]) else mid = member_id(ARGV[c + 1]) end
+  if store then mid = intern(name) else mid = member_id(name) end
   if mid then
-    touched[mid] = true
-    local tier = tonumber(ARGV[c + 2])
-    local packed = ARGV[c + 3]
+    local logat = tonumber(ARGV[c + 2])
+    touched[mid] = {name, KEYS[logat], KEYS[logat + 1]}
+    local tier = tonumber(ARGV[c + 3])
+    local packed, positions = ARGV[c + 4], ARGV[c + 5]
     local at, mask = math.floor(mid / 8) + 1, bit.lshift(1, mid % 8)
     local suffix = SUFFIX[tier]
     -- A GPU change in a model without CPU or STORAGE entries reads GPU fields only (and
@@ -48,7 +59,7 @@ for c = 2, #ARGV, 4 do
     end
     for i = 1, #packed, 8 do
       local k = ssub(packed, i, i + 7)
-      local bkey = bucket(k)
+      local bkey = bucket_at(positions, (i + 7) / 8)
       if store and not all and call('HSETNX', bkey, k, alone) == 1 then
         -- A block nobody held, the common case at ingest: one call.
         d_entries, d_held, d_keys = d_entries + 1, d_held + 1, d_keys + 1
@@ -97,11 +108,10 @@ for c = 2, #ARGV, 4 do
             end
             if not v and not others then d_keys = d_keys + 1 end
           else
-            local nv = without_bit(v, at, mask)
-            if nv == '' then call('HDEL', bkey, f) else call('HSET', bkey, f, nv) end
+            local left = clear_bit(bkey, f, v, at, mask)
             d_entries = d_entries - 1
             if not elsewhere then d_held = d_held - 1 end
-            if nv == '' and not others then d_keys = d_keys - 1 end
+            if not left and not others then d_keys = d_keys - 1 end
           end
         end
       end
@@ -115,19 +125,16 @@ for c = 2, #ARGV, 4 do
   end
 end
 
-local grown, compact = {}, {}
+local out = {0}
 for mid, log in pairs(appended) do
   if #log > 0 then
-    local len = call('APPEND', BASE .. 'log:' .. mid, table.concat(log))
-    if len / 8 > 2 * get_stat('h:' .. mid) + 64 then grown[#grown + 1] = mid end
+    local len = call('APPEND', touched[mid][2], table.concat(log))
+    local held = get_stat('h:' .. mid)
+    if held > 0 and len / 8 > 2 * held + 64 then out[#out + 1] = touched[mid][1] end
   end
 end
-for mid in pairs(touched) do
-  if get_stat('h:' .. mid) == 0 then release(mid) end
-end
-for _, mid in ipairs(grown) do
-  local name = call('HGET', NAMES, mid)
-  if name then compact[#compact + 1] = name end
+for mid, member in pairs(touched) do
+  if get_stat('h:' .. mid) == 0 then release(mid, member[1], member[2], member[3]) end
 end
 flush_stats()
-return compact
+return out

@@ -1,26 +1,26 @@
--- Shared by every index script: key names, bitmaps, counters, member ids.
--- KEYS: the model's meta, stats, ids, names, free and copies keys (KeySpace's
--- ModelKeys.script_keys, indexer/redis_keys.py). The bucket ('b:<n>') and reverse-record
--- ('log:<id>') keys share their base and hash tag; which ones a call touches is known
--- only here, so they are derived from the base.
+-- Shared by every index script: the layout check, bitmaps, counters, member ids.
+-- KEYS[1..6]: the model's meta, stats, ids, names, free and copies keys (KeySpace's
+-- ModelKeys.script_keys, indexer/redis_keys.py). A script's other keys (buckets,
+-- reverse records) follow in KEYS, and ARGV says which one each block key or member
+-- uses: no key name is built here, so every key a script touches came in KEYS.
 local META, STATS, IDS, NAMES, FREE, COPIES = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local BASE = string.sub(META, 1, -5)
+local LAYOUT = '2'  -- redis_keys.LAYOUT
 local SUFFIX = {[0] = '', [1] = '\1', [2] = '\2'}
 local band, bor, bnot = bit.band, bit.bor, bit.bnot
 local sbyte, schar, ssub = string.byte, string.char, string.sub
 local call = redis.call
 
-local nbuckets = tonumber(call('HGET', META, 'buckets'))
-local bucket_names = {}
-local function bucket(k)
-  local a, b = sbyte(k, 7, 8)
-  local n = (a * 256 + b) % nbuckets
-  local name = bucket_names[n]
-  if not name then
-    name = BASE .. 'b:' .. n
-    bucket_names[n] = name
-  end
-  return name
+local meta = call('HMGET', META, 'buckets', 'layout')
+local nbuckets = tonumber(meta[1])
+if nbuckets and meta[2] ~= LAYOUT then
+  return redis.error_reply('KVLAYOUT ' .. (meta[2] or '1'))
+end
+
+-- The bucket key of the x-th block key of a change: ARGV gives, per block key, the
+-- KEYS position of its bucket as two big-endian bytes (the client's bucket_numbers).
+local function bucket_at(positions, x)
+  local a, b = sbyte(positions, 2 * x - 1, 2 * x)
+  return KEYS[a * 256 + b]
 end
 
 local function has_bit(v, at, mask)
@@ -39,6 +39,19 @@ local function without_bit(v, at, mask)
     return ssub(v, 1, j)
   end
   return ssub(v, 1, at - 1) .. schar(b) .. ssub(v, at + 1)
+end
+
+-- Drop one member's bit from field f of bucket bkey, whose value is v (held): deletes
+-- the field when no bit is left. Returns the new value, false when deleted. The one
+-- place a bit is cleared (a remove in apply, every tier of a clear).
+local function clear_bit(bkey, f, v, at, mask)
+  local nv = without_bit(v, at, mask)
+  if nv == '' then
+    call('HDEL', bkey, f)
+    return false
+  end
+  call('HSET', bkey, f, nv)
+  return nv
 end
 
 local function get_stat(f)
@@ -73,40 +86,6 @@ local function multi_tier()
   return get_stat('t1') + get_stat('t2') > 0
 end
 
--- A bitmap (bit = member id) of the members named in ARGV[2..], for a query restricted
--- to them; false when none of them holds an id (so none holds anything).
-local function named_members()
-  local names = {}
-  for i = 2, #ARGV do names[#names + 1] = ARGV[i] end
-  local bytes, top = {}, 0
-  for _, mid in ipairs(call('HMGET', IDS, unpack(names))) do
-    if mid then
-      mid = tonumber(mid)
-      local at = math.floor(mid / 8) + 1
-      for j = top + 1, at do bytes[j] = 0 end
-      if at > top then top = at end
-      bytes[at] = bor(bytes[at], bit.lshift(1, mid % 8))
-    end
-  end
-  if top == 0 then return false end
-  return schar(unpack(bytes, 1, top))
-end
-
--- The bits two bitmaps share, trailing zero bytes trimmed; '' when none. Bitmap strings
--- are short (8 bytes for 64 members): each is read with one string.byte.
-local function and_str(a, b)
-  local n = math.min(#a, #b)
-  local x, y = {sbyte(a, 1, n)}, {sbyte(b, 1, n)}
-  local last = 0
-  for j = 1, n do
-    local v = band(x[j], y[j])
-    x[j] = v
-    if v ~= 0 then last = j end
-  end
-  if last == 0 then return '' end
-  return schar(unpack(x, 1, last))
-end
-
 -- Extra copies (past the first) of one (key, tier, member) entry live in COPIES, field
 -- key .. tier byte .. member id; stats 'c' counts the fields, so a model without any
 -- (the usual case) never reads the hash.
@@ -130,15 +109,15 @@ local function member_id(name)
   return mid
 end
 
-local function release(mid)
-  local name = call('HGET', NAMES, mid)
-  if name then
-    call('HDEL', IDS, name)
-    ids[name] = false
-  end
+-- Free a member's id once it holds nothing: its names, counters and reverse record
+-- (logkey, and tmpkey its rewrite) go; the epoch tells readers their names are stale.
+local function release(mid, name, logkey, tmpkey)
+  call('HDEL', IDS, name)
+  ids[name] = false
   call('HDEL', NAMES, mid)
   call('ZADD', FREE, mid, mid)
-  call('DEL', BASE .. 'log:' .. mid, BASE .. 'log:' .. mid .. ':tmp')
+  call('HINCRBY', META, 'epoch', 1)
+  call('DEL', logkey, tmpkey)
   for _, f in ipairs({'e0:', 'e1:', 'e2:', 'h:'}) do
     stat[f .. mid] = 0
     dirty[f .. mid] = true

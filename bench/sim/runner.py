@@ -10,7 +10,8 @@ Each request goes to one gateway replica drawn at random (a session's requests m
 on different replicas, as behind a plain load balancer), or, with the ``direct`` fault,
 straight to a random pod. Before a replica whose policy asks kvindex decides, the
 runner publishes every event batch due by now (:mod:`bench.sim.lag`) and waits until
-kvindex applied it, so decisions see exactly the lagged view, deterministically.
+kvindex applied those that touch the prompt's blocks (:mod:`bench.sim.streams`), so
+decisions see exactly the lagged view, deterministically.
 """
 
 from __future__ import annotations
@@ -113,14 +114,10 @@ def run(
         )
         stack.callback(cluster.close)
         if routes:
+            # /route names its candidate pods (``pods``), so kvindex scrapes them from the
+            # first request on and costs one it has not scraped yet as pending - no pod
+            # has to publish before it can be chosen.
             stack.callback(PodMetricsServers(cluster.pods, spec.model).close)
-            # Bind mode has no list of pods: /route knows a pod (and scrapes it) once its
-            # stream exists, and costs an unknown pod as busy, so a pod that never got a
-            # request would never get one. An empty batch from each pod stands in for
-            # configuring them (--zmq-connect or discovery), as a deployment would.
-            cluster.announce()
-            assert client is not None
-            cluster.sync(client, spec.sync_timeout_s)
         policies = [
             build_policy(
                 spec.policy,
@@ -152,8 +149,9 @@ def run(
                     p.reasons for p in policies if isinstance(p, KvindexRoute)
                 ),
                 "route_refusals": sum(p.refusals for p in policies if isinstance(p, KvindexRoute)),
-                "syncs": cluster.syncs,
-                "nudges": cluster.nudges,
+                "syncs": cluster.streams.syncs,
+                "syncs_skipped": cluster.streams.skipped,
+                "nudges": cluster.streams.nudges,
                 "sync_waits": client.sync_waits,
                 "sync_timeouts": client.sync_timeouts,
                 "sync_wait_s": round(client.sync_wait_s, 3),
@@ -270,7 +268,7 @@ class _Loop:
             replica = self.rng.randrange(len(self.policies))
             if self.client is not None:
                 self.cluster.release(now)
-                self.cluster.sync(self.client, spec.sync_timeout_s)
+                self.cluster.sync(self.client, spec.sync_timeout_s, k.prompt_keys)
             choice = self.policies[replica].choose(k, pods)
             job = Job(k, arrival_s, choice, replica)
         if pods[job.pod].submit(job):

@@ -11,7 +11,6 @@ knee. Definitions are in :mod:`bench.sim.results` and :mod:`bench.sim.sweep`.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,24 +24,56 @@ from bench.sim.sweep import axes, knee, point, saturation
 
 Results = Mapping[Cell, RunResult]
 HEADER = (
-    "policy", "hit", "prefill tok", "x ideal", "TTFT p50", "p90", "p99", "ITL p50",
-    "e2e p90", "tok/s", "goodput", "good", "imbal", "preempt", "evicted",
+    "policy", "hit", "prefill tok", "x ideal", "x bound", "TTFT p50", "p90", "p99",
+    "ITL p50", "e2e p90", "tok/s", "goodput", "good", "imbal", "preempt", "evicted",
 )  # fmt: skip
 
 
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
 def _row(r: RunResult) -> tuple[str, ...]:
-    ideal = r.prefill_tokens / r.ideal_prefill_tokens if r.ideal_prefill_tokens else math.nan
     return (
-        r.policy, f"{r.hit_ratio:.1%}", f"{r.prefill_tokens:,}", f"{ideal:.2f}",
+        r.policy, f"{r.hit_ratio:.1%}", f"{r.prefill_tokens:,}",
+        _ratio(r.prefill_tokens, r.ideal_prefill_tokens),
+        _ratio(r.prefill_tokens, r.capacity_bound_tokens),
         f"{r.ttft(50):.3f}", f"{r.ttft(90):.3f}", f"{r.ttft(99):.3f}", f"{r.itl(50) * 1e3:.0f}ms",
         f"{r.e2e(90):.2f}", f"{r.throughput:,.0f}", f"{r.goodput:.2f}", f"{r.good_fraction:.0%}",
         f"{r.imbalance:.2f}", str(r.preemptions), f"{r.evicted_blocks:,}",
     )  # fmt: skip
 
 
-def _bound_row(r: RunResult) -> tuple[str, ...]:
-    hit = 1 - r.ideal_prefill_tokens / r.no_cache_prefill_tokens if r.no_cache_prefill_tokens else 0
-    return ("ideal (bound)", f"{hit:.1%}", f"{r.ideal_prefill_tokens:,}", "1.00") + ("",) * 11
+def _bound_rows(runs: Sequence[RunResult]) -> list[tuple[str, ...]]:
+    """The ideal prefill (unbounded cache), and the capacity bound and TTFT floor, which
+    hold per run on its own arrival order (closed-loop sessions arrive as their answers
+    come): the bound's range over the runs, the largest floor."""
+    r0 = runs[0]
+    nocache = r0.no_cache_prefill_tokens
+
+    def hit(tokens: int) -> str:
+        return f"{1 - tokens / nocache:.1%}" if nocache else "-"
+
+    bounds = sorted({r.capacity_bound_tokens for r in runs})
+    span = f"{bounds[0]:,}" + (f"-{bounds[-1]:,}" if len(bounds) > 1 else "")
+    floor = [max(r.ttft_floor(q) for r in runs) for q in (50, 90, 99)]
+    blank = ("",) * 8
+    return [
+        ("ideal prefill (bound)", hit(r0.ideal_prefill_tokens), f"{r0.ideal_prefill_tokens:,}",
+         "1.00", "", "", "", "", *blank),
+        ("capacity bound / TTFT floor", hit(bounds[-1]), span,
+         _ratio(bounds[-1], r0.ideal_prefill_tokens), "1.00",
+         *(f"{x:.3f}" for x in floor), *blank),
+    ]  # fmt: skip
+
+
+def _trace_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
+    if "measured" not in stats:
+        return []
+    from bench.sim.mooncake import stats_table  # only traces report statistics
+
+    rows = stats_table(stats["measured"])
+    return [("statistic", "generated (as sent)", "counting earlier turns", "Mooncake trace"), *rows]
 
 
 def _grid(rows: Sequence[Sequence[str]], md: bool) -> list[str]:
@@ -81,8 +112,13 @@ def _index_note(r: RunResult) -> str | None:
 
 
 def sections(
-    results: Results, scenarios: Mapping[str, Scenario], md: bool, slo_ttft_s: float
+    results: Results,
+    scenarios: Mapping[str, Scenario],
+    md: bool,
+    slo_ttft_s: float,
+    workload_stats: Mapping[str, dict[str, Any]] | None = None,
 ) -> list[str]:
+    workload_stats = workload_stats or {}
     out: list[str] = []
     bold = (lambda s: f"**{s}**") if md else (lambda s: s)
     for name in dict.fromkeys(c.scenario for c in results if c.study == "standard"):
@@ -97,9 +133,15 @@ def sections(
             + f" - {s.about}"
         )
         out.append("")
-        out.extend(_grid([HEADER, *(_row(r) for r in runs), _bound_row(r0)], md))
+        out.extend(_grid([HEADER, *(_row(r) for r in runs), *_bound_rows(runs)], md))
         out.extend(f"  {n}" for n in (_index_note(r) for r in runs) if n)
         out.append("")
+        trace = _trace_rows(workload_stats.get(name, {}))
+        if trace:
+            out.append(f"{name}: the generated trace next to the trace it imitates (seed 0)")
+            out.append("")
+            out.extend(_grid(trace, md))
+            out.append("")
     for name in dict.fromkeys(c.scenario for c in results if c.study == "sweep"):
         policies, loads = axes(results, "sweep", name)
         sat, ref = saturation(results, name, slo_ttft_s)
@@ -176,7 +218,7 @@ def markdown(
         f"{meta['slo']['itl_s'] * 1e3:g} ms; events as vLLM {meta['vllm_version']}.",
         "",
     ]
-    body = sections(results, scenarios, True, meta["slo"]["ttft_s"])
+    body = sections(results, scenarios, True, meta["slo"]["ttft_s"], meta.get("workload_stats"))
     tail = ["Claims:", "", *(f"- {c.line()}" for c in claims), ""]
     return "\n".join(head + body + tail)
 
@@ -212,7 +254,8 @@ def write(
     png: bool = True,
 ) -> list[Path]:
     """Print the tables and claims; write routing.md, routing.json and the PNGs."""
-    print("\n".join(sections(results, scenarios, False, meta["slo"]["ttft_s"])))
+    stats = meta.get("workload_stats")
+    print("\n".join(sections(results, scenarios, False, meta["slo"]["ttft_s"], stats)))
     print("\n".join(c.line() for c in claims))
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "routing.md"

@@ -25,6 +25,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from bench.sim.agreement import check_agreement
+from bench.sim.bounds import ideal_hits, prefill_bound, ttft_floor
 from bench.sim.cache_policies import CacheAware, KvindexRoute, Precise
 from bench.sim.cluster import Cluster, ClusterSpec
 from bench.sim.faults import FaultSpec
@@ -141,6 +142,7 @@ def run(
                 exc.add_note(f"kvindex log (last lines):\n{service.log_tail()}")
             raise
         _collect(cluster, policies, result)
+        _bounds(prepared, spec.cluster, result)
         if client is not None:
             result.index = {
                 "score_calls": client.score_calls,
@@ -297,6 +299,30 @@ def _merged(counts: Iterable[dict[str, int]]) -> dict[str, int]:
         for k, v in c.items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+#: The last run's bounds: (workload, capacity, arrival order, (bound, floors)). The
+#: workload itself is held, so a later workload cannot be mistaken for it.
+_LAST_BOUNDS: list[tuple[PreparedWorkload, int, tuple[int, ...], tuple[int, list[float]]]] = []
+
+
+def _bounds(prepared: PreparedWorkload, cluster: ClusterSpec, result: RunResult) -> None:
+    """The run's bounds on its own arrival order (open-loop runs of one workload share
+    the order, so the policies after the first reuse it)."""
+    rids = tuple(rid for _, rid in sorted(result.arrivals))
+    capacity = cluster.pods * cluster.blocks_per_pod
+    last = _LAST_BOUNDS[0] if _LAST_BOUNDS else None
+    if last is None or last[0] is not prepared or last[1] != capacity or last[2] != rids:
+        order = [prepared.by_rid[rid] for rid in rids]
+        size = prepared.block_size
+        floors = [
+            ttft_floor(k, hit, cluster.costs, size)
+            for k, hit in zip(order, ideal_hits(order), strict=True)
+        ]
+        _LAST_BOUNDS[:] = [
+            (prepared, capacity, rids, (prefill_bound(order, size, capacity), floors))
+        ]
+    result.capacity_bound_tokens, result.ttft_floors = _LAST_BOUNDS[0][3]
 
 
 def _collect(cluster: Cluster, policies: list[Policy], result: RunResult) -> None:

@@ -36,15 +36,15 @@ from bench.sim.progress import progress
 from bench.sim.report import write
 from bench.sim.results import RunResult, Slo
 from bench.sim.runner import RunSpec, run
-from bench.sim.scenarios import Scenario, by_name, load_study, loaded, scaled, standard
+from bench.sim.scenarios import SPECS, Scenario, by_name, load_study, loaded, scaled, standard
 from bench.sim.service import KvindexProcess
-from bench.sim.workloads import SPECS, PreparedWorkload, WorkloadSpec, prepare, spec_fields
+from bench.sim.workloads import PreparedWorkload, WorkloadSpec, prepare, spec_fields, workload_stats
 from kvindex.indexer.keys import BlockHasher, HashConfig
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "out"
-DEFAULT_LOADS = "0.25,0.5,0.75,1,1.25,1.5,2"
+DEFAULT_LOADS = "0.25,0.5,0.75,1,1.25,1.5,2,3"
 DEFAULT_POLICIES = ",".join(POLICY_NAMES)
-QUICK_SKIPS = ("random", "session-sticky", "dynamo", "precise")
+QUICK_SKIPS = ("random", "session-sticky", "dynamo", "precise", "greedy-perfect")
 DEFAULT_FAULTS = "restarts:4,resets:4,direct:0.2"
 
 
@@ -99,11 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(
                 f"--{kind}-{name.replace('_', '-')}",
                 dest=f"{kind}__{name}",
-                type=kind_type,
+                type=_yes_no if kind_type is bool else kind_type,
                 metavar=kind_type.__name__.upper(),
                 help=f"default {default} (scenarios may set their own)",
             )
     return p
+
+
+def _yes_no(text: str) -> bool:
+    if text.lower() in ("1", "yes", "true", "on"):
+        return True
+    if text.lower() in ("0", "no", "false", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected yes or no, got {text!r}")
 
 
 def _names(text: str | None, default: list[Scenario]) -> list[str]:
@@ -141,7 +149,7 @@ def plan_spec(args: argparse.Namespace) -> PlanSpec:
             loads=[0.25, 1.5] if args.loads == DEFAULT_LOADS else _floats(args.loads),
             seeds=args.seeds,
             sweep_replicas=args.replicas,
-            replica_counts=[1, 2],
+            replica_counts=[2],  # the same runs as the fault study's fault-free ones
             study_scenario=args.study_scenario,
             study_load=args.study_load / 2,
             study_policies=[p for p in policies if p in ("approximate", "kvindex-route")]
@@ -165,18 +173,19 @@ def plan_spec(args: argparse.Namespace) -> PlanSpec:
 
 def scenario_for(cell: Cell, args: argparse.Namespace) -> Scenario:
     (scenario,) = by_name([cell.scenario])
-    scenario = loaded(scaled(scenario, _scale(args)), cell.load)
     overrides = {
         name: value
         for name, _, _ in spec_fields(type(scenario.spec))
         if (value := getattr(args, f"{scenario.spec.kind}__{name}")) is not None
     }
+    # Flags set the base workload; the scale and the load factor apply on top of them.
     spec: WorkloadSpec = replace(scenario.spec, **overrides)  # type: ignore[type-var]
-    return replace(scenario, spec=spec, cluster=_cluster(scenario.cluster, args))
+    scenario = replace(scenario, spec=spec, cluster=_cluster(scenario.cluster, args))
+    return loaded(scaled(scenario, _scale(args)), cell.load)
 
 
 def _scale(args: argparse.Namespace) -> float:
-    return args.scale * (0.15 if args.quick else 1.0)
+    return args.scale * (0.1 if args.quick else 1.0)
 
 
 def _cluster(base: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
@@ -221,14 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = time.perf_counter()
     hasher = BlockHasher(HashConfig(block_size=args.block_size))
-    prepared: dict[tuple[str, float, int], PreparedWorkload] = {}
-    for cell in plan:
-        key = (cell.scenario, cell.load, cell.seed)
-        if key not in prepared:
-            s = scenarios[cell]
-            prepared[key] = prepare(s.spec.build(cell.seed, s.name), hasher)
-    total = sum(len(prepared[(c.scenario, c.load, c.seed)].requests) for c in plan)
-    bar = progress(total, enabled=not args.no_progress)
+    workloads = _Workloads(plan, scenarios, hasher)
+    bar = progress(workloads.total, enabled=not args.no_progress)
     results: dict[Cell, RunResult] = {}
     with ExitStack() as stack:
         service: KvindexProcess | None = None
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             same = replace(cell, study="")
             if same in done:
                 results[cell] = done[same]
-                bar.update(len(prepared[(cell.scenario, cell.load, cell.seed)].requests))
+                bar.update(workloads.count(cell))
                 continue
             scenario = scenarios[cell]
             if uses_index(cell.policy) and service is None:
@@ -260,14 +263,58 @@ def main(argv: list[str] | None = None) -> int:
                 max_probes=(min(args.max_probes, 100) if args.quick else args.max_probes) or None,
                 load=cell.load,
             )
-            workload = prepared[(cell.scenario, cell.load, cell.seed)]
-            results[cell] = done[same] = run(workload, spec, bar, service=service)
+            results[cell] = done[same] = run(workloads.get(n, cell), spec, bar, service=service)
     meta = _meta(args, argv, time.perf_counter() - started, lag, slo)
+    meta["workload_stats"] = workloads.stats
     abouts = {c.scenario: scenarios[c] for c in plan}
     claims = evaluate(results, abouts, slo.ttft_s)
     for path in write(args.out, results, abouts, claims, meta, png=not args.no_png):
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+class _Workloads:
+    """Each (scenario, load, seed) workload, prepared when a run first needs it and
+    dropped after its last run: a long-context trace's prompts take hundreds of MB, and a
+    sweep has dozens of them."""
+
+    def __init__(self, plan: list[Cell], scenarios: dict[Cell, Scenario], hasher: BlockHasher):
+        self._scenarios, self._hasher = scenarios, hasher
+        self._last: dict[tuple[str, float, int], int] = {}
+        self._counts: dict[tuple[str, float, int], int] = {}
+        self._ready: dict[tuple[str, float, int], PreparedWorkload] = {}
+        #: Per scenario, its generator's own figures (seed 0, lowest load), e.g. a
+        #: trace's statistics next to its targets.
+        self.stats: dict[str, dict[str, Any]] = {}
+        for n, cell in enumerate(plan):
+            key = _key(cell)
+            self._last[key] = n
+            if key not in self._counts:
+                s = scenarios[cell]
+                workload = s.spec.build(cell.seed, s.name)
+                self._counts[key] = len(workload.requests)
+                if cell.seed == 0 and s.name not in self.stats:
+                    self.stats[s.name] = workload_stats(s.spec, workload)
+        self.total = sum(self._counts[_key(c)] for c in plan)
+
+    def count(self, cell: Cell) -> int:
+        return self._counts[_key(cell)]
+
+    def get(self, n: int, cell: Cell) -> PreparedWorkload:
+        key = _key(cell)
+        prepared = self._ready.get(key)
+        if prepared is None:
+            s = self._scenarios[cell]
+            prepared = self._ready[key] = prepare(s.spec.build(cell.seed, s.name), self._hasher)
+        for old in [k for k, last in self._last.items() if last <= n and k != key]:
+            self._ready.pop(old, None)
+        if self._last[key] <= n:
+            self._ready.pop(key, None)
+        return prepared
+
+
+def _key(cell: Cell) -> tuple[str, float, int]:
+    return (cell.scenario, cell.load, cell.seed)
 
 
 def _meta(

@@ -10,7 +10,8 @@ socket is skipped, which keeps those runs fast.
 A pod's step emits one batch (everything its pool recorded while scheduling the step),
 which leaves the pod when the step ends and reaches the index after the run's event
 lag (:mod:`bench.sim.lag`): :meth:`Cluster.emit` queues it, :meth:`Cluster.release`
-publishes what is due, :meth:`Cluster.sync` waits until kvindex applied it.
+publishes what is due, :meth:`Cluster.sync` waits until kvindex applied it (all of it,
+or what a decision on given block keys depends on: :mod:`bench.sim.streams`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bench.sim.lag import LagModel
 from bench.sim.pod import SimPod
 from bench.sim.pool import BlockPool, Event
 from bench.sim.service import IndexClient, ServiceError
+from bench.sim.streams import IndexSync
 from kvindex.events.identity import make_topic
 from kvindex.events.publisher import EnginePublisher
 
@@ -84,12 +86,8 @@ class Cluster:
         self._lag = (lag or LagModel(0.0)).sampler(seed)
         self.publishers: list[EnginePublisher] = []
         self._pending: list[deque[tuple[float, list[Event]]]] = [deque() for _ in self.pods]
-        self._published: dict[str, int] = {}  # pod id -> last seq sent
-        self._synced: dict[str, int] = {}  # pod id -> last seq the index was seen to apply
         self.batches = 0
         self.events = 0
-        self.syncs = 0
-        self.nudges = 0
         self.restarts = 0
         self.resets = 0
         self.resets_refused = 0
@@ -114,6 +112,7 @@ class Cluster:
             except BaseException:
                 self.close()
                 raise
+        self.streams = IndexSync(self.ids(), self.publishers)
 
     def emit(self, index: int, now: float) -> None:
         """Pod ``index``'s step ended at ``now``: its pending events become one batch,
@@ -132,57 +131,21 @@ class Cluster:
             due = queue[-1][0]
         queue.append((due, events))
 
-    def announce(self) -> None:
-        """Every pod publishes one empty batch now: kvindex learns its stream."""
-        for pod, publisher in zip(self.pods, self.publishers, strict=True):
-            self._published[pod.pod_id] = publisher.publish([])
-
     def release(self, now: float) -> None:
         """Publish every batch due by ``now``."""
         for pod, queue in zip(self.pods, self._pending, strict=True):
             while queue and queue[0][0] <= now:
                 _, events = queue.popleft()
-                self._published[pod.pod_id] = self.publishers[pod.index].publish(events)
+                self.streams.publish(pod.index, events)
 
-    def sync(self, client: IndexClient, timeout_s: float, nudge_s: float = 0.5) -> bool:
-        """Wait until the index applied every batch published so far (no-op if it did).
-
-        A PUB socket may drop a batch (a full queue under CPU pressure); kvindex sees the
-        gap only when the pod's next batch arrives, and a simulated pod between steps
-        sends none. So after ``nudge_s`` the pods still behind publish an empty batch,
-        as a busy engine soon would: kvindex then replays the missing seq.
-        """
-        behind = {pod: seq for pod, seq in self._published.items() if self._synced.get(pod) != seq}
-        if not behind:
-            return True
-        self.syncs += 1
-        waited = 0.0
-        while not client.wait_applied(behind, min(nudge_s, timeout_s - waited)):
-            waited += nudge_s
-            if waited >= timeout_s:
-                client.sync_timeouts += 1
-                self._check_streams(client, behind)
-                return False
-            index = {pod.pod_id: pod.index for pod in self.pods}
-            for pod_id, seq in list(behind.items()):
-                if client.applied_seq(pod_id) != seq:
-                    self.nudges += 1
-                    behind[pod_id] = self._published[pod_id] = self.publishers[
-                        index[pod_id]
-                    ].publish([])
-        self._synced.update(behind)
-        return True
-
-    def _check_streams(self, client: IndexClient, behind: dict[str, int]) -> None:
-        """After a sync timed out: a pod kvindex has no stream for at all will never
-        catch up (its events are skipped at the door), so fail now, saying why, rather
-        than let every later decision wait out the deadline."""
-        unknown = sorted(pod for pod in behind if client.applied_seq(pod) < 0)
-        if unknown:
-            raise ServiceError(
-                f"kvindex has no stream for pod(s) {', '.join(unknown)} after "
-                f"{self.syncs} syncs; its skipped events by reason: {client.event_errors()}"
-            )
+    def sync(
+        self, client: IndexClient, timeout_s: float, keys: Sequence[int] | None = None
+    ) -> bool:
+        """Wait until the index applied every batch published so far, or (``keys``) every
+        one that touches those block keys (:mod:`bench.sim.streams`); no-op if it did."""
+        if keys is None:
+            return self.streams.wait_all(client, timeout_s)
+        return self.streams.wait_for(client, keys, timeout_s)
 
     def restart_pod(self, index: int) -> list:
         """The pod's engine restarts: cache lost, seq back to 0, batches in flight lost.
@@ -193,7 +156,7 @@ class Cluster:
         self._pending[index].clear()
         if self.publishers:
             self.publishers[index].restart()
-            self._synced.pop(pod.pod_id, None)
+            self.streams.restarted(index)
         return lost
 
     def reset_pod(self, index: int, now: float = 0.0) -> bool:

@@ -1,13 +1,16 @@
 """Which runs a comparison makes: the standard table, the load sweep, the gateway
 replica study and the fault study, each a list of :class:`Cell`.
 
-* **standard** - every standard scenario at its own load, one gateway replica, seed 0:
-  the cache-hit and prefill picture per workload (and the document-QA claim);
+* **standard** - every standard scenario at its own load, one gateway replica: the
+  cache-hit and prefill picture per workload (and the document-QA claim);
 * **sweep** - the load-study scenarios at each load factor, ``replicas`` gateway
-  replicas, every seed: TTFT and goodput against offered load, the knees, claims 1-2;
+  replicas: TTFT and goodput against offered load, the knees, claims 1-2;
 * **replicas** - one load-study scenario at one load with 1, 2 and 4 replicas;
 * **faults** - the same with pod restarts, prefix-cache resets and direct traffic
   (claim 3).
+
+Every study runs every seed (``seeds``): the report gives means with 95% confidence
+intervals, and the claims are judged on the means.
 """
 
 from __future__ import annotations
@@ -52,23 +55,25 @@ class PlanSpec:
 
 
 def cells(spec: PlanSpec) -> list[Cell]:
-    out = [Cell("standard", s, p) for s in spec.standard for p in spec.policies]
+    seeds = range(spec.seeds)
+    out = [
+        Cell("standard", s, p, seed=n) for s in spec.standard for n in seeds for p in spec.policies
+    ]
     for scenario in spec.sweep:
         for load in spec.loads:
-            for seed in range(spec.seeds):
+            for seed in seeds:
                 out.extend(
                     Cell("sweep", scenario, p, load, spec.sweep_replicas, seed=seed)
                     for p in spec.policies
                 )
     study = spec.study_policies or spec.policies
-    if spec.study_scenario and spec.replica_counts:
+    scenario, load = spec.study_scenario, spec.study_load
+    if scenario and spec.replica_counts:
         for replicas in spec.replica_counts:
-            out.extend(
-                Cell("replicas", spec.study_scenario, p, spec.study_load, replicas) for p in study
-            )
-    if spec.study_scenario and spec.faults:
+            for seed in seeds:
+                out.extend(Cell("replicas", scenario, p, load, replicas, seed=seed) for p in study)
+    if scenario and spec.faults:
         for faults in [FaultSpec(), *spec.faults]:
-            out.extend(
-                Cell("faults", spec.study_scenario, p, spec.study_load, 2, faults) for p in study
-            )
+            for seed in seeds:
+                out.extend(Cell("faults", scenario, p, load, 2, faults, seed) for p in study)
     return out

@@ -29,7 +29,10 @@ def _pyplot() -> Any:
 
 def plot_standard(results: Results, path: Path) -> list[Path]:
     plt = _pyplot()
-    runs = {(c.scenario, c.policy): r for c, r in results.items() if c.study == "standard"}
+    runs: dict[tuple[str, str], list[RunResult]] = {}
+    for c, r in results.items():
+        if c.study == "standard":
+            runs.setdefault((c.scenario, c.policy), []).append(r)
     if plt is None or not runs:
         return []
     names = list(dict.fromkeys(s for s, _ in runs))
@@ -40,12 +43,12 @@ def plot_standard(results: Results, path: Path) -> list[Path]:
     for j, policy in enumerate(policies):
         xs, hits, ttfts = [], [], []
         for i, name in enumerate(names):
-            r = runs.get((name, policy))
-            if r is None:
+            group = runs.get((name, policy))
+            if not group:
                 continue
             xs.append(i + (j - (len(policies) - 1) / 2) * width)
-            hits.append(r.hit_ratio * 100)
-            ttfts.append(max(r.ttft(90), 1e-3))
+            hits.append(sum(r.hit_ratio for r in group) / len(group) * 100)
+            ttfts.append(max(sum(r.ttft(90) for r in group) / len(group), 1e-3))
         ax_hit.bar(xs, hits, width, label=policy, color=cmap(j % 10))
         ax_ttft.bar(xs, ttfts, width, label=policy, color=cmap(j % 10))
     for ax in (ax_hit, ax_ttft):
@@ -56,7 +59,8 @@ def plot_standard(results: Results, path: Path) -> list[Path]:
     ax_ttft.set_ylabel("TTFT p90 (s, log)")
     ax_ttft.set_yscale("log")
     ax_hit.set_title(
-        "Routing policies at each scenario's own load (kvindex policies: real kvindex)"
+        "Routing policies at each scenario's own load, mean over seeds "
+        "(kvindex policies: real kvindex)"
     )
     handles, labels = ax_hit.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(policies), 6), fontsize=8)

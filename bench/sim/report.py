@@ -11,8 +11,7 @@ knee. Definitions are in :mod:`bench.sim.results` and :mod:`bench.sim.sweep`.
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +20,82 @@ from bench.sim.plan import Cell
 from bench.sim.plots import plot_standard, plot_sweeps
 from bench.sim.results import RunResult
 from bench.sim.scenarios import Scenario
-from bench.sim.sweep import axes, knee, point, saturation
+from bench.sim.sweep import METRICS, Estimate, axes, estimate, knee, point, saturation
 
 Results = Mapping[Cell, RunResult]
 HEADER = (
-    "policy", "hit", "prefill tok", "x ideal", "TTFT p50", "p90", "p99", "ITL p50",
-    "e2e p90", "tok/s", "goodput", "good", "imbal", "preempt", "evicted",
+    "policy", "hit", "prefill tok", "x ideal", "x bound", "TTFT p50", "p90", "p99",
+    "ITL p50", "e2e p90", "tok/s", "goodput", "good", "imbal", "preempt", "evicted",
 )  # fmt: skip
 
 
-def _row(r: RunResult) -> tuple[str, ...]:
-    ideal = r.prefill_tokens / r.ideal_prefill_tokens if r.ideal_prefill_tokens else math.nan
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
+def _mean(runs: Sequence[RunResult], get: Callable[[RunResult], float]) -> Estimate:
+    return estimate([get(r) for r in runs])
+
+
+def _row(runs: Sequence[RunResult]) -> tuple[str, ...]:
+    """One policy's figures: means over its seeds, with 95% CIs on hit ratio, TTFT p90
+    and goodput when several seeds ran."""
+
+    def m(get: Callable[[RunResult], float]) -> float:
+        return _mean(runs, get).mean
+
+    r0 = runs[0]
+    hit = _mean(runs, lambda r: r.hit_ratio * 100)
     return (
-        r.policy, f"{r.hit_ratio:.1%}", f"{r.prefill_tokens:,}", f"{ideal:.2f}",
-        f"{r.ttft(50):.3f}", f"{r.ttft(90):.3f}", f"{r.ttft(99):.3f}", f"{r.itl(50) * 1e3:.0f}ms",
-        f"{r.e2e(90):.2f}", f"{r.throughput:,.0f}", f"{r.goodput:.2f}", f"{r.good_fraction:.0%}",
-        f"{r.imbalance:.2f}", str(r.preemptions), f"{r.evicted_blocks:,}",
+        r0.policy, hit.text(".1f") + "%", f"{m(lambda r: r.prefill_tokens):,.0f}",
+        f"{m(lambda r: r.prefill_tokens / max(r.ideal_prefill_tokens, 1)):.2f}",
+        f"{m(lambda r: r.prefill_tokens / max(r.capacity_bound_tokens, 1)):.2f}",
+        f"{m(lambda r: r.ttft(50)):.3f}", _mean(runs, lambda r: r.ttft(90)).text(),
+        f"{m(lambda r: r.ttft(99)):.3f}", f"{m(lambda r: r.itl(50)) * 1e3:.0f}ms",
+        f"{m(lambda r: r.e2e(90)):.2f}", f"{m(lambda r: r.throughput):,.0f}",
+        _mean(runs, lambda r: r.goodput).text(".2f"), f"{m(lambda r: r.good_fraction):.0%}",
+        f"{m(lambda r: r.imbalance):.2f}", f"{m(lambda r: r.preemptions):.0f}",
+        f"{m(lambda r: r.evicted_blocks):,.0f}",
     )  # fmt: skip
 
 
-def _bound_row(r: RunResult) -> tuple[str, ...]:
-    hit = 1 - r.ideal_prefill_tokens / r.no_cache_prefill_tokens if r.no_cache_prefill_tokens else 0
-    return ("ideal (bound)", f"{hit:.1%}", f"{r.ideal_prefill_tokens:,}", "1.00") + ("",) * 11
+def _by_policy(runs: Sequence[tuple[Cell, RunResult]]) -> dict[str, list[RunResult]]:
+    out: dict[str, list[RunResult]] = {}
+    for c, r in runs:
+        out.setdefault(c.policy, []).append(r)
+    return out
+
+
+def _bound_rows(runs: Sequence[RunResult]) -> list[tuple[str, ...]]:
+    """The ideal prefill (unbounded cache), and the capacity bound and TTFT floor, which
+    hold per run on its own arrival order (closed-loop sessions arrive as their answers
+    come): the bound's range over the runs, the largest floor."""
+    r0 = runs[0]
+    nocache = r0.no_cache_prefill_tokens
+
+    def hit(tokens: int) -> str:
+        return f"{1 - tokens / nocache:.1%}" if nocache else "-"
+
+    bounds = sorted({r.capacity_bound_tokens for r in runs})
+    span = f"{bounds[0]:,}" + (f"-{bounds[-1]:,}" if len(bounds) > 1 else "")
+    floor = [max(r.ttft_floor(q) for r in runs) for q in (50, 90, 99)]
+    blank = ("",) * 8
+    return [
+        ("ideal prefill (bound)", hit(r0.ideal_prefill_tokens), f"{r0.ideal_prefill_tokens:,}",
+         "1.00", "", "", "", "", *blank),
+        ("capacity bound / TTFT floor", hit(bounds[-1]), span,
+         _ratio(bounds[-1], r0.ideal_prefill_tokens), "1.00",
+         *(f"{x:.3f}" for x in floor), *blank),
+    ]  # fmt: skip
+
+
+def _trace_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
+    if "measured" not in stats:
+        return []
+    from bench.sim.mooncake import stats_table  # only traces report statistics
+
+    rows = stats_table(stats["measured"])
+    return [("statistic", "generated (as sent)", "counting earlier turns", "Mooncake trace"), *rows]
 
 
 def _grid(rows: Sequence[Sequence[str]], md: bool) -> list[str]:
@@ -81,12 +134,19 @@ def _index_note(r: RunResult) -> str | None:
 
 
 def sections(
-    results: Results, scenarios: Mapping[str, Scenario], md: bool, slo_ttft_s: float
+    results: Results,
+    scenarios: Mapping[str, Scenario],
+    md: bool,
+    slo_ttft_s: float,
+    workload_stats: Mapping[str, dict[str, Any]] | None = None,
 ) -> list[str]:
+    workload_stats = workload_stats or {}
     out: list[str] = []
     bold = (lambda s: f"**{s}**") if md else (lambda s: s)
     for name in dict.fromkeys(c.scenario for c in results if c.study == "standard"):
-        runs = [r for c, r in results.items() if c.study == "standard" and c.scenario == name]
+        cells = [(c, r) for c, r in results.items() if c.study == "standard" and c.scenario == name]
+        runs = [r for _, r in cells]
+        seeds = len({c.seed for c, _ in cells})
         s, r0 = scenarios[name], runs[0]
         cl = s.cluster
         out.append(
@@ -95,11 +155,19 @@ def sections(
                 f"{cl.pods} pods x {cl.blocks_per_pod:,} blocks"
             )
             + f" - {s.about}"
+            + (f" (means over {seeds} seeds, ± their 95% CI)" if seeds > 1 else "")
         )
         out.append("")
-        out.extend(_grid([HEADER, *(_row(r) for r in runs), _bound_row(r0)], md))
-        out.extend(f"  {n}" for n in (_index_note(r) for r in runs) if n)
+        rows = [_row(group) for group in _by_policy(cells).values()]
+        out.extend(_grid([HEADER, *rows, *_bound_rows(runs)], md))
+        out.extend(f"  {n}" for n in (_index_note(r) for c, r in cells if c.seed == 0) if n)
         out.append("")
+        trace = _trace_rows(workload_stats.get(name, {}))
+        if trace:
+            out.append(f"{name}: the generated trace next to the trace it imitates (seed 0)")
+            out.append("")
+            out.extend(_grid(trace, md))
+            out.append("")
     for name in dict.fromkeys(c.scenario for c in results if c.study == "sweep"):
         policies, loads = axes(results, "sweep", name)
         sat, ref = saturation(results, name, slo_ttft_s)
@@ -140,19 +208,21 @@ def sections(
         )
         out.append("")
         rows = [("policy", column, "hit", "TTFT p90", "goodput", "good", "retried", "direct")]
+        groups: dict[tuple[str, str], list[RunResult]] = {}
         for c in cells:
-            r = results[c]
             what = str(c.replicas) if study == "replicas" else c.faults.label()
+            groups.setdefault((c.policy, what), []).append(results[c])
+        for (policy, what), runs in groups.items():
             rows.append(
                 (
-                    c.policy,
+                    policy,
                     what,
-                    f"{r.hit_ratio:.1%}",
-                    f"{r.ttft(90):.3f}",
-                    f"{r.goodput:.2f}",
-                    f"{r.good_fraction:.0%}",
-                    str(r.retried),
-                    str(r.direct),
+                    _mean(runs, lambda r: r.hit_ratio * 100).text(".1f") + "%",
+                    _mean(runs, lambda r: r.ttft(90)).text(),
+                    _mean(runs, lambda r: r.goodput).text(".2f"),
+                    f"{_mean(runs, lambda r: r.good_fraction).mean:.0%}",
+                    f"{_mean(runs, lambda r: r.retried).mean:.0f}",
+                    f"{_mean(runs, lambda r: r.direct).mean:.0f}",
                 )
             )
         out.extend(_grid(rows, md))
@@ -176,9 +246,35 @@ def markdown(
         f"{meta['slo']['itl_s'] * 1e3:g} ms; events as vLLM {meta['vllm_version']}.",
         "",
     ]
-    body = sections(results, scenarios, True, meta["slo"]["ttft_s"])
+    body = sections(results, scenarios, True, meta["slo"]["ttft_s"], meta.get("workload_stats"))
     tail = ["Claims:", "", *(f"- {c.line()}" for c in claims), ""]
     return "\n".join(head + body + tail)
+
+
+def aggregates(results: Results) -> list[dict[str, Any]]:
+    """Every metric's mean and 95% CI over the seeds of each run configuration."""
+    groups: dict[tuple[Any, ...], list[RunResult]] = {}
+    keys: dict[tuple[Any, ...], Cell] = {}
+    for c, r in results.items():
+        key = (c.study, c.scenario, c.policy, c.load, c.replicas, c.faults.label())
+        groups.setdefault(key, []).append(r)
+        keys.setdefault(key, c)
+    out = []
+    for key, runs in groups.items():
+        c = keys[key]
+        entry: dict[str, Any] = {
+            "study": c.study, "scenario": c.scenario, "policy": c.policy, "load": c.load,
+            "replicas": c.replicas, "faults": c.faults.label(), "seeds": len(runs),
+        }  # fmt: skip
+        for name, get in METRICS.items():
+            e = estimate([get(r) for r in runs])
+            entry[name] = {"mean": _json_float(e.mean), "ci95": _json_float(e.half_width)}
+        out.append(entry)
+    return out
+
+
+def _json_float(x: float) -> float | None:
+    return None if x != x else round(x, 6)
 
 
 def to_json(
@@ -198,6 +294,7 @@ def to_json(
             for name, s in scenarios.items()
         },
         "runs": [{"study": c.study, "seed": c.seed, **r.summary()} for c, r in results.items()],
+        "aggregates": aggregates(results),
         "claims": [c.as_dict() for c in claims],
     }
 
@@ -212,7 +309,8 @@ def write(
     png: bool = True,
 ) -> list[Path]:
     """Print the tables and claims; write routing.md, routing.json and the PNGs."""
-    print("\n".join(sections(results, scenarios, False, meta["slo"]["ttft_s"])))
+    stats = meta.get("workload_stats")
+    print("\n".join(sections(results, scenarios, False, meta["slo"]["ttft_s"], stats)))
     print("\n".join(c.line() for c in claims))
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "routing.md"

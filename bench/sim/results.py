@@ -14,6 +14,9 @@ Definitions (the report's column headers refer to these):
   completion); **goodput** - requests per second that completed within the SLO (TTFT
   and ITL both at most the SLO's), and ``good`` the fraction of all requests that did
   (rejected ones count as not good);
+* **bounds** (:mod:`bench.sim.bounds`, on the run's own arrivals) - the ideal prefill
+  and the capacity bound on prefill (no policy computes fewer prefill tokens), and the
+  TTFT floor (no policy answers a request sooner; its percentiles bound TTFT's);
 * **imbalance** - requests routed to the busiest pod / the mean per pod (1.0 = even);
 * **util** - the fraction of the run the pods were running a step (mean over pods).
 """
@@ -81,6 +84,9 @@ class RunResult:
     output_tokens: int = 0
     ideal_prefill_tokens: int = 0
     no_cache_prefill_tokens: int = 0
+    capacity_bound_tokens: int = 0  # bench.sim.bounds: no policy computes less here
+    ttft_floors: list[float] = field(default_factory=list)  # per request: none is faster
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (arrival, rid)
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
     e2es: list[float] = field(default_factory=list)
@@ -116,6 +122,7 @@ class RunResult:
         self.prefill_tokens += job.computed_tokens
         self.recomputed_tokens += job.recomputed_tokens
         self.output_tokens += len(request.output)
+        self.arrivals.append((job.arrival_s, request.rid))
         self.ttfts.append(job.ttft_s)
         self.itls.append(job.itl_s)
         self.e2es.append(job.finish_s - job.arrival_s)
@@ -167,6 +174,9 @@ class RunResult:
     def ttft(self, q: float) -> float:
         return percentile(self.ttfts, q)
 
+    def ttft_floor(self, q: float) -> float:
+        return percentile(self.ttft_floors, q)
+
     def itl(self, q: float) -> float:
         return percentile(self.itls, q)
 
@@ -193,6 +203,7 @@ class RunResult:
             "prefill_tokens": self.prefill_tokens,
             "recomputed_tokens": self.recomputed_tokens,
             "ideal_prefill_tokens": self.ideal_prefill_tokens,
+            "capacity_bound_prefill_tokens": self.capacity_bound_tokens,
             "no_cache_prefill_tokens": self.no_cache_prefill_tokens,
             "output_tokens": self.output_tokens,
         }
@@ -200,6 +211,7 @@ class RunResult:
             out[f"ttft_{name}_s"] = _r(self.ttft(q))
             out[f"itl_{name}_s"] = _r(self.itl(q))
             out[f"e2e_{name}_s"] = _r(self.e2e(q))
+            out[f"ttft_floor_{name}_s"] = _r(self.ttft_floor(q))
         out.update(
             {
                 "throughput_tok_s": round(self.throughput, 1),

@@ -10,7 +10,8 @@ Each request goes to one gateway replica drawn at random (a session's requests m
 on different replicas, as behind a plain load balancer), or, with the ``direct`` fault,
 straight to a random pod. Before a replica whose policy asks kvindex decides, the
 runner publishes every event batch due by now (:mod:`bench.sim.lag`) and waits until
-kvindex applied it, so decisions see exactly the lagged view, deterministically.
+kvindex applied those that touch the prompt's blocks (:mod:`bench.sim.streams`), so
+decisions see exactly the lagged view, deterministically.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from bench.sim.agreement import check_agreement
+from bench.sim.bounds import ideal_hits, prefill_bound, ttft_floor
 from bench.sim.cache_policies import CacheAware, KvindexRoute, Precise
 from bench.sim.cluster import Cluster, ClusterSpec
 from bench.sim.faults import FaultSpec
@@ -113,14 +115,10 @@ def run(
         )
         stack.callback(cluster.close)
         if routes:
+            # /route names its candidate pods (``pods``), so kvindex scrapes them from the
+            # first request on and costs one it has not scraped yet as pending - no pod
+            # has to publish before it can be chosen.
             stack.callback(PodMetricsServers(cluster.pods, spec.model).close)
-            # Bind mode has no list of pods: /route knows a pod (and scrapes it) once its
-            # stream exists, and costs an unknown pod as busy, so a pod that never got a
-            # request would never get one. An empty batch from each pod stands in for
-            # configuring them (--zmq-connect or discovery), as a deployment would.
-            cluster.announce()
-            assert client is not None
-            cluster.sync(client, spec.sync_timeout_s)
         policies = [
             build_policy(
                 spec.policy,
@@ -144,6 +142,7 @@ def run(
                 exc.add_note(f"kvindex log (last lines):\n{service.log_tail()}")
             raise
         _collect(cluster, policies, result)
+        _bounds(prepared, spec.cluster, result)
         if client is not None:
             result.index = {
                 "score_calls": client.score_calls,
@@ -152,8 +151,9 @@ def run(
                     p.reasons for p in policies if isinstance(p, KvindexRoute)
                 ),
                 "route_refusals": sum(p.refusals for p in policies if isinstance(p, KvindexRoute)),
-                "syncs": cluster.syncs,
-                "nudges": cluster.nudges,
+                "syncs": cluster.streams.syncs,
+                "syncs_skipped": cluster.streams.skipped,
+                "nudges": cluster.streams.nudges,
                 "sync_waits": client.sync_waits,
                 "sync_timeouts": client.sync_timeouts,
                 "sync_wait_s": round(client.sync_wait_s, 3),
@@ -270,7 +270,7 @@ class _Loop:
             replica = self.rng.randrange(len(self.policies))
             if self.client is not None:
                 self.cluster.release(now)
-                self.cluster.sync(self.client, spec.sync_timeout_s)
+                self.cluster.sync(self.client, spec.sync_timeout_s, k.prompt_keys)
             choice = self.policies[replica].choose(k, pods)
             job = Job(k, arrival_s, choice, replica)
         if pods[job.pod].submit(job):
@@ -299,6 +299,30 @@ def _merged(counts: Iterable[dict[str, int]]) -> dict[str, int]:
         for k, v in c.items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+#: The last run's bounds: (workload, capacity, arrival order, (bound, floors)). The
+#: workload itself is held, so a later workload cannot be mistaken for it.
+_LAST_BOUNDS: list[tuple[PreparedWorkload, int, tuple[int, ...], tuple[int, list[float]]]] = []
+
+
+def _bounds(prepared: PreparedWorkload, cluster: ClusterSpec, result: RunResult) -> None:
+    """The run's bounds on its own arrival order (open-loop runs of one workload share
+    the order, so the policies after the first reuse it)."""
+    rids = tuple(rid for _, rid in sorted(result.arrivals))
+    capacity = cluster.pods * cluster.blocks_per_pod
+    last = _LAST_BOUNDS[0] if _LAST_BOUNDS else None
+    if last is None or last[0] is not prepared or last[1] != capacity or last[2] != rids:
+        order = [prepared.by_rid[rid] for rid in rids]
+        size = prepared.block_size
+        floors = [
+            ttft_floor(k, hit, cluster.costs, size)
+            for k, hit in zip(order, ideal_hits(order), strict=True)
+        ]
+        _LAST_BOUNDS[:] = [
+            (prepared, capacity, rids, (prefill_bound(order, size, capacity), floors))
+        ]
+    result.capacity_bound_tokens, result.ttft_floors = _LAST_BOUNDS[0][3]
 
 
 def _collect(cluster: Cluster, policies: list[Policy], result: RunResult) -> None:

@@ -13,7 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from bench.sim.cluster import ClusterSpec
+from bench.sim.mooncake import MooncakeSpec
 from bench.sim.workloads import AgentSpec, ChatSpec, DocQASpec, SharedPrefixSpec, WorkloadSpec
+
+SPECS: dict[str, type[WorkloadSpec]] = {
+    spec.kind: spec for spec in (ChatSpec, SharedPrefixSpec, DocQASpec, AgentSpec, MooncakeSpec)
+}
+
+#: llm-d's precise-prefix benchmark cluster: 8 pods of 307,328 KV tokens (Qwen3-32B).
+LLMD_BLOCKS = 307_328 // 16
+
+#: ip-llmd-6k's request rate: where its decode-heavy load (1,000-token answers) keeps
+#: this engine model's 8 pods busy without saturating them.
+LLMD_RATE = 6.0
 
 #: Blocks per pod when the cache is not the point: 16,384 blocks of 16 tokens = 262k
 #: tokens, what an 8B model leaves free on an 80 GB GPU (~128 KiB of KV per token).
@@ -89,6 +101,49 @@ def standard() -> list[Scenario]:
             "balance decides",
         ),
         Scenario(
+            "ip-example",
+            SharedPrefixSpec(
+                groups=10,
+                prompts=10,
+                system_tokens=100,
+                question_tokens=50,
+                output_tokens=50,
+                rate=2.0,
+                exact=True,
+            ),
+            ClusterSpec(pods=4, blocks_per_pod=ROOMY),
+            "inference-perf's own shared_prefix example (examples/vllm/config-shared-"
+            "prefix.yml): 10 system prompts x 10 questions, 100 + 50 tokens, 50-token "
+            "answers, at its second stage's 2 requests/s; light load, everything fits",
+        ),
+        Scenario(
+            "ip-llmd-6k",
+            SharedPrefixSpec(
+                groups=150,
+                prompts=5,
+                system_tokens=6000,
+                question_tokens=1200,
+                output_tokens=1000,
+                rate=LLMD_RATE,
+                passes=2,
+                exact=True,
+            ),
+            ClusterSpec(pods=8, blocks_per_pod=LLMD_BLOCKS),
+            "inference-perf shared_prefix at the size of llm-d's precise-prefix benchmark "
+            "(150 groups x 5, 6,000-token system prompts, 1,200-token questions, "
+            "1,000-token answers, 8 pods x 307,328 KV tokens): the 750 prompts sent twice "
+            f"(its warm-up pass, then the same prompts again) at {LLMD_RATE:g} requests/s",
+        ),
+        Scenario(
+            "mooncake",
+            MooncakeSpec(),
+            ClusterSpec(pods=8, blocks_per_pod=LLMD_BLOCKS),
+            "a synthetic trace with the statistics of Mooncake's FAST'25 conversation "
+            "trace (sim/mooncake.py): 10 minutes at the trace's 3.4 requests/s, 12k-token "
+            "mean prompts, 2-minute gaps between turns, 3 s arrival ticks; on ip-llmd-6k's "
+            "8 pods (4 pods cannot keep up with the trace's ~40k prefill tokens/s)",
+        ),
+        Scenario(
             "docqa",
             DocQASpec(
                 docs=60,
@@ -115,24 +170,29 @@ def standard() -> list[Scenario]:
 
 
 def load_study() -> list[Scenario]:
-    """The scenarios swept from light load to past saturation (load factor 1 is about
-    where round-robin's TTFT p90 leaves the SLO on the default engine model), each small
-    enough that a run through kvindex takes seconds."""
+    """The scenarios swept from light load to past saturation. Their base load (factor 1)
+    is set so that least-loaded's knee falls between x1 and x2 on the default engine
+    model, and each session population spans at least twice a session's lifetime even
+    at ``--scale 0.25``, so the cluster reaches its steady load (a shorter burst of
+    users would never overlap enough to saturate it)."""
     return [
         Scenario(
             "chat-load",
             ChatSpec(
-                users=300,
+                users=700,
                 turns=4,
-                system_tokens=200,
-                user_tokens=150,
+                system_tokens=1000,
+                context_tokens=4000,
+                user_tokens=50,
                 output_tokens=300,
                 think_s=3.0,
-                sessions_per_s=5.0,
+                sessions_per_s=2.0,
             ),
-            ClusterSpec(pods=4, blocks_per_pod=8_192),
-            "300 users x 4 turns, 200-token system prompt, ~150-token turns, ~300-token "
-            "answers, 3 s think time, 5 new conversations/s; 4 pods x 8,192 blocks",
+            ClusterSpec(pods=4, blocks_per_pod=ROOMY),
+            "inference-perf's interactive-chat shape (workload-catalog/interactive-chat: a "
+            "1,000-token shared system prompt, a ~4,000-token system prompt of the "
+            "conversation's own, ~50-token turns, ~300-token answers, 4 turns), 3 s think "
+            "time, 700 users at 2 new conversations/s; 4 pods x 16,384 blocks",
         ),
         Scenario(
             "shared-load",
@@ -150,10 +210,20 @@ def load_study() -> list[Scenario]:
         ),
         Scenario(
             "agent-load",
-            AgentSpec(tasks=80, steps=10, think_s=1.0, sessions_per_s=2.0),
+            AgentSpec(
+                tasks=150,
+                steps=6,
+                task_tokens=4000,
+                output_tokens=150,
+                observation_tokens=1500,
+                think_s=1.0,
+                sessions_per_s=0.45,
+            ),
             ClusterSpec(pods=4, blocks_per_pod=ROOMY),
-            "80 agent tasks x 10 steps, 4,500-token shared preamble, ~120-token tool calls, "
-            "~400-token tool results, 1 s tool latency, 2 new tasks/s",
+            "150 coding-agent tasks x 6 steps: a 4,500-token shared preamble (system prompt "
+            "+ tools), ~4,000 tokens of task context, ~150-token tool calls, ~1,500-token "
+            "tool results (inference-perf's code-generation catalog has 1,500-token turns), "
+            "1 s tool latency, 0.45 new tasks/s",
         ),
     ]
 
@@ -170,7 +240,8 @@ def by_name(names: list[str] | None = None) -> list[Scenario]:
 
 
 def scaled(scenario: Scenario, factor: float) -> Scenario:
-    """The scenario with its population (users, groups, documents, tasks) scaled."""
+    """The scenario with its population (users, groups, documents, tasks; a trace's
+    duration) scaled."""
     if factor == 1.0:
         return scenario
     spec = scenario.spec
@@ -189,13 +260,16 @@ def scaled(scenario: Scenario, factor: float) -> Scenario:
             spec = replace(spec, groups=n(spec.groups))
         else:
             spec = replace(spec, prompts=n(spec.prompts))
+    elif isinstance(spec, MooncakeSpec):
+        spec = replace(spec, duration_s=spec.duration_s * factor)
     return replace(scenario, spec=spec)
 
 
 def loaded(scenario: Scenario, factor: float) -> Scenario:
     """The scenario with its offered load multiplied by ``factor``.
 
-    Open-loop traffic (shared prefix): the arrival rate x factor. Sessions (chat, document
+    Open-loop traffic (shared prefix, the Mooncake-like trace): the arrival rate (of
+    requests, of conversations) x factor. Sessions (chat, document
     QA, agent tasks): factor x as many, starting factor x as often, each behaving as
     before (same turns, same think time) - more users, the usual meaning of offered
     load. Sessions are closed loops (a turn waits for the previous answer), so past
@@ -218,4 +292,6 @@ def loaded(scenario: Scenario, factor: float) -> Scenario:
         spec = replace(spec, users=more(spec.users), sessions_per_s=spec.sessions_per_s * factor)
     elif isinstance(spec, DocQASpec):
         spec = replace(spec, docs=more(spec.docs), sessions_per_s=spec.sessions_per_s * factor)
+    elif isinstance(spec, MooncakeSpec):
+        spec = replace(spec, conversations_per_s=spec.conversations_per_s * factor)
     return replace(scenario, spec=spec)

@@ -13,7 +13,7 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -206,13 +206,21 @@ class IndexClient:
                 errors[reason] = errors.get(reason, 0.0) + float(value)
         return errors
 
-    def wait_applied(self, expected: Mapping[str, int], timeout_s: float = 10.0) -> bool:
-        """Wait until every member's applied seq equals ``expected``; False on timeout.
+    def wait_applied(
+        self,
+        expected: Mapping[str, int],
+        timeout_s: float = 10.0,
+        *,
+        exact: Collection[str] = (),
+        seen: Callable[[str, int], None] | None = None,
+    ) -> bool:
+        """Wait until every member's applied seq reached ``expected``; False on timeout.
 
-        Equal, not at least: after an engine restart the seq starts again at 0 while the
-        index still reports the old, larger one until it applies the new first batch.
-        The subscriber updates ``last_seq`` after the sink applied the batch, so once it
-        is reached, ``/score`` answers from an index holding every event up to it.
+        Members in ``exact`` must equal it: after an engine restart the seq starts again
+        at 0 while the index still reports the old, larger one until it applies the new
+        first batch. ``seen`` is told every applied seq read. The subscriber updates
+        ``last_seq`` after the sink applied the batch, so once it is reached, ``/score``
+        answers from an index holding every event up to it.
         """
         started = time.monotonic()
         deadline = started + timeout_s
@@ -222,7 +230,10 @@ class IndexClient:
         try:
             while True:
                 for member, seq in list(behind.items()):
-                    if self.applied_seq(member) == seq:
+                    applied = self.applied_seq(member)
+                    if seen is not None:
+                        seen(member, applied)
+                    if applied == seq or (applied > seq and member not in exact):
                         del behind[member]
                 if not behind:
                     return True

@@ -36,8 +36,17 @@ METRICS: dict[str, Callable[[RunResult], float]] = {
     "throughput_tok_s": lambda r: r.throughput,
     "goodput_req_s": lambda r: r.goodput,
     "good_fraction": lambda r: r.good_fraction,
+    "routed_hit_ratio": lambda r: r.routed_hit_ratio,
+    "prefill_tokens": lambda r: r.prefill_tokens,
+    "capacity_bound_tokens": lambda r: r.capacity_bound_tokens,
+    "imbalance": lambda r: r.imbalance,
+    "preemptions": lambda r: r.preemptions,
+    "evicted_blocks": lambda r: r.evicted_blocks,
+    "ttft_floor_p90_s": lambda r: r.ttft_floor(90),
 }
-HIGHER_IS_BETTER = {"hit_ratio", "throughput_tok_s", "goodput_req_s", "good_fraction"}
+HIGHER_IS_BETTER = {
+    "hit_ratio", "routed_hit_ratio", "throughput_tok_s", "goodput_req_s", "good_fraction",
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +58,7 @@ class Estimate:
     def text(self, fmt: str = ".3f") -> str:
         if self.n < 2:
             return format(self.mean, fmt)
-        return f"{self.mean:{fmt}}±{self.half_width:{fmt}}"
+        return f"{self.mean:{fmt}}±{self.half_width:{fmt.lstrip('+')}}"
 
 
 def estimate(values: list[float]) -> Estimate:

@@ -3,7 +3,8 @@
 Four shapes, each a spec whose fields are command-line parameters (see ``__main__``):
 
 * :class:`ChatSpec` - users hold multi-turn conversations; every turn resends the shared
-  system prompt and the whole history (earlier user turns and the model's answers);
+  system prompt, the conversation's own context (inference-perf's "dynamic system
+  prompt") and the whole history (earlier user turns and the model's answers);
 * :class:`SharedPrefixSpec` - groups of prompts that share a long system prompt, each
   with its own question, arriving shuffled;
 * :class:`DocQASpec` - documents each asked several questions (prompt = document +
@@ -52,6 +53,28 @@ class SimRequest:
     think_s: float = 0.0
 
 
+class Tokens:
+    """A request's prompt followed by its output, sliced without building the whole list
+    (a long-context trace would otherwise hold every prompt twice)."""
+
+    __slots__ = ("output", "prompt")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, span: slice) -> list[int]:
+        start, stop, _ = span.indices(len(self))
+        p = len(self.prompt)
+        if stop <= p:
+            return self.prompt[start:stop]
+        if start >= p:
+            return self.output[start - p : stop - p]
+        return self.prompt[start:] + self.output[: stop - p]
+
+
 @dataclass(frozen=True, slots=True)
 class KeyedRequest:
     """A request with its block keys, computed once and shared by every policy's run.
@@ -67,7 +90,7 @@ class KeyedRequest:
     prompt_blocks: int
     hit_limit: int
     total_blocks: int  # blocks allocated for prompt + output
-    tokens: list[int] = field(default_factory=list)  # prompt + output, for BlockStored
+    tokens: Tokens = field(default_factory=lambda: Tokens([], []))  # for BlockStored
 
     @property
     def prompt_keys(self) -> list[int]:
@@ -81,6 +104,7 @@ class Workload:
     params: dict[str, Any]
     requests: list[SimRequest]
     sessions: int
+    stats: dict[str, Any] = field(default_factory=dict)  # generator facts (trace stats)
 
     @property
     def prompt_tokens(self) -> int:
@@ -119,7 +143,7 @@ def prepare(workload: Workload, hasher: BlockHasher) -> PreparedWorkload:
                 plen // size,
                 (plen - 1) // size,
                 math.ceil((plen + olen) / size),
-                req.prompt + req.output,
+                Tokens(req.prompt, req.output),
             )
         )
     prepared = PreparedWorkload(workload, keyed, size)
@@ -146,18 +170,20 @@ def _ideal_prefill(keyed: list[KeyedRequest], block_size: int) -> int:
 # -- generators ---------------------------------------------------------------------
 
 
+#: Token ids a workload draws from. One list of int objects shared by every prompt: a
+#: prompt then costs a pointer per token, not an int object per token (long-context
+#: traces hold tens of millions of tokens).
+VOCAB = list(range(100, 32_000))
+
+
 class _Source:
     """Seeded randomness for one workload: token content, lengths, gaps."""
-
-    VOCAB = (100, 32_000)
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
 
     def tokens(self, count: int) -> list[int]:
-        low, high = self.VOCAB
-        randrange = self.rng.randrange
-        return [randrange(low, high) for _ in range(count)]
+        return self.rng.choices(VOCAB, k=count)
 
     def around(self, mean: int) -> int:
         """A length uniform in [mean/2, 3*mean/2] (at least 1)."""
@@ -206,6 +232,7 @@ class ChatSpec(WorkloadSpec):
     users: int = 120
     turns: int = 8
     system_tokens: int = 500
+    context_tokens: int = 0  # per conversation, after the shared system prompt
     user_tokens: int = 150
     output_tokens: int = 250
     think_s: float = 10.0
@@ -217,7 +244,8 @@ class ChatSpec(WorkloadSpec):
         rid = iter(range(1 << 62))
 
         def conversation(session: int, start: float, out: list[SimRequest]) -> None:
-            history = system
+            context = src.tokens(src.around(self.context_tokens)) if self.context_tokens else []
+            history = system + context
             prev: int | None = None
             for _ in range(self.turns):
                 user = src.tokens(src.around(self.user_tokens))
@@ -243,6 +271,12 @@ class ChatSpec(WorkloadSpec):
 
 @dataclass(slots=True)
 class SharedPrefixSpec(WorkloadSpec):
+    """inference-perf's ``shared_prefix`` data: ``groups`` system prompts, ``prompts``
+    questions each. With ``exact`` every question and answer has exactly its length, as
+    inference-perf generates them (``ignore_eos``); otherwise lengths vary 0.5-1.5x.
+    inference-perf builds the groups x prompts prompts once, shuffles them, and request i
+    sends prompt i mod their number: ``passes`` is how many times the list is sent."""
+
     kind: ClassVar[str] = "shared"
     help: ClassVar[str] = "groups of prompts sharing a long system prompt, shuffled arrivals"
     groups: int = 150
@@ -251,24 +285,28 @@ class SharedPrefixSpec(WorkloadSpec):
     question_tokens: int = 1200
     output_tokens: int = 100
     rate: float = 3.0
+    passes: int = 1
+    exact: bool = False
 
     def build(self, seed: int, name: str | None = None) -> Workload:
         src = _Source(seed)
+        length = (lambda n: n) if self.exact else src.around
         systems = [src.tokens(self.system_tokens) for _ in range(self.groups)]
         order = [g for g in range(self.groups) for _ in range(self.prompts)]
         src.rng.shuffle(order)
+        prompts = [
+            (group, systems[group] + src.tokens(length(self.question_tokens))) for group in order
+        ]
+        answers = [src.tokens(length(self.output_tokens)) for _ in prompts]
         reqs = []
         t = 0.0
-        for rid, group in enumerate(order):
+        for rid in range(len(prompts) * max(self.passes, 1)):
             t += src.gap(self.rate)
-            question = src.tokens(src.around(self.question_tokens))
-            answer = src.tokens(src.around(self.output_tokens))
-            reqs.append(
-                SimRequest(
-                    rid, rid, f"g{group}", systems[group] + question, answer, len(question), t
-                )
-            )
-        return Workload(name or self.kind, self.kind, self.params(), reqs, len(reqs))
+            i = rid % len(prompts)
+            group, prompt = prompts[i]
+            fresh = len(prompt) - self.system_tokens
+            reqs.append(SimRequest(rid, i, f"g{group}", prompt, answers[i], fresh, t))
+        return Workload(name or self.kind, self.kind, self.params(), reqs, len(prompts))
 
 
 @dataclass(slots=True)
@@ -354,14 +392,16 @@ class AgentSpec(WorkloadSpec):
         return Workload(name or self.kind, self.kind, self.params(), reqs, self.tasks)
 
 
-SPECS: dict[str, type[WorkloadSpec]] = {
-    spec.kind: spec for spec in (ChatSpec, SharedPrefixSpec, DocQASpec, AgentSpec)
-}
-
-
 def spec_fields(spec: type[WorkloadSpec]) -> list[tuple[str, type, Any]]:
     """(name, type, default) of a spec's parameters, for the command line."""
     out = []
     for f in fields(spec):  # type: ignore[arg-type]
         out.append((f.name, type(f.default), f.default))
     return out
+
+
+def workload_stats(spec: WorkloadSpec, workload: Workload) -> dict[str, Any]:
+    """What a generator reports about what it generated (a trace: its statistics next to
+    the ones it imitates); empty for the synthetic shapes."""
+    describe = getattr(spec, "describe_trace", None)
+    return describe(workload) if describe is not None else {}

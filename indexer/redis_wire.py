@@ -27,6 +27,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvindex.indexer.redis_compiled import kernels
+from kvindex.indexer.redis_keys import bucket_numbers
+
 try:
     import hiredis
 except ImportError:  # the redis-py reader below gives the same replies, slower
@@ -79,6 +82,28 @@ def hmget(key: bytes, fields: int, records: bytes) -> bytes:
     return b"*%d\r\n$5\r\nHMGET\r\n%s%s" % (fields + 2, key, records)
 
 
+def pack_reads(
+    keys: np.ndarray, buckets: int, bucket_prefix: bytes, tiers: bool
+) -> tuple[bytes, int, bytes]:
+    """One HMGET per bucket ``keys`` (uint64) fall in, the key name ``bucket_prefix`` +
+    its number: the commands, how many, and (native int32) the key position of each
+    field group in reply order. The compiled ``pack_reads`` writes the same bytes."""
+    numbers = bucket_numbers(keys, buckets)
+    order = np.argsort(numbers, kind="stable")
+    numbers = numbers[order]
+    rows, per_key = field_records(keys[order], tiers)
+    body = rows.tobytes()
+    width = rows.shape[1]
+    starts = [0, *(np.flatnonzero(np.diff(numbers)) + 1).tolist()]
+    ends = [*starts[1:], keys.size]
+    out = [
+        hmget(bulk(b"%s%d" % (bucket_prefix, number)), (end - start) * per_key,
+              body[start * width : end * width])
+        for start, end, number in zip(starts, ends, numbers[starts].tolist(), strict=True)
+    ]  # fmt: skip
+    return b"".join(out), len(out), order.astype(np.int32).tobytes()
+
+
 def _error(message: str) -> ResponseError:
     return BaseParser.parse_error(message)
 
@@ -120,6 +145,62 @@ def exchange(
         conn.disconnect()
         raise
     return out
+
+
+class ReadBuffer:
+    """One connection's read buffer, grown when an answer does not fit."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, size: int = READ_SIZE) -> None:
+        self.data = bytearray(size)
+
+
+def read_answer(conn: Connection, payload: bytes, replies: int, buffer: ReadBuffer) -> int:
+    """Send ``payload`` and read until ``replies`` whole replies are in ``buffer.data``,
+    with the compiled framer; where they end. Nothing is parsed: the caller reads the
+    bytes (``parse_lookup``, or :func:`decode_answer`). Socket failures and timeouts as
+    :func:`exchange`'s; a reply that is not RESP is InvalidResponse (disconnected)."""
+    assert kernels is not None
+    conn.send_packed_command([payload], check_health=False)
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        raise RedisConnectionError("Redis closed the connection")
+    data, got = buffer.data, 0
+    try:
+        while True:
+            if got == len(data):  # an answer bigger than the buffer: double it
+                data = buffer.data = data + bytearray(len(data))
+            read = sock.recv_into(memoryview(data)[got:])
+            if not read:
+                raise RedisConnectionError("Redis closed the connection")
+            got += read
+            end = kernels.frame(data, got, replies)
+            if end == got:
+                return end
+            if end >= 0:  # bytes past the answer: this connection is out of step
+                raise InvalidResponse("Redis sent more than the replies asked for")
+    except ValueError:
+        conn.disconnect()
+        raise InvalidResponse("Redis's answer is not RESP") from None
+    except TimeoutError:  # before OSError: it is one
+        conn.disconnect()
+        raise RedisTimeoutError("Timeout reading from Redis") from None
+    except (RedisConnectionError, InvalidResponse):
+        conn.disconnect()
+        raise
+    except OSError as exc:
+        conn.disconnect()
+        raise RedisConnectionError(f"Error while reading from Redis: {exc}") from None
+    except BaseException:
+        conn.disconnect()
+        raise
+
+
+def decode_answer(buffer: ReadBuffer, end: int, replies: int) -> list[Any]:
+    """The replies :func:`read_answer` read, as :func:`exchange` returns them."""
+    assert kernels is not None
+    return kernels.decode(buffer.data, end, replies, _error)
 
 
 class _More:

@@ -7,6 +7,8 @@
  * order ~40 us, the run-length walk and its answer ~120 us): more than Redis spends on
  * the same lookup, and the replica's CPU is what caps /score. Here:
  *
+ * - exchange sends them and reads the answer on a plain socket, the GIL released only
+ *   while it waits for Redis (_redis_io.h);
  * - pack_reads writes the HMGETs (one per bucket, fields in RESP) in one pass over the
  *   keys, which may be the request's list of ints: no numpy array on the way;
  * - frame says when MULTI/EXEC's whole answer is in the read buffer, and parse_lookup
@@ -363,6 +365,7 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 #include "_redis_rows.h"
+#include "_redis_io.h"
 
 static PyMethodDef methods[] = {
     {"pack_reads", (PyCFunction)(void (*)(void))pack_reads, METH_FASTCALL, pack_reads_doc},
@@ -370,6 +373,7 @@ static PyMethodDef methods[] = {
     {"decode", (PyCFunction)(void (*)(void))decode, METH_FASTCALL, decode_doc},
     {"parse_lookup", (PyCFunction)(void (*)(void))parse_lookup, METH_FASTCALL, parse_lookup_doc},
     {"prefix_walk", (PyCFunction)(void (*)(void))prefix_walk, METH_FASTCALL, prefix_walk_doc},
+    {"exchange", (PyCFunction)(void (*)(void))exchange, METH_FASTCALL, exchange_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,6 +15,7 @@ connecting, AUTH, SELECT and TLS; only the bytes of one exchange go around it.
 
 from __future__ import annotations
 
+import socket
 import sys
 from array import array
 from collections.abc import Sequence
@@ -160,12 +161,34 @@ def read_answer(conn: Connection, payload: bytes, replies: int, buffer: ReadBuff
     """Send ``payload`` and read until ``replies`` whole replies are in ``buffer.data``,
     with the compiled framer; where they end. Nothing is parsed: the caller reads the
     bytes (``parse_lookup``, or :func:`decode_answer`). Socket failures and timeouts as
-    :func:`exchange`'s; a reply that is not RESP is InvalidResponse (disconnected)."""
+    :func:`exchange`'s; a reply that is not RESP is InvalidResponse (disconnected).
+
+    On a plain socket the compiled ``exchange`` does the send and the reads, the GIL
+    released only while it waits (``indexer/_redis_io.h``); a TLS socket, or one not
+    yet connected, goes through redis-py's send and ``recv_into`` here."""
     assert kernels is not None
-    conn.send_packed_command([payload], check_health=False)
+    sock = getattr(conn, "_sock", None)
+    if type(sock) is socket.socket:  # TCP or a unix socket: the compiled round trip
+        try:
+            return kernels.exchange(sock.fileno(), payload, buffer.data, replies, sock.gettimeout())
+        except ValueError as exc:
+            conn.disconnect()
+            raise InvalidResponse(f"Redis's answer: {exc}") from None
+        except TimeoutError:  # before OSError: it is one
+            conn.disconnect()
+            raise RedisTimeoutError("Timeout reading from Redis") from None
+        except OSError as exc:
+            conn.disconnect()
+            raise RedisConnectionError(f"Error while reading from Redis: {exc}") from None
+        except BaseException:
+            conn.disconnect()
+            raise
+    conn.send_packed_command([payload], check_health=False)  # connects; TLS goes here
     sock = getattr(conn, "_sock", None)
     if sock is None:
         raise RedisConnectionError("Redis closed the connection")
+    if type(sock) is socket.socket:  # just connected
+        return read_answer(conn, b"", replies, buffer)
     data, got = buffer.data, 0
     try:
         while True:

@@ -11,12 +11,21 @@ the memory backend. Real Redis; no mocks.
 from __future__ import annotations
 
 import random
+import socket
+import threading
 
 import hiredis
 import numpy as np
 import pytest
 
-from kvindex.indexer.backend import BackendError, Change, MemberMatch, Op, Tier
+from kvindex.indexer.backend import (
+    BackendError,
+    BackendUnavailable,
+    Change,
+    MemberMatch,
+    Op,
+    Tier,
+)
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.redis_backend import RedisBackend
 from kvindex.indexer.redis_compiled import kernels
@@ -242,3 +251,54 @@ def test_an_error_inside_the_transaction_is_raised(redis_server: RedisServer, pa
         assert backend.lookup(M, [2, 3]) == [MemberMatch("127.0.0.1:8000", 2, (2, 0, 0))]
     finally:
         backend.close()
+
+
+# -- the compiled round trip ----------------------------------------------------------------
+
+
+def test_the_compiled_round_trip_times_out_and_sees_a_closed_connection() -> None:
+    """Against a loopback server that accepts and never answers, then closes: the wait
+    ends at the timeout (TimeoutError), the close is a ConnectionError; through the
+    backend, both are BackendUnavailable (a 503), never a hang."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    server, _ = listener.accept()
+    try:
+        with pytest.raises(TimeoutError):
+            kernels.exchange(client.fileno(), b"*1\r\n$4\r\nPING\r\n", bytearray(16), 1, 0.05)
+        server.sendall(b"+PO")  # half a reply, then the server goes away
+        server.close()
+        with pytest.raises(ConnectionError):
+            kernels.exchange(client.fileno(), b"", bytearray(16), 1, 1.0)
+        backend = RedisBackend.from_url(f"redis://127.0.0.1:{port}/0?cluster=no&timeout=0.1")
+        accepted = []
+        thread = threading.Thread(target=lambda: accepted.append(listener.accept()[0]))
+        thread.start()
+        try:
+            with pytest.raises(BackendUnavailable):
+                backend.lookup(M, [1, 2, 3])  # redis-py's handshake times out first
+        finally:
+            thread.join(5)
+            backend.close()
+            for conn in accepted:
+                conn.close()
+    finally:
+        client.close()
+        listener.close()
+
+
+def test_the_compiled_round_trip_grows_its_buffer_and_refuses_extra_bytes() -> None:
+    left, right = socket.socketpair()
+    try:
+        big = b"$%d\r\n%s\r\n" % (100_000, b"x" * 100_000)
+        right.sendall(big)
+        buffer = bytearray(16)
+        assert kernels.exchange(left.fileno(), b"", buffer, 1, 5.0) == len(big)
+        assert bytes(buffer[: len(big)]) == big
+        right.sendall(b"+OK\r\n+OK\r\n")
+        with pytest.raises(ValueError, match="more than"):
+            kernels.exchange(left.fileno(), b"", bytearray(64), 1, 5.0)
+    finally:
+        left.close()
+        right.close()

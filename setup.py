@@ -45,7 +45,12 @@ setup(
         Extension(
             "kvindex.indexer._redis_lookup",
             sources=["indexer/_redis_lookup.c"],
-            depends=["indexer/_redis_resp.h", "indexer/_redis_rows.h", "indexer/_redis_io.h"],
+            depends=[
+                "indexer/_redis_resp.h",
+                "indexer/_redis_rows.h",
+                "indexer/_redis_io.h",
+                "indexer/_redis_presence.h",
+            ],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -16,7 +16,8 @@
  *   zero-padded to the widest bitmap): no Python object per block;
  * - prefix_walk walks that matrix: per run of identical rows, one AND of the members
  *   still alive, counts added per run; then the answer rows (MemberMatch) sorted
- *   longest first, most on GPU, then by member name.
+ *   longest first, most on GPU, then by member name; held_positions gives the same
+ *   matrix per member and tier as position masks (hybrid models, _redis_presence.h).
  *
  * The pure path (redis_wire.py's reply readers, redis_read.rows_of, redis_walk.py's numpy
  * walk) gives identical answers; tests/test_redis_compiled.py checks the two against
@@ -366,6 +367,7 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 #include "_redis_rows.h"
 #include "_redis_io.h"
+#include "_redis_presence.h"
 
 static PyMethodDef methods[] = {
     {"pack_reads", (PyCFunction)(void (*)(void))pack_reads, METH_FASTCALL, pack_reads_doc},
@@ -374,6 +376,8 @@ static PyMethodDef methods[] = {
     {"parse_lookup", (PyCFunction)(void (*)(void))parse_lookup, METH_FASTCALL, parse_lookup_doc},
     {"prefix_walk", (PyCFunction)(void (*)(void))prefix_walk, METH_FASTCALL, prefix_walk_doc},
     {"exchange", (PyCFunction)(void (*)(void))exchange, METH_FASTCALL, exchange_doc},
+    {"held_positions", (PyCFunction)(void (*)(void))held_positions, METH_FASTCALL,
+     held_positions_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -234,6 +234,47 @@ typedef struct {
     Py_ssize_t member;
 } Found;
 
+/* The view's rank array (int64 per member id) as a buffer. */
+static int get_rank(PyObject *obj, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '=' || *f == '<' || *f == '@') {
+        f++;
+    }
+    if (view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "rank must be int64");
+        return -1;
+    }
+    return 0;
+}
+
+/* allowed[m] = 1 for each member id m < bits in ``ids`` (every id when None). */
+static int allowed_ids(PyObject *ids, unsigned char *allowed, Py_ssize_t bits) {
+    if (ids == Py_None) {
+        memset(allowed, 1, (size_t)bits);
+        return 0;
+    }
+    PyObject *seq = PySequence_Fast(ids, "allowed must be a sequence of ids");
+    if (seq == NULL) {
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        Py_ssize_t mid = PyLong_AsSsize_t(PySequence_Fast_ITEMS(seq)[i]);
+        if (mid == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        if (mid >= 0 && mid < bits) {
+            allowed[mid] = 1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
 static int best_first(const void *a, const void *b) {
     const Found *x = a, *y = b;
     if (x->length != y->length) {
@@ -276,16 +317,7 @@ static PyObject *prefix_walk(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_ssize_t n = PyBytes_GET_SIZE(args[0]) / row_size;
     Py_ssize_t words = (width + 7) / 8, bits = 8 * width;
     Py_buffer rank_view;
-    if (PyObject_GetBuffer(args[3], &rank_view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        return NULL;
-    }
-    const char *f = rank_view.format ? rank_view.format : "B";
-    if (*f == '=' || *f == '<' || *f == '@') {
-        f++;
-    }
-    if (rank_view.itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) {
-        PyBuffer_Release(&rank_view);
-        PyErr_SetString(PyExc_ValueError, "rank must be int64");
+    if (get_rank(args[3], &rank_view) < 0) {
         return NULL;
     }
     const int64_t *rank = rank_view.buf;
@@ -295,31 +327,19 @@ static PyObject *prefix_walk(PyObject *self, PyObject *const *args, Py_ssize_t n
     uint64_t *w = PyMem_Calloc((size_t)words * 7, sizeof(uint64_t));
     int64_t *counts = PyMem_Calloc((size_t)bits * 3, sizeof(int64_t));
     Found *found = PyMem_Malloc(sizeof(Found) * (size_t)bits);
-    if (w == NULL || counts == NULL || found == NULL) {
+    unsigned char *allowed = PyMem_Calloc((size_t)bits, 1);
+    if (w == NULL || counts == NULL || found == NULL || allowed == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     uint64_t *alive = w, *held = w + words, *gpu = w + 2 * words, *cpu = w + 3 * words;
     uint64_t *storage = w + 4 * words, *run_gpu = w + 5 * words, *run_cpu = w + 6 * words;
     int64_t *length = counts, *on_gpu = counts + bits, *on_cpu = counts + 2 * bits;
-    if (args[5] == Py_None) {
-        memset(alive, 0xFF, sizeof(uint64_t) * (size_t)words);
-    } else {
-        PyObject *allowed = PySequence_Fast(args[5], "allowed must be a sequence of ids");
-        if (allowed == NULL) {
-            goto done;
-        }
-        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(allowed); i++) {
-            Py_ssize_t mid = PyLong_AsSsize_t(PySequence_Fast_ITEMS(allowed)[i]);
-            if (mid == -1 && PyErr_Occurred()) {
-                Py_DECREF(allowed);
-                goto done;
-            }
-            if (mid >= 0 && mid < bits) {
-                alive[mid / 64] |= (uint64_t)1 << (mid % 64);
-            }
-        }
-        Py_DECREF(allowed);
+    if (allowed_ids(args[5], allowed, bits) < 0) {
+        goto done;
+    }
+    for (Py_ssize_t m = 0; m < bits; m++) {
+        alive[m / 64] |= (uint64_t)allowed[m] << (m % 64);
     }
     int64_t run = 0;
     const unsigned char *previous = NULL;
@@ -393,6 +413,7 @@ done:
     PyMem_Free(w);
     PyMem_Free(counts);
     PyMem_Free(found);
+    PyMem_Free(allowed);
     PyBuffer_Release(&rank_view);
     return result;
 }

@@ -238,9 +238,10 @@ class RedisBackend:
         blocks = self._reader.read(model, keys)
         if blocks is None:
             return []
+        compiled = self.connection.compiled
         if members is None:
-            return held_positions(blocks)
-        return held_positions(blocks, _member_ids(blocks.view.ids, members))
+            return held_positions(blocks, compiled=compiled)
+        return held_positions(blocks, _member_ids(blocks.view.ids, members), compiled=compiled)
 
     def models(self) -> list[str]:
         """Every model written to this index (one call; /score's model check uses it

@@ -2,13 +2,14 @@
 
 Redis answers each block's member bitmaps (:mod:`kvindex.indexer.redis_read`, as one
 matrix: a row per block); this module turns them into the backend's answers. The
-compiled walk (indexer/_redis_lookup.c, ``prefix_walk``) runs when the kernels are
-built; the numpy one here gives the same answers and is the reference the tests hold
-it to. Both cut the chain into runs of identical rows first: consecutive blocks of a
-chain usually carry identical bitmaps (the same pods stored the whole prefix). Here the
-per-member work is then done on the runs as small boolean matrices: a run x member-bit
-matrix per tier, ``logical_and.accumulate`` for "held every block so far", one matrix
-product for the matched lengths. Pure functions: no Redis here.
+compiled walks (indexer/_redis_lookup.c: ``prefix_walk``, ``held_positions``) run when
+the kernels are built; the numpy ones here give the same answers and are the reference
+the tests hold them to. Both cut the chain into runs of identical rows first:
+consecutive blocks of a chain usually carry identical bitmaps (the same pods stored the
+whole prefix). Here the per-member work is then done on the runs as small boolean
+matrices: a run x member-bit matrix per tier, ``logical_and.accumulate`` for "held every
+block so far", one matrix product for the matched lengths. Pure functions: no Redis
+here.
 """
 
 from __future__ import annotations
@@ -94,9 +95,18 @@ def prefix_matches(
     ]
 
 
-def held_positions(blocks: Blocks, allowed: Collection[int] | None = None) -> list[MemberPresence]:
+def held_positions(
+    blocks: Blocks, allowed: Collection[int] | None = None, *, compiled: bool = False
+) -> list[MemberPresence]:
     """Per member, a bitmask per tier of the positions it holds (the backend's
-    ``presence``), sorted by member."""
+    ``presence``), sorted by member. ``compiled``: indexer/_redis_lookup.c's."""
+    if compiled:
+        assert kernels is not None
+        view = blocks.view
+        ids = None if allowed is None else list(allowed)
+        return kernels.held_positions(
+            blocks.rows, blocks.per_key, blocks.width, view.rank, view.by_id, ids, MemberPresence
+        )
     slots = blocks.slots()
     if not slots.size:
         return []

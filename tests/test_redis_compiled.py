@@ -2,10 +2,11 @@
 
 Each kernel is held to its pure counterpart on the same input: ``pack_reads`` to
 redis_wire.pack_reads (the same bytes), ``frame``/``decode`` to hiredis's reader,
-``parse_lookup`` to hiredis + redis_read.rows_of (the same matrix), ``prefix_walk`` to
-redis_walk's numpy walk (the same answers). End to end, the three read paths (compiled,
-hiredis + numpy, redis-py's reader + numpy) answer every lookup and presence query like
-the memory backend. Real Redis; no mocks.
+``parse_lookup`` to hiredis + redis_read.rows_of (the same matrix), ``prefix_walk`` and
+``held_positions`` to redis_walk's numpy walks (the same answers), ``exchange`` to what
+a socket does (timeouts, a closed connection, a big answer). End to end, the three read
+paths (compiled, hiredis + numpy, redis-py's reader + numpy) answer every lookup and
+presence query like the memory backend. Real Redis; no mocks.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvindex.indexer.redis_backend import RedisBackend
 from kvindex.indexer.redis_compiled import kernels
 from kvindex.indexer.redis_conn import RedisConnection, RedisOptions
 from kvindex.indexer.redis_read import Blocks, ModelView, rows_of
-from kvindex.indexer.redis_walk import prefix_matches
+from kvindex.indexer.redis_walk import held_positions, prefix_matches
 from kvindex.indexer.redis_wire import EXEC, MULTI, ReadBuffer, pack_reads, read_answer
 from tests.redis_fixtures import RedisServer
 
@@ -145,6 +146,8 @@ def test_the_compiled_walk_answers_like_the_numpy_walk() -> None:
         blocks, allowed = _random_blocks(rng)
         expected = prefix_matches(blocks, allowed)
         assert prefix_matches(blocks, allowed, compiled=True) == expected
+        presence = held_positions(blocks, allowed)
+        assert held_positions(blocks, allowed, compiled=True) == presence
 
 
 # -- against Redis --------------------------------------------------------------------------

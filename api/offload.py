@@ -19,19 +19,19 @@ runs on a small pool of threads, and the handler awaits it:
 
 Threads rather than an async Redis client: the same lookup pipelined over
 ``redis.asyncio`` with a connection pool gave no more lookups per second than the
-threads (when Redis ran the lookup as a script on its one thread, the bottleneck; since
-Redis layout 2 a lookup is plain reads and the walk is the client's own CPU, which an
-async client would not remove either: ``bench/bench_redis.py``, "off the event loop"),
-and only threads also take the tokenizer, the model list and the hybrid presence query
-off the loop without a second, async copy of the backend.
+threads (when Redis ran the lookup as a script on its one thread, the bottleneck), and
+only threads also take the tokenizer, the model list and the hybrid presence query off
+the loop without a second, async copy of the backend.
 
 The threads are a small pool of its own rather than a ``ThreadPoolExecutor`` awaited
 through ``asyncio.wrap_future``: each piece of work is a tuple on a ``SimpleQueue``, and
 the worker hands the result straight to the caller's event loop
-(``call_soon_threadsafe``). The executor's futures, conditions and chained callbacks
-cost ~36-45 us of CPU per call at 16 concurrent callers, this ~10 us
-(``bench/bench_redis.py``, "hop"), on a /score whose whole Redis lookup now costs ~0.1
-ms.
+(``call_soon_threadsafe``), without the executor's futures, conditions and chained
+callbacks: 13-16 us of CPU per call of work that does nothing at 16 concurrent callers,
+against 19-22 us (``bench/bench_redis_offload.py``, "hop"). A real lookup costs ~55-70
+us more through either pool than on the loop (the worker's wake-up and its sleep in
+``poll()``, the loop's wake-up, the GIL passed between them); taking that off needs the
+round trip done on the loop itself, with /score's index work split around it.
 
 The memory backend runs inline (``inline=True``): nothing in it can hang, so neither a
 deadline nor a cap has anything to do, and the hop costs latency that issue 13's

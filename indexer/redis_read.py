@@ -102,7 +102,7 @@ class BlockReader:
         ``model``, or None when the index holds nothing of the model; ValueError unless
         every key is in [0, 2**64)."""
         compiled = self._connection.compiled
-        if not compiled or isinstance(keys, np.ndarray):
+        if not compiled or not isinstance(keys, list | tuple):  # C reads lists of ints
             keys = key_array(keys)
         names = self._keyspace.model(model)
         view = self._views.get(model)

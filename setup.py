@@ -1,6 +1,6 @@
 """Build hook for the compiled modules; everything else is in pyproject.toml.
 
-All three are optional: without a C compiler (or OpenSSL's headers, for the hash chain)
+All four are optional: without a C compiler (or OpenSSL's headers, for the hash chain)
 ``pip install`` still succeeds and kvindex runs the pure path, which gives identical
 answers (``kvindex --version`` says which runs):
 
@@ -9,7 +9,9 @@ answers (``kvindex --version`` says which runs):
   OpenSSL's libcrypto (libssl-dev to build, libssl3 at run time; Python's own ssl
   module needs the latter anyway);
 - ``kvindex.events._wire_scan`` (events/_wire_scan.c): the KV-event payload scanner
-  (the msgspec decoder otherwise).
+  (the msgspec decoder otherwise);
+- ``kvindex.indexer._redis_lookup`` (indexer/_redis_lookup.c): the Redis lookup's
+  client side (HMGET packing, reply reading, the walk; numpy and hiredis otherwise).
 
 setuptools reads extension modules from setup.py on every version this project
 supports (its pyproject.toml form is still marked experimental).
@@ -37,6 +39,18 @@ setup(
             "kvindex.events._wire_scan",
             sources=["events/_wire_scan.c"],
             depends=["events/_wire_scan_read.h"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "kvindex.indexer._redis_lookup",
+            sources=["indexer/_redis_lookup.c"],
+            depends=[
+                "indexer/_redis_resp.h",
+                "indexer/_redis_rows.h",
+                "indexer/_redis_io.h",
+                "indexer/_redis_presence.h",
+            ],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -19,11 +19,19 @@ runs on a small pool of threads, and the handler awaits it:
 
 Threads rather than an async Redis client: the same lookup pipelined over
 ``redis.asyncio`` with a connection pool gave no more lookups per second than the
-threads (when Redis ran the lookup as a script on its one thread, the bottleneck; since
-Redis layout 2 a lookup is plain reads and the walk is the client's own CPU, which an
-async client would not remove either: ``bench/bench_redis.py``, "off the event loop"),
-and only threads also take the tokenizer, the model list and the hybrid presence query
-off the loop without a second, async copy of the backend.
+threads (when Redis ran the lookup as a script on its one thread, the bottleneck), and
+only threads also take the tokenizer, the model list and the hybrid presence query off
+the loop without a second, async copy of the backend.
+
+The threads are a small pool of its own rather than a ``ThreadPoolExecutor`` awaited
+through ``asyncio.wrap_future``: each piece of work is a tuple on a ``SimpleQueue``, and
+the worker hands the result straight to the caller's event loop
+(``call_soon_threadsafe``), without the executor's futures, conditions and chained
+callbacks: 13-16 us of CPU per call of work that does nothing at 16 concurrent callers,
+against 19-22 us (``bench/bench_redis_offload.py``, "hop"). A real lookup costs ~55-70
+us more through either pool than on the loop (the worker's wake-up and its sleep in
+``poll()``, the loop's wake-up, the GIL passed between them); taking that off needs the
+round trip done on the loop itself, with /score's index work split around it.
 
 The memory backend runs inline (``inline=True``): nothing in it can hang, so neither a
 deadline nor a cap has anything to do, and the hop costs latency that issue 13's
@@ -37,19 +45,24 @@ core can help, but the runs disagree). Only the latency cost is consistent.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from contextlib import suppress
+from typing import Any, ParamSpec, TypeVar
 
 from kvindex.events.errors import Unavailable
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
-#: Threads doing index work at once. Redis answers one script at a time, so more
-#: threads only queue there; a few keep it busy while others parse and hash.
+#: Threads doing index work at once: a few keep Redis busy while others pack requests
+#: and walk answers.
 THREADS = 8
+
+#: A worker's item: the caller's loop and future, the work and its arguments; None stops
+#: the worker.
+_Item = tuple[asyncio.AbstractEventLoop, asyncio.Future, Callable[..., Any], tuple, dict]
 
 
 class BackendTimeout(Unavailable):
@@ -81,7 +94,9 @@ class IndexWork:
         self.deadline_s = deadline_s
         self.max_in_flight = max_in_flight
         self._threads = max(1, min(threads, max_in_flight))
-        self._pool: ThreadPoolExecutor | None = None
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._closed = False
         self._lock = threading.Lock()  # finished work is counted down on its own thread
         self.in_flight = 0
         self.timeouts = 0
@@ -101,16 +116,19 @@ class IndexWork:
                 )
             self.in_flight += 1
         try:
-            future = self._executor().submit(work, *args, **kwargs)
+            if not self._workers:
+                self._start()
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[T] = loop.create_future()
+            self._queue.put((loop, future, work, args, kwargs))
         except BaseException:
-            self._finished(None)
+            self._finished()
             raise
-        future.add_done_callback(self._finished)
         try:
             async with asyncio.timeout(self.deadline_s):
-                return await asyncio.wrap_future(future)
+                return await future
         except TimeoutError:
-            future.cancel()  # still queued: it never runs; running: it finishes on its own
+            # still queued: it never runs; running: it finishes on its own
             with self._lock:
                 self.timeouts += 1
             raise BackendTimeout(
@@ -118,22 +136,60 @@ class IndexWork:
                 "(--backend-deadline)"
             ) from None
 
-    def _finished(self, _: Future[object] | None) -> None:
+    def _finished(self) -> None:
         with self._lock:
             self.in_flight -= 1
 
-    def _executor(self) -> ThreadPoolExecutor:
-        pool = self._pool
-        if pool is None:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="index")
-                pool = self._pool
-        return pool
+    def _start(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("index work was closed")
+            if self._workers:
+                return
+            for n in range(self._threads):
+                # daemon: a thread stuck on a hung backend must not hold the process open
+                worker = threading.Thread(target=self._work, name=f"index_{n}", daemon=True)
+                worker.start()
+                self._workers.append(worker)
+
+    def _work(self) -> None:
+        """One worker: run items until told to stop; each result goes to its caller's
+        loop, unless the caller stopped waiting (deadline) or the loop is gone."""
+        take = self._queue.get
+        while (item := take()) is not None:
+            loop, future, work, args, kwargs = item
+            ok, value = True, None
+            try:
+                if self._closed or future.cancelled():
+                    ok, value = False, None  # the caller gave up before it started
+                else:
+                    value = work(*args, **kwargs)
+            except BaseException as exc:
+                ok, value = False, exc
+            finally:
+                self._finished()
+            del item, work, args, kwargs
+            with suppress(RuntimeError):  # the loop closed: nobody is waiting
+                loop.call_soon_threadsafe(_settle, future, ok, value)
+            del future, value
 
     def close(self) -> None:
         """Stop the threads; work still queued never runs."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            self._closed = True
+            workers, self._workers = self._workers, []
+        for _ in workers:
+            self._queue.put(None)
+
+
+def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:
+    """On the caller's loop: hand over a result (``ok``) or an exception; ``ok`` False
+    with no exception means the work never ran (cancelled)."""
+    if future.done():  # the deadline passed: nobody is waiting
+        return
+    if ok:
+        future.set_result(value)
+    elif value is None:
+        future.cancel()
+    else:
+        future.set_exception(value)

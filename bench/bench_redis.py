@@ -13,11 +13,14 @@ The figures, each with the workload it was measured on:
 * Redis memory per (block, pod) entry: ``used_memory`` from ``INFO memory`` before and
   after, divided by the entries added, for two sharing profiles;
 * lookup in-process for a 512-block chain (an 8,192-token prompt) across 64 pods: the
-  backend's reads (one MULTI/EXEC of HMGETs, the walk in the client), with and without
-  hiredis, against redis-py pipelines of one HGET per block; per lookup the latency, the
+  backend's reads (one MULTI/EXEC of HMGETs, the walk in the client), compiled
+  (indexer/_redis_lookup.c), with hiredis and numpy, and without hiredis, against
+  redis-py pipelines of one HGET per block; per lookup the latency, the
   client's CPU, Redis's busy time (``INFO commandstats``) and Redis's CPU (``INFO cpu``);
-* how to keep lookups off the event loop (issue 13): 16 concurrent callers on one
-  asyncio loop, the lookup run inline or on a pool of threads;
+* how to keep lookups off the event loop (issue 13, ``bench/bench_redis_offload.py``):
+  16 concurrent callers on one asyncio loop, the CPU of the hop to a thread and back
+  (api/offload.py's IndexWork against a ThreadPoolExecutor), and the lookup run inline
+  or through either;
 * ``/score`` over HTTP and issue 13's Redis target (``bench/bench_redis_http.py``):
   requests/s with 16 clients and p50 with one, ``token_ids`` and ``block_hashes``
   bodies, from a load generator in its own process, with PASS/FAIL (the exit status is
@@ -32,7 +35,6 @@ ingest only.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import statistics
@@ -40,8 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import redis
@@ -55,6 +56,7 @@ try:  # run as a script: bench/ is sys.path[0]
         redis_busy_us,
         redis_cpu_s,
     )
+    from bench_redis_offload import bench_off_loop
 except ModuleNotFoundError:  # imported as bench.bench_redis
     from bench.bench_redis_http import (
         bench_http,
@@ -64,6 +66,7 @@ except ModuleNotFoundError:  # imported as bench.bench_redis
         redis_busy_us,
         redis_cpu_s,
     )
+    from bench.bench_redis_offload import bench_off_loop
 
 from kvindex.api.testing import free_port
 from kvindex.indexer.backend import Change, MemberMatch, Op, Tier
@@ -75,7 +78,6 @@ MODEL = "bench/model"
 EVENT_BLOCKS = 32  # blocks per BlockStored (one scheduler step of a busy pod)
 EVENTS_PER_CALL = 64  # the applier's batches_per_turn: one stream's turn is one apply
 PROMPT_TOKENS = 8192
-OFF_LOOP_CALLERS, OFF_LOOP_ROUNDS = 16, 5
 BLOCK_SIZE = 16
 
 
@@ -273,20 +275,26 @@ def bench_lookup(
     pure = RedisBackend(
         RedisConnection(RedisOptions.from_url(url), use_hiredis=False), backend.prefix
     )
+    numpy_path = RedisBackend(
+        RedisConnection(RedisOptions.from_url(url), compiled=False), backend.prefix
+    )
     pipeline = PipelineLookup(backend, MODEL)
     answer = backend.lookup(MODEL, chain)
     assert pipeline.lookup(chain, None) == answer, "the HGET pipeline disagrees"
     assert pure.lookup(MODEL, chain) == answer, "the pure-Python reply reader disagrees"
+    assert numpy_path.lookup(MODEL, chain) == answer, "the numpy path disagrees"
     print(f"  answer: {len(answer)} pods, best {answer[0].matched_blocks} blocks")
     candidates = [m.member for m in answer[::8]]
+    walk = "compiled" if backend.connection.compiled else "numpy"
     cases: list[tuple[str, Callable[[], object]]] = [
-        ("backend (MULTI of HMGETs, walk here)", lambda: backend.lookup(MODEL, chain)),
+        (f"backend ({walk}: MULTI of HMGETs, walk here)", lambda: backend.lookup(MODEL, chain)),
         (
             f"backend, {len(candidates)} candidate pods",
             lambda: backend.lookup(MODEL, chain, candidates),
         ),
         ("backend, 16-block chain", lambda: backend.lookup(MODEL, chain[:16])),
         ("backend presence (hybrid models)", lambda: backend.presence(MODEL, chain)),
+        ("backend, hiredis + numpy walk", lambda: numpy_path.lookup(MODEL, chain)),
         ("backend without hiredis", lambda: pure.lookup(MODEL, chain)),
         ("pipeline, HGET per block, 1 trip", lambda: pipeline.lookup(chain, None)),
         ("pipeline, 64 per trip, early exit", lambda: pipeline.lookup(chain, 64)),
@@ -314,62 +322,7 @@ def bench_lookup(
             f"{redis_cpu:6.3f} ms"
         )
     pure.close()
-
-
-# -- off the event loop (issue 13) --------------------------------------------------------------
-
-
-def bench_off_loop(args: argparse.Namespace, backend: RedisBackend, chain: list[int]) -> None:
-    """Lookups per second with 16 callers on one event loop: inline (the loop blocks for
-    each round trip) or on a pool of threads (what api/offload.py does)."""
-    expected = backend.lookup(MODEL, chain)
-    n = args.lookups
-
-    async def drive(call: Callable[[], Awaitable[list[MemberMatch]]], n: int) -> float:
-        left = iter(range(n))
-
-        async def caller() -> None:
-            for _ in left:
-                await call()
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(caller() for _ in range(OFF_LOOP_CALLERS)))
-        return n / (time.perf_counter() - t0)
-
-    async def run() -> dict[str, list[float]]:
-        loop = asyncio.get_running_loop()
-        pools = {threads: ThreadPoolExecutor(threads) for threads in (4, 8, 16)}
-
-        async def inline() -> list[MemberMatch]:
-            return backend.lookup(MODEL, chain)
-
-        def threaded(pool: ThreadPoolExecutor) -> Callable[[], Awaitable[list[MemberMatch]]]:
-            return lambda: loop.run_in_executor(pool, backend.lookup, MODEL, chain)
-
-        ways = {"inline on the loop": inline}
-        ways.update({f"{t} threads": threaded(pool) for t, pool in pools.items()})
-        rates: dict[str, list[float]] = {name: [] for name in ways}
-        try:
-            for call in ways.values():
-                assert await call() == expected, "a lookup answered differently"
-            for _ in range(OFF_LOOP_ROUNDS):  # interleaved, so load changes hit every way
-                for name, call in ways.items():
-                    rates[name].append(await drive(call, n // OFF_LOOP_ROUNDS))
-        finally:
-            for pool in pools.values():
-                pool.shutdown()
-        return rates
-
-    print(
-        f"off the event loop: {OFF_LOOP_CALLERS} concurrent callers on one asyncio loop, "
-        f"{n} lookups of the 512-block chain each way in {OFF_LOOP_ROUNDS} interleaved "
-        f"rounds; load average {load_average()}"
-    )
-    for name, rates in asyncio.run(run()).items():
-        print(
-            f"  {name:<30} {statistics.median(rates):8,.0f} lookups/s "
-            f"(rounds: {', '.join(f'{r:,.0f}' for r in rates)})"
-        )
+    numpy_path.close()
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -454,7 +407,7 @@ def main() -> None:
         if not args.target_only:
             bench_lookup(args, backend, url, tokens)
             print()
-            bench_off_loop(args, backend, BlockHasher(HashConfig()).keys(tokens))
+            bench_off_loop(backend, BlockHasher(HashConfig()).keys(tokens), args.lookups)
             print()
             if not args.skip_http:
                 bench_http(args, url, prefix, tokens)

@@ -216,30 +216,32 @@ class RedisBackend:
     ) -> list[MemberMatch]:
         """One transaction of reads: each member's longest held prefix of ``keys``, best
         first."""
-        wanted = key_array(keys)
-        if not wanted.size or (members is not None and not members):
+        if not len(keys) or (members is not None and not members):
+            key_array(keys)  # ValueError for keys out of range, even when nothing is read
             return []
-        blocks = self._reader.read(model, wanted)
+        blocks = self._reader.read(model, keys)
         if blocks is None:
             return []
+        compiled = self.connection.compiled
         if members is None:
-            return prefix_matches(blocks)
-        return prefix_matches(blocks, _member_ids(blocks.view.ids, members))
+            return prefix_matches(blocks, compiled=compiled)
+        return prefix_matches(blocks, _member_ids(blocks.view.ids, members), compiled=compiled)
 
     def presence(
         self, model: str, keys: Sequence[int], members: Collection[str] | None = None
     ) -> list[MemberPresence]:
         """One transaction of reads: per member, which positions of ``keys`` it holds
         per tier."""
-        wanted = key_array(keys)
-        if not wanted.size or (members is not None and not members):
+        if not len(keys) or (members is not None and not members):
+            key_array(keys)  # ValueError for keys out of range, even when nothing is read
             return []
-        blocks = self._reader.read(model, wanted)
+        blocks = self._reader.read(model, keys)
         if blocks is None:
             return []
+        compiled = self.connection.compiled
         if members is None:
-            return held_positions(blocks)
-        return held_positions(blocks, _member_ids(blocks.view.ids, members))
+            return held_positions(blocks, compiled=compiled)
+        return held_positions(blocks, _member_ids(blocks.view.ids, members), compiled=compiled)
 
     def models(self) -> list[str]:
         """Every model written to this index (one call; /score's model check uses it

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -51,9 +51,10 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvindex.indexer.backend import BackendError, BackendUnavailable
+from kvindex.indexer.redis_compiled import kernels
 from kvindex.indexer.redis_keys import LAYOUT, RedisLayoutError
 from kvindex.indexer.redis_scripts import SCRIPTS
-from kvindex.indexer.redis_wire import READ_SIZE, exchange
+from kvindex.indexer.redis_wire import ReadBuffer, decode_answer, exchange, read_answer
 
 #: Replies that mean "ask another node" (a slot moved): the slot map is read again.
 _REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
@@ -126,11 +127,16 @@ class RedisConnection:
     built at first use, so kvindex starts (unready) while Redis is down.
     """
 
-    def __init__(self, options: RedisOptions, *, use_hiredis: bool = True) -> None:
+    def __init__(
+        self, options: RedisOptions, *, use_hiredis: bool = True, compiled: bool = True
+    ) -> None:
         self.options = options
-        # False: redis-py's pure-Python reply parser everywhere, as without hiredis
-        # installed (the tests run both).
+        # use_hiredis=False: redis-py's pure-Python reply parser everywhere, as in a
+        # process with neither hiredis nor the compiled kernels.
         self.use_hiredis = use_hiredis and redis.utils.HIREDIS_AVAILABLE
+        # Lookups read and walked by the compiled kernels (indexer/_redis_lookup.c) when
+        # built; compiled=False: hiredis and numpy, as without them. Tests run all three.
+        self.compiled = compiled and use_hiredis and kernels is not None
         self._lock = threading.Lock()
         self._client: redis.Redis | RedisCluster | None = None
         self._local = threading.local()  # per thread: its read connections
@@ -249,12 +255,23 @@ class RedisConnection:
             out.append(result)
         return out
 
-    def exchange(self, op: str, route_key: str, payload: bytes, replies: int) -> list[Any]:
+    def exchange(
+        self,
+        op: str,
+        route_key: str,
+        payload: bytes,
+        replies: int,
+        parse: Callable[[bytearray, int], Any] | None = None,
+    ) -> Any:
         """Commands packed by the caller (:mod:`kvindex.indexer.redis_wire`), sent in one
         write to the node serving ``route_key``'s slot; ``replies`` replies, an error
         reply as its exception in place. One immediate retry on a broken connection (as
         :func:`_retry`), and in a cluster one after a redirect, with the slot map read
         again: for reads only, which are safe to send twice.
+
+        With the compiled kernels, ``parse(buffer, end)`` reads the answer's bytes first;
+        what it returns, unless None, is the result (it takes clean answers only, so
+        there is no redirect or error in them); otherwise the replies are decoded.
 
         Each thread uses a connection of its own per node, outside redis-py's pool:
         taking one from the pool and giving it back cost a 512-block lookup ~35 µs of
@@ -263,7 +280,16 @@ class RedisConnection:
             for attempt in (0, 1):
                 conn, buffer = self._thread_connection(route_key)
                 try:
-                    replies_read = exchange(conn, payload, replies, buffer, fast=self.use_hiredis)
+                    if self.compiled:
+                        end = read_answer(conn, payload, replies, buffer)
+                        parsed = None if parse is None else parse(buffer.data, end)
+                        if parsed is not None:
+                            return parsed
+                        replies_read = decode_answer(buffer, end, replies)
+                    else:
+                        replies_read = exchange(
+                            conn, payload, replies, buffer.data, fast=self.use_hiredis
+                        )
                 except redis.ConnectionError:
                     if attempt:
                         raise
@@ -275,11 +301,11 @@ class RedisConnection:
                 self.client().nodes_manager.initialize()  # type: ignore[union-attr]
             raise AssertionError("unreachable")
 
-    def _thread_connection(self, route_key: str) -> tuple[Connection, bytearray]:
+    def _thread_connection(self, route_key: str) -> tuple[Connection, ReadBuffer]:
         """This thread's connection to the node serving ``route_key``, made like the
         pool's own (address, AUTH, TLS, timeouts), and its read buffer."""
         pool = self._pool_for(route_key)
-        mine: dict[int, tuple[ConnectionPool, Connection, bytearray]] | None
+        mine: dict[int, tuple[ConnectionPool, Connection, ReadBuffer]] | None
         mine = getattr(self._local, "connections", None)
         if mine is None:
             mine = self._local.connections = {}
@@ -288,7 +314,7 @@ class RedisConnection:
             conn = pool.connection_class(**pool.connection_kwargs)
             with self._lock:
                 self._thread_connections.add(conn)
-            held = mine[id(pool)] = (pool, conn, bytearray(READ_SIZE))
+            held = mine[id(pool)] = (pool, conn, ReadBuffer())
         return held[1], held[2]
 
     def _pool_for(self, route_key: str) -> ConnectionPool:

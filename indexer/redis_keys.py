@@ -107,6 +107,10 @@ class ModelKeys:
         """Hash ``n`` of the model's buckets: block key (+ tier byte) -> member bitmap."""
         return f"{self.base}b:{n}"
 
+    def bucket_prefix(self) -> str:
+        """Every bucket's name before its number (the lookup packs the names itself)."""
+        return f"{self.base}b:"
+
     def log(self, member: str) -> str:
         """String: the member's reverse record (8-byte keys it came to hold)."""
         return f"{self.base}log:{member}"

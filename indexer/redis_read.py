@@ -6,6 +6,11 @@ second are capped by the script's own time. The walk in Lua cost Redis ~0.9 ms p
 the client (:mod:`kvindex.indexer.redis_walk`), which scales with replicas. The reads
 are one transaction, so a lookup still sees every apply whole or not at all.
 
+The answer is handed on as one matrix of bitmaps (:class:`Blocks`): the compiled
+kernels (indexer/_redis_lookup.c) copy each bitmap into it straight from the socket's
+bytes; without them the replies are parsed (hiredis, or redis-py's reader) and the
+matrix built from them here (:func:`rows_of`). The same bytes either way.
+
 What a read needs besides the bitmaps comes in the same transaction: the model's
 ``meta`` (bucket count, layout, epoch) and whether it holds CPU or STORAGE entries at
 all (``stats``). The member id -> name map is cached per model (:class:`ModelView`)
@@ -16,15 +21,19 @@ missing part, so the answer always comes from one snapshot.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
+from typing import Any
 
 import numpy as np
 
 from kvindex.indexer.backend import BackendError
+from kvindex.indexer.redis_compiled import kernels
 from kvindex.indexer.redis_conn import RedisConnection
-from kvindex.indexer.redis_keys import LAYOUT, KeySpace, ModelKeys, RedisLayoutError, bucket_numbers
-from kvindex.indexer.redis_wire import EXEC, MULTI, bulk, command, field_records, hmget
+from kvindex.indexer.redis_keys import LAYOUT, KeySpace, ModelKeys, RedisLayoutError
+from kvindex.indexer.redis_wire import EXEC, MULTI, command, key_array, pack_reads
 
 #: Reads of one lookup at most: a stale name map, then a model that just gained tiers.
 _ATTEMPTS = 3
@@ -40,30 +49,42 @@ class ModelView:
     names: dict[int, str]  # member id -> member
     ids: dict[str, int]
     rank: np.ndarray  # member id -> its place in name order (-1: no such id)
+    by_id: list[str | None]  # member id -> member, for the compiled walk
     tiers: bool  # the model holds CPU or STORAGE entries
 
     @classmethod
     def of(cls, buckets: int, epoch: bytes | None, names: dict[int, str], tiers: bool) -> ModelView:
-        rank = np.full(max(names, default=-1) + 1, -1, np.int64)
+        size = max(names, default=-1) + 1
+        rank = np.full(size, -1, np.int64)
         for place, mid in enumerate(sorted(names, key=names.__getitem__)):
             rank[mid] = place
-        return cls(buckets, epoch, names, {n: mid for mid, n in names.items()}, rank, tiers)
+        by_id = [names.get(mid) for mid in range(size)]
+        ids = {n: mid for mid, n in names.items()}
+        return cls(buckets, epoch, names, ids, rank, by_id, tiers)
 
     def with_state(self, buckets: int, tiers: bool) -> ModelView:
         """The same names (and epoch) with a newer bucket count and tier flag."""
-        return ModelView(buckets, self.epoch, self.names, self.ids, self.rank, tiers)
+        return ModelView(buckets, self.epoch, self.names, self.ids, self.rank, self.by_id, tiers)
 
 
 @dataclass(slots=True)
 class Blocks:
-    """Per looked-up key, in order: the member bitmap of its GPU, CPU and STORAGE
-    entries (None: nobody). ``cpu`` and ``storage`` are None when the model holds GPU
-    entries only. ``view`` names the member ids, from the same snapshot."""
+    """The looked-up keys' bitmaps as one matrix: a row per key, in key order, of
+    ``per_key`` slots (GPU; or GPU, CPU, STORAGE when the model holds other tiers) of
+    ``width`` bytes, each a member bitmap (bit ``id % 8`` of byte ``id // 8``) padded
+    with zeros; a field nobody holds is all zeros. ``view`` names the member ids, from
+    the same snapshot."""
 
-    gpu: list[bytes | None]
-    cpu: list[bytes | None] | None
-    storage: list[bytes | None] | None
+    rows: bytes
+    per_key: int
+    width: int
     view: ModelView
+
+    def slots(self) -> np.ndarray:
+        """The matrix as a (keys, per_key, width) uint8 array."""
+        if not self.width:
+            return np.zeros((0, self.per_key, 0), np.uint8)
+        return np.frombuffer(self.rows, np.uint8).reshape(-1, self.per_key, self.width)
 
 
 class BlockReader:
@@ -73,15 +94,21 @@ class BlockReader:
         self._connection = connection
         self._keyspace = keyspace
         self._views: dict[str, ModelView] = {}
-        self._bucket_heads: dict[str, dict[int, bytes]] = {}
         self._packed_heads: dict[str, tuple[bytes, bytes, bytes]] = {}
+        self._bucket_prefixes: dict[str, bytes] = {}
 
-    def read(self, model: str, keys: np.ndarray) -> Blocks | None:
-        """The bitmaps of ``keys`` (uint64) in ``model``, or None when the index holds
-        nothing of the model."""
+    def read(self, model: str, keys: Sequence[int] | np.ndarray) -> Blocks | None:
+        """The bitmaps of ``keys`` (uint64 values: a list of ints or an array) in
+        ``model``, or None when the index holds nothing of the model; ValueError unless
+        every key is in [0, 2**64)."""
+        compiled = self._connection.compiled
+        if not compiled or not isinstance(keys, list | tuple):  # C reads lists of ints
+            keys = key_array(keys)
         names = self._keyspace.model(model)
         view = self._views.get(model)
         if view is None:
+            if compiled:
+                kernels.pack_reads(keys, 1, b"", False)  # type: ignore[union-attr]  # checks the keys
             view = self._header(model, names)
             if view is None:
                 return None
@@ -109,7 +136,8 @@ class BlockReader:
 
     def _header(self, model: str, names: ModelKeys) -> ModelView | None:
         """The first read of a model: what it is, before any block of it is read."""
-        replies = self._exec(names, list(self._heads(model, names)))
+        heads = list(self._heads(model, names))
+        replies = self._exec(names, b"".join(heads), len(heads))
         state = _model_state(model, self._keyspace.prefix, replies[0], replies[1])
         if state is None:
             return None
@@ -120,16 +148,31 @@ class BlockReader:
         model: str,
         names: ModelKeys,
         view: ModelView,
-        keys: np.ndarray,
+        keys: Sequence[int] | np.ndarray,
         tiers: bool,
         fresh_names: bool,
     ) -> tuple[ModelView, Blocks, bool] | None:
         """One read with ``view``'s bucket count: the view the snapshot describes, the
         blocks read and whether ``view``'s names were stale in that snapshot (None: the
         model is gone)."""
-        heads = list(self._heads(model, names)[: 3 if fresh_names else 2])
-        order, groups = self._bucket_reads(model, names, view.buckets, keys, tiers)
-        replies = self._exec(names, heads + groups)
+        heads = self._heads(model, names)[: 3 if fresh_names else 2]
+        prefix = self._bucket_prefixes.get(model)
+        if prefix is None:
+            prefix = self._bucket_prefixes[model] = names.bucket_prefix().encode()
+        pack = kernels.pack_reads if self._connection.compiled else pack_reads  # type: ignore[union-attr]
+        body, commands, order = pack(keys, view.buckets, prefix, tiers)
+        per_key = 3 if tiers else 1
+        payload = b"".join([*heads, body])
+        parse = partial(_parse_answer, len(heads), commands, order, per_key)
+        got = self._exec(names, payload, len(heads) + commands, parse)
+        if isinstance(got, tuple):  # the compiled reader took the answer whole
+            replies, rows, width = got
+        else:
+            replies = got
+            values = list(chain.from_iterable(replies[len(heads) :]))
+            if len(values) != len(order) // 4 * per_key:
+                raise BackendError(f"Redis answered {len(values)} fields of a lookup, not all")
+            rows, width = rows_of(values, order, per_key)
         state = _model_state(model, self._keyspace.prefix, replies[0], replies[1])
         if state is None:
             return None
@@ -140,8 +183,7 @@ class BlockReader:
         else:
             stale = epoch != view.epoch  # then keep the epoch the names belong to
             now = view.with_state(buckets, has_tiers)
-        values = list(chain.from_iterable(replies[len(heads) :]))
-        return now, _in_key_order(values, order, tiers, now), stale
+        return now, Blocks(rows, per_key, width, now), stale
 
     def _heads(self, model: str, names: ModelKeys) -> tuple[bytes, bytes, bytes]:
         """The reads of ``meta``, ``stats`` and the member names, packed once per model."""
@@ -154,35 +196,49 @@ class BlockReader:
             )
         return heads
 
-    def _bucket_reads(
-        self, model: str, names: ModelKeys, buckets: int, keys: np.ndarray, tiers: bool
-    ) -> tuple[np.ndarray, list[bytes]]:
-        """One HMGET per bucket the keys fall in; the order the keys are read in."""
-        numbers = bucket_numbers(keys, buckets)
-        order = np.argsort(numbers, kind="stable")
-        numbers = numbers[order]
-        rows, per_key = field_records(keys[order], tiers)
-        body = rows.tobytes()
-        width = rows.shape[1]
-        starts = [0, *(np.flatnonzero(np.diff(numbers)) + 1).tolist()]
-        ends = [*starts[1:], keys.size]
-        heads = self._bucket_heads.setdefault(model, {})
-        out = []
-        for start, end, number in zip(starts, ends, numbers[starts].tolist(), strict=True):
-            head = heads.get(number)
-            if head is None:
-                head = heads[number] = bulk(names.bucket(number).encode())
-            out.append(hmget(head, (end - start) * per_key, body[start * width : end * width]))
-        return order, out
-
-    def _exec(self, names: ModelKeys, commands: list[bytes]) -> list:
-        payload = b"".join([MULTI, *commands, EXEC])
-        replies = self._connection.exchange("lookup", names.meta, payload, len(commands) + 2)
-        for reply in replies:
-            if isinstance(reply, Exception):
+    def _exec(
+        self,
+        names: ModelKeys,
+        commands: bytes,
+        count: int,
+        parse: Callable[[bytearray, int], Any] | None = None,
+    ) -> Any:
+        """``commands`` (``count`` of them) in one MULTI/EXEC: EXEC's replies, or what
+        ``parse`` made of the answer's bytes (the compiled path)."""
+        payload = b"".join([MULTI, commands, EXEC])
+        got = self._connection.exchange("lookup", names.meta, payload, count + 2, parse)
+        if isinstance(got, tuple):
+            return got
+        answer = got[-1]
+        for reply in chain(got, answer if isinstance(answer, list) else ()):
+            if isinstance(reply, Exception):  # EXEC's answer holds a failed command's error
                 with self._connection.guard("lookup"):
                     raise reply
-        return replies[-1]
+        if not isinstance(answer, list):  # EXEC answered nil: the transaction did not run
+            raise BackendError(f"Redis did not run a lookup's transaction: {answer!r}")
+        return answer
+
+
+def _parse_answer(
+    heads: int, commands: int, order: bytes, per_key: int, buffer: bytearray, end: int
+) -> tuple[list, bytes, int] | None:
+    assert kernels is not None
+    return kernels.parse_lookup(buffer, end, heads, commands, order, per_key)
+
+
+def rows_of(values: list[bytes | None], order: bytes, per_key: int) -> tuple[bytes, int]:
+    """The matrix of :class:`Blocks` and its slot width, from HMGET's values in reply
+    order (``per_key`` per key; ``order``: native int32, the key of each group)."""
+    width = max(map(len, filter(None, values)), default=0)
+    if not width:
+        return b"", 0
+    slots: list[bytes | None] = [None] * len(values)
+    keys = np.frombuffer(order, np.int32).astype(np.int64)
+    where = (keys[:, None] * per_key + np.arange(per_key)).ravel().tolist()
+    for at, value in zip(where, values, strict=True):
+        slots[at] = value
+    empty = bytes(width)
+    return b"".join([v.ljust(width, b"\0") if v else empty for v in slots]), width
 
 
 def _model_state(
@@ -203,19 +259,3 @@ def _parse_names(reply: dict | list) -> dict[int, str]:
     if isinstance(reply, dict):
         return {int(mid): name.decode() for mid, name in reply.items()}
     return {int(reply[i]): reply[i + 1].decode() for i in range(0, len(reply), 2)}
-
-
-def _in_key_order(values: list, order: np.ndarray, tiers: bool, view: ModelView) -> Blocks:
-    """The replies (in bucket order, one or three values per key) back in key order."""
-    where = np.empty_like(order)
-    where[order] = np.arange(order.size)
-    at = where.tolist()
-    if not tiers:
-        return Blocks(list(map(values.__getitem__, at)), None, None, view)
-    gpu, cpu, storage = values[0::3], values[1::3], values[2::3]
-    return Blocks(
-        list(map(gpu.__getitem__, at)),
-        list(map(cpu.__getitem__, at)),
-        list(map(storage.__getitem__, at)),
-        view,
-    )

@@ -15,6 +15,7 @@ connecting, AUTH, SELECT and TLS; only the bytes of one exchange go around it.
 
 from __future__ import annotations
 
+import socket
 import sys
 from array import array
 from collections.abc import Sequence
@@ -26,6 +27,9 @@ from redis.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvindex.indexer.redis_compiled import kernels
+from kvindex.indexer.redis_keys import bucket_numbers
 
 try:
     import hiredis
@@ -79,6 +83,28 @@ def hmget(key: bytes, fields: int, records: bytes) -> bytes:
     return b"*%d\r\n$5\r\nHMGET\r\n%s%s" % (fields + 2, key, records)
 
 
+def pack_reads(
+    keys: np.ndarray, buckets: int, bucket_prefix: bytes, tiers: bool
+) -> tuple[bytes, int, bytes]:
+    """One HMGET per bucket ``keys`` (uint64) fall in, the key name ``bucket_prefix`` +
+    its number: the commands, how many, and (native int32) the key position of each
+    field group in reply order. The compiled ``pack_reads`` writes the same bytes."""
+    numbers = bucket_numbers(keys, buckets)
+    order = np.argsort(numbers, kind="stable")
+    numbers = numbers[order]
+    rows, per_key = field_records(keys[order], tiers)
+    body = rows.tobytes()
+    width = rows.shape[1]
+    starts = [0, *(np.flatnonzero(np.diff(numbers)) + 1).tolist()]
+    ends = [*starts[1:], keys.size]
+    out = [
+        hmget(bulk(b"%s%d" % (bucket_prefix, number)), (end - start) * per_key,
+              body[start * width : end * width])
+        for start, end, number in zip(starts, ends, numbers[starts].tolist(), strict=True)
+    ]  # fmt: skip
+    return b"".join(out), len(out), order.astype(np.int32).tobytes()
+
+
 def _error(message: str) -> ResponseError:
     return BaseParser.parse_error(message)
 
@@ -120,6 +146,84 @@ def exchange(
         conn.disconnect()
         raise
     return out
+
+
+class ReadBuffer:
+    """One connection's read buffer, grown when an answer does not fit."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, size: int = READ_SIZE) -> None:
+        self.data = bytearray(size)
+
+
+def read_answer(conn: Connection, payload: bytes, replies: int, buffer: ReadBuffer) -> int:
+    """Send ``payload`` and read until ``replies`` whole replies are in ``buffer.data``,
+    with the compiled framer; where they end. Nothing is parsed: the caller reads the
+    bytes (``parse_lookup``, or :func:`decode_answer`). Socket failures and timeouts as
+    :func:`exchange`'s; a reply that is not RESP is InvalidResponse (disconnected).
+
+    On a plain socket the compiled ``exchange`` does the send and the reads, the GIL
+    released only while it waits (``indexer/_redis_io.h``); a TLS socket, or one not
+    yet connected, goes through redis-py's send and ``recv_into`` here."""
+    assert kernels is not None
+    sock = getattr(conn, "_sock", None)
+    if type(sock) is socket.socket:  # TCP or a unix socket: the compiled round trip
+        try:
+            return kernels.exchange(sock.fileno(), payload, buffer.data, replies, sock.gettimeout())
+        except ValueError as exc:
+            conn.disconnect()
+            raise InvalidResponse(f"Redis's answer: {exc}") from None
+        except TimeoutError:  # before OSError: it is one
+            conn.disconnect()
+            raise RedisTimeoutError("Timeout reading from Redis") from None
+        except OSError as exc:
+            conn.disconnect()
+            raise RedisConnectionError(f"Error while reading from Redis: {exc}") from None
+        except BaseException:
+            conn.disconnect()
+            raise
+    conn.send_packed_command([payload], check_health=False)  # connects; TLS goes here
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        raise RedisConnectionError("Redis closed the connection")
+    if type(sock) is socket.socket:  # just connected
+        return read_answer(conn, b"", replies, buffer)
+    data, got = buffer.data, 0
+    try:
+        while True:
+            if got == len(data):  # an answer bigger than the buffer: double it
+                data = buffer.data = data + bytearray(len(data))
+            read = sock.recv_into(memoryview(data)[got:])
+            if not read:
+                raise RedisConnectionError("Redis closed the connection")
+            got += read
+            end = kernels.frame(data, got, replies)
+            if end == got:
+                return end
+            if end >= 0:  # bytes past the answer: this connection is out of step
+                raise InvalidResponse("Redis sent more than the replies asked for")
+    except ValueError:
+        conn.disconnect()
+        raise InvalidResponse("Redis's answer is not RESP") from None
+    except TimeoutError:  # before OSError: it is one
+        conn.disconnect()
+        raise RedisTimeoutError("Timeout reading from Redis") from None
+    except (RedisConnectionError, InvalidResponse):
+        conn.disconnect()
+        raise
+    except OSError as exc:
+        conn.disconnect()
+        raise RedisConnectionError(f"Error while reading from Redis: {exc}") from None
+    except BaseException:
+        conn.disconnect()
+        raise
+
+
+def decode_answer(buffer: ReadBuffer, end: int, replies: int) -> list[Any]:
+    """The replies :func:`read_answer` read, as :func:`exchange` returns them."""
+    assert kernels is not None
+    return kernels.decode(buffer.data, end, replies, _error)
 
 
 class _More:

@@ -364,7 +364,7 @@ class Settings(_Section):
           loras: {sql-adapter: /adapters/sql}
       scoring:
         tier_weights: {gpu: 1.0, cpu: 0.8, storage: 0.5}
-        route_weights: {prefix: 2.0, queue: 1.0, kv: 1.0, queue_half: 4.0}
+        route_weights: {prefix: 2.0, queue: 1.0, kv: 1.0, queue_unit: 4.0}
       http: {max_pods: 1024}
       k8s: {namespace: [serving]}
     """

@@ -11,11 +11,16 @@ The cost (lower is better) is a weighted sum of three terms, each in 0..1::
   long one. Only ``(num_tokens - 1) // block_size`` blocks can be reused, as vLLM 0.33
   always computes the prompt's last token (``KVCacheManager.get_computed_blocks``); cached
   blocks count by their tier weight (a CPU block must be copied back first).
-- ``queue_term``: requests waiting for the pod, ``q / (q + queue_half)`` with
+- ``queue_term``: requests waiting for the pod, ``q / queue_unit`` with
   ``q = waiting + in_flight`` (the scrape's waiting queue plus what kvindex routed there
-  and has not seen finish). Saturating rather than min-max normalised over the candidates
-  (llm-d's queue scorer): a pod's cost then does not depend on who else is a candidate,
-  and 0 vs 1 waiting is not the same gap as 0 vs 100.
+  and has not seen finish). Linear and unbounded, as a queue's wait grows with its
+  length (Dynamo's cost is linear in a worker's load too), and not min-max normalised
+  over the candidates (llm-d's queue scorer), so a pod's cost does not depend on who else
+  is a candidate. An earlier saturating form, ``q / (q + 4)``, kept the queue term below
+  1 while a prefix covering more than half the prompt is worth more than 1 (weight 2):
+  such requests then went to the pod holding the prefix however deep its queue, and
+  piled up there (bench/README "Noticed" under the simulator: linear, chat-load x1.5
+  TTFT p90 2.15 -> 1.31 s, agent-load x1 ITL p50 29.2 -> 21.0 ms, light load unchanged).
 - ``kv_usage``: the fraction of the pod's KV cache in use (mean over its engines), llm-d's
   KV-utilisation scorer; a full cache means preemption and evicting what others reuse.
 
@@ -27,8 +32,8 @@ blocks gives prefill and decode load equal say; kvindex cannot see active blocks
 (only the scraped usage fraction), so its two load terms play that role.
 
 Unknown load (no fresh scrape) is never idle: its KV term is 1 (full) and its queue
-term counts ``queue_half`` assumed waiting requests on top of its in-flight ones, so it
-costs 1.5 more than an idle pod at the default weights. A pod whose load kvindex cannot
+term counts ``queue_unit`` assumed waiting requests on top of its in-flight ones, so it
+costs 2 more than an idle pod at the default weights. A pod whose load kvindex cannot
 see is chosen only for a strong prefix match or when every known pod is busy.
 """
 
@@ -46,13 +51,15 @@ class CostWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix: float = 2.0
     queue: float = 1.0
     kv: float = 1.0
-    queue_half: float = 4.0  # waiting + in-flight requests at which the queue term is 0.5
+    #: Waiting + in-flight requests that cost as much as ``queue`` (the weight): with the
+    #: defaults, a pod 8 requests busier costs as much as a full prefix miss.
+    queue_unit: float = 4.0
 
     def __post_init__(self) -> None:
         if min(self.prefix, self.queue, self.kv) < 0:
             raise ValueError("route cost weights must not be negative")
-        if self.queue_half <= 0:
-            raise ValueError("queue_half must be positive")
+        if self.queue_unit <= 0:
+            raise ValueError("queue_unit must be positive")
 
 
 class PodInputs(msgspec.Struct, frozen=True, gc=False):
@@ -117,7 +124,7 @@ def pod_costs(
     else:
         total_blocks = cap = 0
     w_prefix = 0.0 if load_only or not total_blocks else weights.prefix / total_blocks
-    w_queue, w_kv, half = weights.queue, weights.kv, weights.queue_half
+    w_queue, w_kv, unit = weights.queue, weights.kv, weights.queue_unit
     out = []
     append = out.append
     for p in pods:
@@ -128,8 +135,8 @@ def pod_costs(
         uncached = total_blocks - hit if total_blocks > hit else 0.0
         prefix = w_prefix * uncached
         waiting = p.waiting
-        pending = p.in_flight + (half if waiting is None else waiting)  # unknown: never idle
-        queue = w_queue * pending / (pending + half)
+        pending = p.in_flight + (unit if waiting is None else waiting)  # unknown: never idle
+        queue = w_queue * pending / unit
         usage = p.kv_usage
         if usage is None:
             usage = 1.0

@@ -75,7 +75,7 @@ def one_pass(
         total_blocks = cap = 0
     load_only = fallback is not None
     w_prefix = 0.0 if load_only or not total_blocks else weights.prefix / total_blocks
-    w_queue, w_kv, half = weights.queue, weights.kv, weights.queue_half
+    w_queue, w_kv, unit = weights.queue, weights.kv, weights.queue_unit
     rows: list[R] = []
     append = rows.append
     totals: list[float] = []
@@ -113,8 +113,8 @@ def one_pass(
         hit = weighted * usable / matched if usable > 0 else 0.0
         uncached = total_blocks - hit if total_blocks > hit else 0.0
         prefix = w_prefix * uncached
-        pending = flying + (half if waiting is None else waiting)
-        queue = w_queue * pending / (pending + half)
+        pending = flying + (unit if waiting is None else waiting)
+        queue = w_queue * pending / unit
         usage = kv_usage
         if usage is None:
             usage = 1.0

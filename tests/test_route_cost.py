@@ -37,15 +37,27 @@ def test_cpu_tier_blocks_save_less_prefill_than_gpu_blocks() -> None:
 def test_terms_grow_with_queue_in_flight_and_kv_usage() -> None:
     idle = pod_cost(pod("a"), 64, BS, W)
     assert (idle.queue, idle.kv) == (0.0, 0.0)
-    assert pod_cost(pod("a", waiting=4), 64, BS, W).queue == pytest.approx(0.5)
-    assert pod_cost(pod("a", flying=4), 64, BS, W).queue == pytest.approx(0.5)
+    assert pod_cost(pod("a", waiting=4), 64, BS, W).queue == pytest.approx(1.0)
+    assert pod_cost(pod("a", flying=4), 64, BS, W).queue == pytest.approx(1.0)
+    assert pod_cost(pod("a", waiting=2, flying=4), 64, BS, W).queue == pytest.approx(1.5)
+
+
+def test_a_deep_queue_outweighs_a_full_prefix_hit() -> None:
+    """The queue term is unbounded: a prefix pod far busier than a cold idle one loses
+    (a saturating term let long shared prefixes pile onto one pod at any queue depth)."""
+    tokens = 32 * BS + 1
+    hot = PodInputs("hot", 32, 32.0, 9, 0.0, 0)  # the whole prompt cached, 9 waiting
+    cold = PodInputs("cold", 0, 0.0, 0, 0.0, 0)
+    assert pod_cost(hot, tokens, BS, W).total > pod_cost(cold, tokens, BS, W).total
+    busy = PodInputs("hot", 32, 32.0, 3, 0.0, 0)  # at a short queue the prefix still wins
+    assert pod_cost(busy, tokens, BS, W).total < pod_cost(cold, tokens, BS, W).total
     assert pod_cost(pod("a", kv=0.25), 64, BS, W).kv == pytest.approx(0.25)
 
 
 def test_unknown_load_is_never_idle_and_grows_with_in_flight() -> None:
     idle = pod_cost(pod("a"), 64, BS, W)
     unknown = pod_cost(pod("a", waiting=None, kv=None), 64, BS, W)
-    assert unknown.load == pytest.approx(1.5) and unknown.load > idle.load
+    assert unknown.load == pytest.approx(2.0) and unknown.load > idle.load
     busier = pod_cost(pod("a", waiting=None, kv=None, flying=3), 64, BS, W)
     assert busier.load > unknown.load
 
@@ -54,7 +66,7 @@ def test_weights_are_validated() -> None:
     with pytest.raises(ValueError):
         CostWeights(prefix=-1)
     with pytest.raises(ValueError):
-        CostWeights(queue_half=0)
+        CostWeights(queue_unit=0)
 
 
 def decide(router: Router, pods, tokens=32 * BS + 1, fallback=None, kv_max=None):
@@ -72,8 +84,10 @@ def test_prefix_wins_at_equal_load_and_load_wins_on_a_busy_prefix_pod() -> None:
 
 
 def test_the_longest_match_among_busy_pods_is_still_a_prefix_decision() -> None:
-    pods = [pod("a", matched=8, waiting=1), pod("b", matched=4)]
-    assert decide(Router(seed=0), pods).reason is Reason.PREFIX
+    # a's 8 extra blocks (a quarter of the prompt) outweigh its one waiting request
+    pods = [pod("a", matched=12, waiting=1), pod("b", matched=4)]
+    decision = decide(Router(seed=0), pods)
+    assert (decision.pod, decision.reason) == ("a", Reason.PREFIX)
 
 
 def test_admission_refuses_full_and_queued_pods_and_none_left_is_no_capacity() -> None:

@@ -45,8 +45,10 @@ from pathlib import Path
 
 try:  # run as a script: bench/ is sys.path[0]
     from bench_score_forms import measure_forms
+    from peers.servers import cpu_seconds
 except ModuleNotFoundError:  # imported as bench.bench_score (bench/compare_peers.py)
     from bench.bench_score_forms import measure_forms
+    from bench.peers.servers import cpu_seconds
 
 from kvindex.api.testing import ServeProcess, free_port
 
@@ -195,8 +197,9 @@ def _load(
         )
         return latencies, time.perf_counter() - started
 
+    cpu = time.process_time()
     latencies, elapsed = asyncio.run(run())
-    out.put((latencies, elapsed))
+    out.put((latencies, elapsed, time.process_time() - cpu))
 
 
 def _measure(
@@ -207,9 +210,18 @@ def _measure(
     count: int | None = None,
     path: str = "/score",
     content_type: str = JSON,
+    server_pid: int | None = None,
 ) -> dict[str, float]:
-    latencies, elapsed = _run(port, bodies, clients, seconds, count, path, content_type)
-    return _figures(latencies, elapsed)
+    """The figures of one run; ``generator_us`` is the load generator's own CPU time per
+    request and, given ``server_pid``, ``server_us`` the server's (every thread, and
+    whatever else it does meanwhile: load scrapes, events)."""
+    cpu = None if server_pid is None else cpu_seconds(server_pid)
+    latencies, elapsed, generator = _run(port, bodies, clients, seconds, count, path, content_type)
+    figures = _figures(latencies, elapsed)
+    figures["generator_us"] = 1e6 * generator / max(1, len(latencies))
+    if cpu is not None:
+        figures["server_us"] = 1e6 * (cpu_seconds(server_pid) - cpu) / max(1, len(latencies))
+    return figures
 
 
 def _run(
@@ -220,15 +232,15 @@ def _run(
     count: int | None,
     path: str,
     content_type: str = JSON,
-) -> tuple[list[float], float]:
+) -> tuple[list[float], float, float]:
     queue: multiprocessing.Queue = multiprocessing.Queue()
     proc = multiprocessing.Process(
         target=_load, args=(port, bodies, clients, seconds, count, queue, path, content_type)
     )
     proc.start()
-    latencies, elapsed = queue.get(timeout=600)
+    latencies, elapsed, generator = queue.get(timeout=600)
     proc.join(30)
-    return latencies, elapsed
+    return latencies, elapsed, generator
 
 
 def _figures(latencies: list[float], elapsed: float) -> dict[str, float]:
@@ -356,8 +368,9 @@ def main() -> None:
         forms_passed = True
         if not args.route_only:
             forms_passed = measure_forms(
-                http, MODEL, prompt, BLOCK, args.requests, args.seconds, args.clients, _measure
-            )
+                http, MODEL, prompt, BLOCK, args.requests, args.seconds, args.clients, _measure,
+                server_pid=server.process.pid,
+            )  # fmt: skip
         skip = args.route_only or args.forms_only
         for name, bodies in () if skip else cases:
             _measure(http, bodies, 1, count=200)  # warm up

@@ -118,6 +118,7 @@ class HotLaneProtocol(HeaderDeadlineProtocol):
         if self.parser.get_method() == b"POST" and not self.parser.should_upgrade():
             found = self._match()
             if found is not None:
+                self.headers_fit()  # else a 431, and the connection is closed
                 self._disarm()  # the header deadline
                 self._begin(*found)
                 return

@@ -238,3 +238,23 @@ def test_a_refused_body_that_never_ends_is_cut_off_at_the_body_deadline() -> Non
             assert answer.status == 408 and answer.headers["connection"] == "close"
             assert b"--body-timeout" in answer.body
             assert closed_by_server(sock, buffer)
+
+
+def test_headers_past_the_cap_get_431_and_the_connection_closed() -> None:
+    big = "X-Filler: " + "a" * 70_000  # past the 64 KiB cap of request line and headers
+    with serving(model=M) as served:
+        _fill(served)
+        for request in (post("/score", SCORE, big), get("/healthz", big)):
+            for pieces in (1, 8):  # in one read, and growing over several
+                with served.connect() as sock:
+                    step = -(-len(request) // pieces)
+                    try:
+                        for i in range(0, len(request), step):
+                            sock.sendall(request[i : i + step])
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # refused while it was still sending
+                    buffer = bytearray()
+                    answer = read_answer(sock, buffer)
+                    assert answer.status == 431, request[:40]
+                    assert closed_by_server(sock, buffer)
+        assert _exchange(served, post("/score", SCORE))[0].status == 200

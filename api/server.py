@@ -9,10 +9,20 @@ are then answered by the protocol itself, without ASGI (``api/hot_lane.py`` says
 
 The listening socket is bound here, before uvicorn starts, so a port in use is one
 clear error instead of uvicorn's log line and exit.
+
+Before serving, everything alive (modules, classes, the app, the composed service: some
+95,000 objects the garbage collector tracks) is moved out of the collector's sight
+(``gc.freeze``): every full collection otherwise walks them all with the GIL held, and
+every request waits for it. In-process over ``bench_score_cpu.py``'s service a full
+collection took 30-55 ms of CPU, 0.2 ms frozen; in ``kvindex serve`` under 270-290k
+blocks/s of fresh-key ingest, where one comes every 10-30 s, 47-102 ms against 18-43 ms
+frozen (wall clock, load average 10-13). None of what is frozen becomes garbage while
+serving.
 """
 
 from __future__ import annotations
 
+import gc
 import socket
 from typing import Any
 
@@ -72,6 +82,8 @@ def serve(
     lane: HotLane | None = None,
 ) -> None:
     """Serve ``app`` on an already bound socket until SIGINT/SIGTERM."""
+    gc.collect()  # what startup left behind, then the rest is never walked again
+    gc.freeze()
     server(
         app, header_timeout_s=header_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s, lane=lane
     ).run(sockets=[sock])

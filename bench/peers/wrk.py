@@ -25,7 +25,11 @@ from pathlib import Path
 
 _SCRIPT = """
 local bodies = {}
-for line in io.lines(os.getenv("KVBENCH_BODIES")) do bodies[#bodies + 1] = line end
+for name in io.lines(os.getenv("KVBENCH_BODIES")) do
+  local file = assert(io.open(name, "rb"))
+  bodies[#bodies + 1] = file:read("*a")
+  file:close()
+end
 local path = os.getenv("KVBENCH_PATH")
 local headers = {["Content-Type"] = os.getenv("KVBENCH_CONTENT_TYPE")}
 local i = 0
@@ -50,12 +54,14 @@ def measure(
     content_type: str = "application/json",
 ) -> dict[str, float]:
     """``connections`` keep-alive connections for ``seconds`` (one wrk thread)."""
-    if any(b"\n" in body for body in bodies):
-        raise ValueError("wrk's script reads one body per line: no newlines in a body")
     with tempfile.TemporaryDirectory(prefix="kvbench-wrk-") as tmp:
         script, listing = Path(tmp, "post.lua"), Path(tmp, "bodies")
         script.write_text(_SCRIPT)
-        listing.write_bytes(b"\n".join(bodies) + b"\n")
+        names = []
+        for i, body in enumerate(bodies):  # one file each: a binary body may hold newlines
+            names.append(Path(tmp, f"body{i}"))
+            names[-1].write_bytes(body)
+        listing.write_text("".join(f"{name}\n" for name in names))
         env = {
             **os.environ,
             "KVBENCH_BODIES": str(listing),

@@ -4,7 +4,8 @@ Bodies are decoded and encoded with msgspec rather than FastAPI's pydantic model
 8,192-token ``token_ids`` list validates in microseconds instead of a millisecond, and
 the OpenAPI schema is generated from the same msgspec types. Routes raise kvindex's own
 errors; ``api/errors.py`` turns them into status codes, in one handler. ``/score`` and
-``/route`` are not FastAPI routes: ``api/hot_path.py`` answers them in front of this app.
+``/route`` are not FastAPI routes: ``api/hot_path.py`` answers them in front of this app
+(and ``kvindex serve`` answers them from its HTTP protocol: ``api/hot_lane.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -19,6 +21,7 @@ from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvindex.api.asgi import ASGIApp
 from kvindex.api.docs import mount_offline_docs
 from kvindex.api.errors import (
     JSON,
@@ -26,7 +29,9 @@ from kvindex.api.errors import (
     error_responses,
     install_error_handlers,
 )
-from kvindex.api.hot_path import ASGIApp, HotPath, openapi_paths
+from kvindex.api.hot_lane import HotLane
+from kvindex.api.hot_openapi import openapi_paths
+from kvindex.api.hot_path import HotPath, HotRoutes
 from kvindex.api.limits import RequestLimits
 from kvindex.api.schemas import ErrorBody, PurgeResponse, openapi_schema
 from kvindex.api.schemas import ok_response as ok
@@ -50,9 +55,24 @@ def _json(body: Any, status: int = 200) -> Response:
     return Response(_encoder.encode(body), status_code=status, media_type=JSON)
 
 
+@dataclass(frozen=True)
+class Http:
+    """The service over HTTP: the ASGI app, and the lane ``kvindex serve``'s protocol
+    answers the hot paths with (the same handlers and limits)."""
+
+    app: ASGIApp
+    lane: HotLane
+
+
 def create_app(service: Service, *, manage_lifecycle: bool = True) -> ASGIApp:
+    """The ASGI app over a composed Service (see :func:`create_http`)."""
+    return create_http(service, manage_lifecycle=manage_lifecycle).app
+
+
+def create_http(service: Service, *, manage_lifecycle: bool = True) -> Http:
     """Build the ASGI app over a composed Service: the request limits, around the hot
-    path (``/score``, ``/route``), around the FastAPI app (every other path).
+    path (``/score``, ``/route``), around the FastAPI app (every other path); and the
+    lane over the same handlers and limits.
 
     With ``manage_lifecycle`` the app starts and stops the service (subscriber threads,
     discovery) in its lifespan, which is what ``kvindex serve`` wants.
@@ -228,13 +248,15 @@ def create_app(service: Service, *, manage_lifecycle: bool = True) -> ASGIApp:
         service.metrics.refused(path == "/score", code)
 
     limits = service.settings.http
-    return RequestLimits(
-        HotPath(service, app, refused_at),
+    routes = HotRoutes(service, refused_at)
+    limited = RequestLimits(
+        HotPath(routes, app),
         max_body_bytes=limits.max_body_bytes,
         body_timeout_s=limits.body_timeout,
         max_in_flight=limits.max_in_flight,
         on_refusal=refused_at,
     )
+    return Http(limited, HotLane(routes, limited))
 
 
 def _schemas() -> tuple[tuple[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Any]]:

@@ -43,7 +43,7 @@ def _settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Sett
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvindex.api.app import create_app
+    from kvindex.api.app import create_http
     from kvindex.api.logs import setup_logging
     from kvindex.api.server import ListenError, bind, serve
     from kvindex.api.service import Service
@@ -70,17 +70,20 @@ def _serve(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
-    app: Any = create_app(service)
+    http = create_http(service)
+    app: Any = http.app
     if settings.gateway.enabled:  # the OpenAI endpoints in front of kvindex's own
         from kvindex.api.gateway import Gateway, GatewayApp
 
         app = GatewayApp(Gateway.in_process(service), settings, inner=app)
-    # The app's lifespan stops the service (final snapshot, leases released).
+    # The app's lifespan stops the service (final snapshot, leases released). The lane
+    # answers /score and /route from the protocol (api/hot_lane.py).
     serve(
         app,
         sock,
         header_timeout_s=settings.http.header_timeout,
         keep_alive_timeout_s=settings.http.keep_alive_timeout,
+        lane=http.lane,
     )
     return 0
 

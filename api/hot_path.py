@@ -1,20 +1,27 @@
-"""``POST /score``, ``POST /route`` and ``POST /route/{route_id}/done`` answered straight
-from ASGI, in front of the FastAPI app that serves every other path.
+"""``POST /score``, ``POST /route`` and ``POST /route/{route_id}/done`` answered without
+FastAPI: the handlers (:class:`HotRoutes`), and the ASGI app in front of the FastAPI app
+that serves every other path (:class:`HotPath`).
 
 Why not FastAPI routes: its dispatch (route matching, dependency solving, its middleware
 stack, Starlette's Request and Response) was ~18% of a ``/score`` request's CPU in issue
 13's profile, for bodies msgspec already decodes and validates. Here a request is matched
-in a dict, its body read from ``receive``, decoded by msgspec, answered by
-:func:`kvindex.api.score.score_request` or :func:`kvindex.api.route.decide_route` (the
-index work under ``service.index_work``'s deadline and cap, as before), and sent as two
-ASGI messages.
+in a dict, its body decoded by msgspec, answered by :func:`kvindex.api.score.score_request`
+or :func:`kvindex.api.route.decide_route` (the index work under ``service.index_work``'s
+deadline and cap, as before), and its answer is a status, a JSON body and headers.
+
+:class:`HotRoutes` knows nothing of the transport, so two serve it: :class:`HotPath` over
+ASGI (every ASGI server, the tests' ``TestClient``), and the HTTP lane of
+``api/hot_lane.py``, which ``kvindex serve`` runs inside uvicorn's protocol to skip the
+ASGI layer for these three paths. With an index whose work never waits (the memory
+backend) the handlers run to the end on the caller (:meth:`HotRoutes.answer`), else the
+index work is awaited (:meth:`HotRoutes.answer_async`).
 
 What the FastAPI routes gave is kept: errors in the one shape of ``api/errors.py``,
 counted as its handlers count them (``on_refusal``); a 405 with ``Allow`` for another
 method; a trailing slash accepted (Starlette redirected it to the same handler). The
 limits (:class:`kvindex.api.limits.RequestLimits`) wrap this app and FastAPI's alike, so
 one in-flight count covers every route. The OpenAPI document still describes these
-paths, from the same msgspec types: :func:`openapi_paths`.
+paths, from the same msgspec types: :func:`kvindex.api.hot_openapi.openapi_paths`.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -36,109 +44,136 @@ from kvindex.api.asgi import (
     receive_body,
     send_json,
 )
-from kvindex.api.errors import JSON, error_body, error_responses, refusal
-from kvindex.api.route import NoCapacity, decide_route, decode_route, release_route, route_inputs
-from kvindex.api.schemas import (
-    ErrorBody,
-    RouteDone,
-    RouteRequest,
-    RouteResponse,
-    ScoreRequest,
-    ScoreResponse,
-    ok_response,
-    openapi_schema,
+from kvindex.api.errors import error_body, refusal
+from kvindex.api.route import (
+    NoCapacity,
+    decide_route,
+    decode_route,
+    index_inputs,
+    release_route,
+    route_inputs,
 )
-from kvindex.api.score import decode_score, score_request
-from kvindex.api.score_inputs import (
-    binary_parameters,
-    body_media,
-    parse_request,
-    request_body,
-)
+from kvindex.api.schemas import RouteRequest, ScoreRequest
+from kvindex.api.score import decode_score, score_inline, score_request
+from kvindex.api.score_inputs import body_media, parse_request
 from kvindex.events.errors import KvindexError
 
 if TYPE_CHECKING:
+    from kvindex.api.route import RouteInputs
     from kvindex.api.service import Service
 
 log = logging.getLogger(__name__)
 
 # A handler's answer: status, JSON body, headers besides content-type and content-length.
 Answer = tuple[int, bytes, Headers]
-Handler = Callable[[Scope, Receive, str], Awaitable[Answer]]
 
 R = TypeVar("R", bound=ScoreRequest)
 
 _encode = msgspec.json.Encoder().encode
 _ROUTE_PREFIX, _DONE_SUFFIX = "/route/", "/done"
-_ALLOW = [(b"allow", b"POST")]
+ALLOW = [(b"allow", b"POST")]
 
 
-class HotPath:
-    """The ASGI app: the three POST paths here, everything else to ``inner`` (FastAPI).
-    ``on_refusal(path, code)`` counts each refused request, as the FastAPI handlers do."""
+@dataclass(frozen=True, slots=True)
+class Posted:
+    """A POST to one of the hot paths, its body whole: what a handler reads. ``media``
+    is :func:`kvindex.api.score_inputs.body_media`'s verdict on its Content-Type."""
 
-    def __init__(
-        self, service: Service, inner: ASGIApp, on_refusal: Callable[[str, str], None]
-    ) -> None:
+    path: str
+    media: str
+    query: bytes
+    body: bytes
+    argument: str = ""  # the route id of /route/{route_id}/done
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One hot path's handler in its two forms: everything on the caller (for an index
+    whose work never waits), or the index work awaited under its deadline."""
+
+    inline: Callable[[Posted], Answer]
+    awaited: Callable[[Posted], Awaitable[Answer]]
+
+
+class HotRoutes:
+    """The three handlers, matched by path, with errors answered in kvindex's shape and
+    counted by ``on_refusal(path, code)``, as the FastAPI handlers do."""
+
+    def __init__(self, service: Service, on_refusal: Callable[[str, str], None]) -> None:
         self.service = service
-        self.inner = inner
         self.on_refusal = on_refusal
-        self._exact: dict[str, Handler] = {"/score": self._score, "/route": self._route}
+        #: The index work runs on the caller (memory backend): :meth:`answer` may be used.
+        self.inline = service.index_work.inline
+        self._exact = {
+            "/score": Route(self._score, self._score_awaited),
+            "/route": Route(self._route, self._route_awaited),
+        }
+        self._done_route = Route(self._done, self._done_awaited)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            handler, argument = self._match(scope["path"])
-            if handler is not None:
-                await self._answer(scope, receive, send, handler, argument)
-                return
-        await self.inner(scope, receive, send)
-
-    def _match(self, path: str) -> tuple[Handler | None, str]:
-        """The handler of ``path`` and its path parameter (a route id), or None."""
+    def match(self, path: str) -> tuple[Route, str] | None:
+        """The route of ``path`` and its path parameter (a route id), or None."""
         if len(path) > 1 and path[-1] == "/":
             path = path[:-1]
-        handler = self._exact.get(path)
-        if handler is not None:
-            return handler, ""
+        route = self._exact.get(path)
+        if route is not None:
+            return route, ""
         if path.startswith(_ROUTE_PREFIX) and path.endswith(_DONE_SUFFIX):
             route_id = path[len(_ROUTE_PREFIX) : -len(_DONE_SUFFIX)]
             if route_id and "/" not in route_id:  # Starlette's {route_id}: [^/]+
-                return self._done, route_id
-        return None, ""
+                return self._done_route, route_id
+        return None
 
-    async def _answer(
-        self, scope: Scope, receive: Receive, send: Send, handler: Handler, argument: str
-    ) -> None:
-        method, path = scope["method"], scope["path"]
-        if method != "POST":
-            self.on_refusal(path, "method_not_allowed")
-            status, headers = 405, _ALLOW
-            body = error_body("method_not_allowed", f"{method} is not allowed on {path}")
-        else:
-            try:
-                status, body, headers = await handler(scope, receive, argument)
-            except ClientLeft:
-                return
-            except KvindexError as exc:
-                self.on_refusal(path, exc.code)
-                status, body = refusal(exc, method, path)
-                headers = []
-            except Exception as exc:  # a bug: logged with its traceback, none for the client
-                log.error("%s %s failed", method, path, exc_info=exc)
-                self.on_refusal(path, "internal_error")
-                status = 500
-                body = error_body("internal_error", f"internal error ({type(exc).__name__})")
-                headers = []
-        await send_json(send, status, body, headers)
+    def answer(self, route: Route, posted: Posted) -> Answer:
+        """``posted`` answered on the caller; only when :attr:`inline`."""
+        try:
+            return route.inline(posted)
+        except Exception as exc:
+            return self.failed(exc, posted.path)
 
-    async def _score(self, scope: Scope, receive: Receive, _: str) -> Answer:
+    async def answer_async(self, route: Route, posted: Posted) -> Answer:
+        """``posted`` answered, the index work awaited under ``service.index_work``."""
+        try:
+            return await route.awaited(posted)
+        except Exception as exc:
+            return self.failed(exc, posted.path)
+
+    def failed(self, exc: Exception, path: str, method: str = "POST") -> Answer:
+        """The answer to a request that raised ``exc``, counted: kvindex's own errors by
+        their kind, anything else a bug (logged with its traceback, none for the client)."""
+        if isinstance(exc, KvindexError):
+            self.on_refusal(path, exc.code)
+            status, body = refusal(exc, method, path)
+            return status, body, []
+        log.error("%s %s failed", method, path, exc_info=exc)
+        self.on_refusal(path, "internal_error")
+        return 500, error_body("internal_error", f"internal error ({type(exc).__name__})"), []
+
+    def not_allowed(self, method: str, path: str) -> Answer:
+        """The 405 for another method on a hot path, counted."""
+        self.on_refusal(path, "method_not_allowed")
+        return 405, error_body("method_not_allowed", f"{method} is not allowed on {path}"), ALLOW
+
+    # -- the handlers ------------------------------------------------------------------
+
+    def _score(self, posted: Posted) -> Answer:
         started = time.perf_counter()
-        req = await _read(scope, receive, ScoreRequest, decode_score)
+        req = _parse(posted, ScoreRequest, decode_score)
+        return 200, _encode(score_inline(self.service, req, started)), []
+
+    async def _score_awaited(self, posted: Posted) -> Answer:
+        started = time.perf_counter()
+        req = _parse(posted, ScoreRequest, decode_score)
         return 200, _encode(await score_request(self.service, req, started)), []
 
-    async def _route(self, scope: Scope, receive: Receive, _: str) -> Answer:
-        req = await _read(scope, receive, RouteRequest, decode_route)
-        inputs = await route_inputs(self.service, req)  # the index, off the event loop
+    def _route(self, posted: Posted) -> Answer:
+        req = _parse(posted, RouteRequest, decode_route)
+        return self._decide(req, index_inputs(self.service, req))
+
+    async def _route_awaited(self, posted: Posted) -> Answer:
+        req = _parse(posted, RouteRequest, decode_route)
+        return self._decide(req, await route_inputs(self.service, req))  # index off the loop
+
+    def _decide(self, req: RouteRequest, inputs: RouteInputs) -> Answer:
         try:
             answer = decide_route(self.service, req, inputs)
         except NoCapacity as exc:  # an answer about the fleet, not a refused request
@@ -146,18 +181,54 @@ class HotPath:
             return 429, error_body(exc.code, exc.detail), retry
         return 200, _encode(answer), []
 
-    async def _done(self, scope: Scope, receive: Receive, route_id: str) -> Answer:
-        return 200, _encode(release_route(self.service, route_id)), []
+    def _done(self, posted: Posted) -> Answer:
+        return 200, _encode(release_route(self.service, posted.argument)), []
+
+    async def _done_awaited(self, posted: Posted) -> Answer:
+        return self._done(posted)
 
 
-async def _read(
-    scope: Scope, receive: Receive, kind: type[R], decode_json: Callable[[bytes], R]
-) -> R:
-    """The request body as ``kind``; the Content-Type is checked (415) before the body
-    is read."""
-    media = body_media(_header(scope, b"content-type"))
-    body = await receive_body(receive)
-    return parse_request(kind, media, scope.get("query_string", b""), body, decode_json)
+def _parse(posted: Posted, kind: type[R], decode_json: Callable[[bytes], R]) -> R:
+    return parse_request(kind, posted.media, posted.query, posted.body, decode_json)
+
+
+class HotPath:
+    """The ASGI app: the three POST paths through :class:`HotRoutes`, everything else to
+    ``inner`` (FastAPI)."""
+
+    def __init__(self, routes: HotRoutes, inner: ASGIApp) -> None:
+        self.routes = routes
+        self.inner = inner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            found = self.routes.match(scope["path"])
+            if found is not None:
+                await self._answer(scope, receive, send, *found)
+                return
+        await self.inner(scope, receive, send)
+
+    async def _answer(
+        self, scope: Scope, receive: Receive, send: Send, route: Route, argument: str
+    ) -> None:
+        routes, method, path = self.routes, scope["method"], scope["path"]
+        if method != "POST":
+            status, body, headers = routes.not_allowed(method, path)
+        else:
+            try:  # the Content-Type is checked (415) before the body is read
+                media = body_media(_header(scope, b"content-type"))
+                body = await receive_body(receive)
+                posted = Posted(path, media, scope.get("query_string", b""), body, argument)
+            except ClientLeft:
+                return
+            except Exception as exc:  # 415, or the limits' 413 and 408 while it streams
+                status, body, headers = routes.failed(exc, path)
+            else:
+                if routes.inline:
+                    status, body, headers = routes.answer(route, posted)
+                else:
+                    status, body, headers = await routes.answer_async(route, posted)
+        await send_json(send, status, body, headers)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -165,67 +236,3 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
-
-
-def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
-    """The OpenAPI path items of the three paths served here, and the schema components
-    they refer to; FastAPI's document adds them to its own."""
-    (score_in, score_out, route_in, route_out, done, error), components = openapi_schema(
-        ScoreRequest, ScoreResponse, RouteRequest, RouteResponse, RouteDone, ErrorBody
-    )
-
-    def described(text: str) -> dict[str, Any]:
-        return {"description": text, "content": {JSON: {"schema": error}}}
-
-    everywhere = 429  # --max-in-flight applies to every route but the probes
-    score = {
-        "summary": "Score a prompt: each pod's longest cached prefix, best first",
-        "description": "A 404 `unknown_model` right after a deploy means no pod has "
-        "published events for the model yet: fall back to default balancing, as for a 503.",
-        "operationId": "score_score_post",
-        "requestBody": request_body(score_in),
-        "parameters": binary_parameters(ScoreRequest),
-        "responses": {
-            "200": ok_response("Scores", score_out),
-            **error_responses(error, 400, 404, 408, 413, 415, 503, everywhere),
-        },
-    }
-    route = {
-        "summary": "Choose the pod that should serve a prompt now: cached prefix against load",
-        "operationId": "route_route_post",
-        "requestBody": request_body(route_in),
-        "parameters": binary_parameters(RouteRequest),
-        "responses": {
-            "200": ok_response("Decision", route_out),
-            **error_responses(error, 400, 408, 413, 415),
-            "429": described(
-                "no_capacity: no pod admissible (KV cache or queue over the limit), see "
-                "Retry-After; or too many requests in flight (--max-in-flight)"
-            ),
-            "503": described("no_pods: no pods given and none known"),
-        },
-    }
-    route_id = "The route_id /route answered"
-    route_done = {
-        "summary": "The routed request finished: stop counting it against its pod",
-        "operationId": "route_done_route__route_id__done_post",
-        "parameters": [
-            {
-                "name": "route_id",
-                "in": "path",
-                "required": True,
-                "schema": {"type": "string", "description": route_id, "title": "Route Id"},
-                "description": route_id,
-            }
-        ],
-        "responses": {
-            "200": ok_response("Released", done),
-            "404": described("Unknown route id (never routed, already done, or expired)"),
-        },
-    }
-    paths = {
-        "/score": {"post": score},
-        "/route": {"post": route},
-        "/route/{route_id}/done": {"post": route_done},
-    }
-    return paths, components

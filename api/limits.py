@@ -7,17 +7,23 @@ never read whole; a client trickling its body is cut off at a deadline; past
 ``max_in_flight`` concurrent requests a new one gets 429 instead of queueing without
 bound. Probes and metrics are exempt from the in-flight cap, so a loaded replica is
 not also declared dead.
+
+``kvindex serve``'s lane for the hot paths (``api/hot_lane.py``) reads bodies outside
+ASGI; it applies the same limits through :meth:`RequestLimits.admission`,
+:meth:`~RequestLimits.body_too_large` and :meth:`~RequestLimits.body_too_slow`, and counts
+its requests in the same ``in_flight``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvindex.api.asgi import ASGIApp, Message, Receive, Scope, Send, send_json
-from kvindex.api.errors import error_body
-from kvindex.events.errors import RequestTimeout, TooLarge
+from kvindex.api.errors import error_body, status_of
+from kvindex.events.errors import KvindexError, RequestTimeout, TooLarge, TooManyRequests
 
+CLOSE = [(b"connection", b"close")]  # a refusal before the body: the body is not read
 _EXEMPT = frozenset({"/healthz", "/readyz", "/metrics", "/health"})  # /health: the gateway's
 
 
@@ -45,26 +51,44 @@ class RequestLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        exempt = scope["path"] in _EXEMPT
-        if not exempt and self.in_flight >= self.max_in_flight:
-            await self._refuse(
-                scope,
-                send,
-                429,
-                "too_many_requests",
-                f"more than {self.max_in_flight} requests in flight (--max-in-flight); "
-                "retry shortly",
-            )
-            return
-        length = _content_length(scope)
-        if length is not None and length > self.max_body_bytes:
-            await self._refuse(scope, send, 413, TooLarge.code, self._too_large(f"{length} bytes"))
+        path = scope["path"]
+        exempt = path in _EXEMPT
+        refused = self.admission(path, _content_length(scope.get("headers", ())))
+        if refused is not None:
+            self.on_refusal(path, refused.code)
+            body = error_body(refused.code, refused.detail)
+            await send_json(send, status_of(refused), body, CLOSE)
             return
         self.in_flight += 0 if exempt else 1
         try:
             await self.app(scope, self._limited(receive), send)
         finally:
             self.in_flight -= 0 if exempt else 1
+
+    def admission(self, path: str, content_length: int | None) -> KvindexError | None:
+        """Why a request for ``path`` that declares ``content_length`` is refused before
+        its body is read (429 past ``max_in_flight``, 413 past ``max_body_bytes``), or
+        None. Not counted here: the caller answers and counts it."""
+        if path not in _EXEMPT and self.in_flight >= self.max_in_flight:
+            return TooManyRequests(
+                f"more than {self.max_in_flight} requests in flight (--max-in-flight); "
+                "retry shortly"
+            )
+        if content_length is not None and content_length > self.max_body_bytes:
+            return TooLarge(self._too_large(f"{content_length} bytes"))
+        return None
+
+    def body_too_large(self, received: int) -> TooLarge | None:
+        """The 413 for a body of which ``received`` bytes came so far, or None."""
+        if received > self.max_body_bytes:
+            return TooLarge(self._too_large(f"more than {received} bytes"))
+        return None
+
+    def body_too_slow(self) -> RequestTimeout:
+        """The 408 for a body not whole within ``body_timeout_s``."""
+        return RequestTimeout(
+            f"the request body did not arrive within {self.body_timeout_s:g} s (--body-timeout)"
+        )
 
     def _too_large(self, size: str) -> str:
         return (
@@ -90,14 +114,12 @@ class RequestLimits:
                 async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
-                raise RequestTimeout(
-                    f"the request body did not arrive within {self.body_timeout_s:g} s "
-                    "(--body-timeout)"
-                ) from None
+                raise self.body_too_slow() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise TooLarge(self._too_large(f"more than {received} bytes"))
+                too_large = self.body_too_large(received)
+                if too_large is not None:
+                    raise too_large
                 body_done = not message.get("more_body", False)
             else:
                 body_done = True
@@ -105,14 +127,16 @@ class RequestLimits:
 
         return limited
 
-    async def _refuse(self, scope: Scope, send: Send, status: int, code: str, detail: str) -> None:
-        self.on_refusal(scope["path"], code)
-        await send_json(send, status, error_body(code, detail), [(b"connection", b"close")])
 
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
+def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
         if name == b"content-length":
-            text = value.strip()
-            return int(text) if text.isdigit() else None
+            return content_length(value)
     return None
+
+
+def content_length(value: bytes) -> int | None:
+    """A Content-Length header's value, None when it is not a plain number (the HTTP
+    parser refuses those before they get here)."""
+    text = value.strip()
+    return int(text) if text.isdigit() else None

@@ -92,14 +92,23 @@ class ScoreMetrics:
             registry=registry,
         )
         self._ok = self.requests.labels("ok")
+        # Each model's two children, looked up once: labels() is ~1 µs a call, and this
+        # runs for every answered /score. Only known models are scored, so it is bounded.
+        self._by_model: dict[str, tuple[Counter, Counter]] = {}
 
     def score_done(self, result: ScoreResult, seconds: float, warned: bool = False) -> None:
         self._ok.inc()
         if warned:
             self.warned.inc()
         self.seconds.observe(seconds)
-        self.prompt_blocks.labels(result.model).inc(result.prompt_blocks)
-        self.matched_blocks.labels(result.model).inc(result.best_matched_blocks)
+        children = self._by_model.get(result.model)
+        if children is None:
+            children = self._by_model[result.model] = (
+                self.prompt_blocks.labels(result.model),
+                self.matched_blocks.labels(result.model),
+            )
+        children[0].inc(result.prompt_blocks)
+        children[1].inc(result.best_matched_blocks)
 
     def score_rejected(self, code: str) -> None:
         self.requests.labels(code).inc()

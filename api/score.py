@@ -41,7 +41,26 @@ async def score_request(service: Service, req: ScoreRequest, started: float) -> 
     metrics as one request that began at ``started`` (``time.perf_counter()``). The
     index work runs under ``service.index_work`` (its deadline and cap). Raises
     ClientError (400), NotFound (404, unknown model), Unavailable (503)."""
-    result, candidates = await service.index_work.run(score_index, service, req)
+    index = await service.index_work.run(score_index, service, req)
+    return score_answer(service, req, index, started)
+
+
+def score_inline(service: Service, req: ScoreRequest, started: float) -> ScoreResponse:
+    """:func:`score_request` with the index work on the caller, for an index whose work
+    never waits (``service.index_work.inline``, the memory backend): no coroutine, no
+    await, as the HTTP lane in ``api/hot_lane.py`` answers from its parser callback."""
+    return score_answer(service, req, score_index(service, req), started)
+
+
+def score_answer(
+    service: Service,
+    req: ScoreRequest,
+    index: tuple[ScoreResult, list[str] | None],
+    started: float,
+) -> ScoreResponse:
+    """The answer from what the index said (:func:`score_index`), recorded in the score
+    metrics; the part of /score that only reads memory, on the event loop."""
+    result, candidates = index
     annotate(result, service.speculative, candidates)  # apart from the confirmed counts
     warnings = [*result.warnings, *service.directory.warnings(req.model, candidates)]
     response = ScoreResponse(

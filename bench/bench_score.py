@@ -20,6 +20,7 @@ adds at most 0.2 ms at p50; the verdict is printed (PASS / FAIL) and is the exit
     python bench/bench_score.py [--requests 2000] [--seconds 10] [--backend memory]
     python bench/bench_score.py --route-only        # only /route vs /score
     python bench/bench_score.py --forms-only        # only the prompt forms (issue 13)
+    python bench/bench_score.py --forms-only --generator wrk   # the forms, wrk's load
 
 ``--forms-only`` (and every full run) scores the repeated prompt in each of /score's
 forms: JSON ``token_ids``, JSON ``block_hashes`` (ints, and hex strings), and a binary
@@ -45,8 +46,12 @@ from pathlib import Path
 
 try:  # run as a script: bench/ is sys.path[0]
     from bench_score_forms import measure_forms
+    from peers import wrk
+    from peers.servers import cpu_seconds
 except ModuleNotFoundError:  # imported as bench.bench_score (bench/compare_peers.py)
     from bench.bench_score_forms import measure_forms
+    from bench.peers import wrk
+    from bench.peers.servers import cpu_seconds
 
 from kvindex.api.testing import ServeProcess, free_port
 
@@ -195,8 +200,9 @@ def _load(
         )
         return latencies, time.perf_counter() - started
 
+    cpu = time.process_time()
     latencies, elapsed = asyncio.run(run())
-    out.put((latencies, elapsed))
+    out.put((latencies, elapsed, time.process_time() - cpu))
 
 
 def _measure(
@@ -207,9 +213,38 @@ def _measure(
     count: int | None = None,
     path: str = "/score",
     content_type: str = JSON,
+    server_pid: int | None = None,
 ) -> dict[str, float]:
-    latencies, elapsed = _run(port, bodies, clients, seconds, count, path, content_type)
-    return _figures(latencies, elapsed)
+    """The figures of one run; ``generator_us`` is the load generator's own CPU time per
+    request and, given ``server_pid``, ``server_us`` the server's (every thread, and
+    whatever else it does meanwhile: load scrapes, events)."""
+    cpu = None if server_pid is None else cpu_seconds(server_pid)
+    latencies, elapsed, generator = _run(port, bodies, clients, seconds, count, path, content_type)
+    figures = _figures(latencies, elapsed)
+    figures["generator_us"] = 1e6 * generator / max(1, len(latencies))
+    if cpu is not None:
+        figures["server_us"] = 1e6 * (cpu_seconds(server_pid) - cpu) / max(1, len(latencies))
+    return figures
+
+
+def _measure_wrk(
+    port: int,
+    bodies: list[bytes],
+    clients: int,
+    seconds: float | None = None,
+    count: int | None = None,
+    path: str = "/score",
+    content_type: str = JSON,
+    server_pid: int | None = None,
+) -> dict[str, float]:
+    """:func:`_measure` with wrk as the generator: it runs for a time, not a count, so a
+    ``count`` of requests becomes a run of one second per 2,000 (at least one)."""
+    duration = seconds if seconds is not None else max(1.0, (count or 0) / 2000)
+    cpu = None if server_pid is None else cpu_seconds(server_pid)
+    figures = wrk.measure(port, bodies, clients, duration, path, content_type)
+    if cpu is not None:
+        figures["server_us"] = 1e6 * (cpu_seconds(server_pid) - cpu) / max(1, figures["requests"])
+    return figures
 
 
 def _run(
@@ -220,15 +255,15 @@ def _run(
     count: int | None,
     path: str,
     content_type: str = JSON,
-) -> tuple[list[float], float]:
+) -> tuple[list[float], float, float]:
     queue: multiprocessing.Queue = multiprocessing.Queue()
     proc = multiprocessing.Process(
         target=_load, args=(port, bodies, clients, seconds, count, queue, path, content_type)
     )
     proc.start()
-    latencies, elapsed = queue.get(timeout=600)
+    latencies, elapsed, generator = queue.get(timeout=600)
     proc.join(30)
-    return latencies, elapsed
+    return latencies, elapsed, generator
 
 
 def _figures(latencies: list[float], elapsed: float) -> dict[str, float]:
@@ -319,7 +354,17 @@ def main() -> None:
     parser.add_argument(
         "--forms-only", action="store_true", help="only the prompt forms (issue 13)"
     )
+    parser.add_argument(
+        "--generator",
+        choices=("python", "wrk"),
+        default="python",
+        help="the prompt forms' load generator: the minimal asyncio client, or wrk "
+        "(apt install wrk; about half the client CPU per request, so the one-client "
+        "latency holds less of the generator's own time)",
+    )
     args = parser.parse_args()
+    if args.generator == "wrk" and not wrk.available():
+        raise SystemExit("--generator wrk: no wrk on PATH (Debian: apt-get install wrk)")
 
     zport = free_port()
     server = ServeProcess(
@@ -355,9 +400,12 @@ def main() -> None:
         cases = (("same prompt repeated", repeated), ("new 2nd half each time", fresh))
         forms_passed = True
         if not args.route_only:
+            measure = _measure if args.generator == "python" else _measure_wrk
+            print(f"(load generator: {args.generator})")
             forms_passed = measure_forms(
-                http, MODEL, prompt, BLOCK, args.requests, args.seconds, args.clients, _measure
-            )
+                http, MODEL, prompt, BLOCK, args.requests, args.seconds, args.clients, measure,
+                server_pid=server.process.pid,
+            )  # fmt: skip
         skip = args.route_only or args.forms_only
         for name, bodies in () if skip else cases:
             _measure(http, bodies, 1, count=200)  # warm up

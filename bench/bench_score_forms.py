@@ -42,8 +42,11 @@ def measure_forms(
     seconds: float,
     clients: int,
     measure: Callable[..., dict[str, float]],
+    server_pid: int | None = None,
 ) -> bool:
-    """Print each form's figures and verdicts; True when every target is met."""
+    """Print each form's figures and verdicts; True when every target is met. With
+    ``server_pid``, also the CPU time per request of the server and of the load
+    generator (its own process on the same machine) in the concurrent run."""
     keys = BlockHasher(HashConfig(block_size=block_size)).keys(prompt)
     forms = [
         ("token_ids JSON", "/score", JSON, {"model": model, "token_ids": prompt}),
@@ -75,17 +78,22 @@ def measure_forms(
     )
     print(
         f"  {'form':18} {'body B':>7}  1 client p50 / p99 ms   "
-        f"{clients} clients req/s, p50 / p99 ms"
+        f"{clients} clients req/s, p50 / p99 ms   CPU us/req: server, generator"
     )
     passed = same
     verdicts = []
     for name, path, kind, body in cases:
         measure(port, [body], 1, count=200, path=path, content_type=kind)  # warm up
         one = measure(port, [body], 1, count=requests, path=path, content_type=kind)
-        many = measure(port, [body], clients, seconds=seconds, path=path, content_type=kind)
+        many = measure(
+            port, [body], clients, seconds=seconds, path=path, content_type=kind,
+            server_pid=server_pid,
+        )  # fmt: skip
+        cpu = f"{many['server_us']:6.0f}, {many['generator_us']:4.0f}" if server_pid else ""
         print(
             f"  {name:18} {len(body):7}  {one['p50_ms']:6.3f} / {one['p99_ms']:6.3f}"
             f"          {many['rps']:6.0f}, {many['p50_ms']:6.2f} / {many['p99_ms']:6.2f}"
+            f"          {cpu}"
         )
         if name in TARGETS:
             p50_target, rps_target = TARGETS[name]

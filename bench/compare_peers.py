@@ -14,7 +14,10 @@ sockets and is measured alone, the other idle, on the same bytes:
 * an 8,192-token prompt over 64 pods (pod i holds its first 8·(i+1) blocks): answers of
   both compared pod for pod on a sample of prompts; 1 client p50/p99; 16 clients req/s.
   Query prompts share a prefix of varying length with the filled prompt and end in
-  random tokens; a pool of them is cycled.
+  random tokens; a pool of them is cycled. The queries come from one load generator
+  process on the same machine, the same for both peers (``--generator``: the minimal
+  asyncio client of ``bench_score.py``, or wrk, which costs about half the CPU per
+  request); each peer's CPU per request is printed beside it.
 
 Prints each figure for both, the ratio, and PASS/FAIL against issue 13's target (each
 figure >= 1.2x Dynamo's); then the floors (pyzmq receive, msgspec decode, SHA-256 alone).
@@ -38,7 +41,7 @@ import httpx
 import zmq
 
 from bench.bench_score import _measure
-from bench.peers import floors
+from bench.peers import floors, wrk
 from bench.peers.feed import BLOCK, EVENT_TOKENS, Batches, Publishers, fresh_batches, prefix_fill
 from bench.peers.servers import DynamoPeer, KvindexPeer, Peer, cpu_seconds, rss_bytes
 
@@ -139,7 +142,16 @@ def main() -> int:
     parser.add_argument(
         "--kvindex-flag", action="append", default=[], help="extra kvindex serve flag"
     )
+    parser.add_argument(
+        "--generator",
+        choices=("python", "wrk"),
+        default="python",
+        help="the query load generator, the same for both peers: the minimal asyncio client "
+        "(bench_score.py's) or wrk (apt install wrk; ~half its CPU per request)",
+    )
     args = parser.parse_args()
+    if args.generator == "wrk" and not wrk.available():
+        raise SystemExit("--generator wrk: no wrk on PATH (Debian: apt-get install wrk)")
     if args.quick:
         args.pods, args.prompt_tokens, args.blocks = 8, 2048, 64_000
         args.requests, args.seconds, args.prompts, args.check = 200, 3.0, 64, 16
@@ -202,17 +214,29 @@ def run(args, pubs: dict[str, Publishers], peers: list[Peer]) -> int:
         for (mark, by_hash), peer in ((f, p) for f in forms for p in peers):
             make = peer.hash_body if by_hash else peer.body
             bodies = [make(p) for p in prompts]
-            n = args.requests if count == 1 else None
             path = peer.hash_path if by_hash else peer.path
-            r = _measure(peer.port, bodies, count, seconds=seconds, count=n, path=path)
+            r = query_load(args, peer, bodies, count, seconds, path)
             results[peer.name][label + mark] = r
             print(
                 f"  {peer.name:8} {count:2} client(s){' by hash' if by_hash else ''}: "
                 f"{r['rps']:,.0f} req/s, "
-                f"p50 {r['p50_ms']:.3f} ms, p99 {r['p99_ms']:.3f} ms",
+                f"p50 {r['p50_ms']:.3f} ms, p99 {r['p99_ms']:.3f} ms; CPU per request: "
+                f"server {r['server_us']:.0f} µs, {args.generator} {r['generator_us']:.0f} µs",
                 flush=True,
             )
     return report(args, results, answers, runs, prompt)
+
+
+def query_load(args, peer: Peer, bodies: list[bytes], count: int, seconds, path: str) -> dict:
+    """One query run with the chosen generator, and the server's CPU per request."""
+    cpu = cpu_seconds(peer.process.pid)
+    if args.generator == "wrk":
+        r = wrk.measure(peer.port, bodies, count, seconds or max(2.0, args.seconds / 2), path)
+    else:
+        n = args.requests if count == 1 else None
+        r = _measure(peer.port, bodies, count, seconds=seconds, count=n, path=path)
+    r["server_us"] = 1e6 * (cpu_seconds(peer.process.pid) - cpu) / max(1, r["requests"])
+    return r
 
 
 def rows(args, k: dict, d: dict) -> list[tuple[str, float, float, bool, str]]:
@@ -231,7 +255,11 @@ def rows(args, k: dict, d: dict) -> list[tuple[str, float, float, bool, str]]:
             (f"query {form}, 1 client p50, ms", k[one]["p50_ms"], d[one]["p50_ms"], False, ".3f"),
             (f"query {form}, 1 client p99, ms", k[one]["p99_ms"], d[one]["p99_ms"], False, ".3f"),
             (rps, k[many]["rps"], d[many]["rps"], True, ",.0f"),
-        ]
+            (
+                "  same, server CPU µs per request",
+                k[many]["server_us"], d[many]["server_us"], False, ".0f",
+            ),
+        ]  # fmt: skip
     for name, key in (
         ("memory per (block, pod), 2nd run, B", "bytes_per_entry"),
         ("  same, both runs (incl. 1st burst)", "bytes_per_entry_all"),
@@ -245,7 +273,7 @@ def report(args, results, answers, runs, prompt) -> int:
     same_hash = answers["kvindex#"] == answers["Dynamo#"] == answers["kvindex"]
     print(
         f"\n{args.prompt_tokens}-token prompt, {args.pods} pods, "
-        f"{args.blocks:,} fresh blocks per ingest run"
+        f"{args.blocks:,} fresh blocks per ingest run, queries by {args.generator}"
     )
     print(f"{'figure':40} {'kvindex':>12} {'Dynamo':>12} {'ratio':>7}  target >= {TARGET}x")
     failed = not (same and same_hash)

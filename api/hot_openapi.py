@@ -22,7 +22,7 @@ from kvindex.api.score_inputs import binary_parameters, request_body
 ROUTE_DESCRIPTION = """\
 The pod with the lowest **cost** wins (`scoring/route_cost.py`):
 
-`cost = 2 * uncached_fraction + 1 * q/(q + 4) + 1 * kv_usage`
+`cost = 2 * uncached_fraction + 1 * q/4 + 1 * kv_usage`
 
 * `uncached_fraction`: the prompt's blocks the pod must prefill, over the prompt's blocks.
   A hit covers at most `prompt_tokens - 1` tokens (vLLM always computes the last one);
@@ -32,10 +32,11 @@ The pod with the lowest **cost** wins (`scoring/route_cost.py`):
   not done (`POST /route/{route_id}/done`, or `--route-ttl`).
 * `kv_usage`: the pod's KV-cache usage, mean over its engines.
 
-The weights 2 : 1 : 1 (and the queue's half point 4) are llm-d's default scorer weights:
-a prefix hit wins at equal load; a busy prefix pod loses to an idle cold one once its
-queue and cache cost more than the prefill it saves. Set them with
-`scoring: {route_weights: {prefix, queue, kv, queue_half}}` in the config file. A pod
+The weights 2 : 1 : 1 are llm-d's default scorer weights: a prefix hit wins at equal
+load; a busy prefix pod loses to an idle cold one once its queue and cache cost more than
+the prefill it saves. The queue term is linear (4 requests cost the queue weight, so a
+pod 8 requests busier costs as much as a full prefix miss). Set them with
+`scoring: {route_weights: {prefix, queue, kv, queue_unit}}` in the config file. A pod
 whose load is unknown (`load` stale or not_scraped) is costed busy: a full cache and four
 more requests waiting. Equal costs are broken at random.
 
@@ -71,15 +72,15 @@ def _candidate(
 
 ROUTE_RESPONSE_EXAMPLE = {
     "route_id": "req-42",
-    "pod": "10.0.0.5:8000",
+    "pod": "127.0.0.2:8000",
     "reason": "prefix",
     "model": "Qwen/Qwen3-8B",
     "block_size": 16,
     "prompt_tokens": 48,
     "prompt_blocks": 3,
     "candidates": [
-        _candidate("10.0.0.5:8000", 2, 1, 0.25, 1, (2, 1.0, 2 / 3, 1 / 3, 0.25, 1.25)),
-        _candidate("10.0.0.6:8000", 0, 0, 0.1, 0, (0, 3.0, 2.0, 0.0, 0.1, 2.1)),
+        _candidate("127.0.0.2:8000", 2, 1, 0.25, 1, (2, 1.0, 2 / 3, 0.5, 0.25, 2 / 3 + 0.75)),
+        _candidate("127.0.0.3:8000", 0, 0, 0.1, 0, (0, 3.0, 2.0, 0.0, 0.1, 2.1)),
     ],
     "warnings": [],
     "rank": 0,

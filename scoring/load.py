@@ -4,7 +4,7 @@ last good scrape, plus what kvindex routed to it since (the in-flight ledger).
 Interface for the router (``/route``, issue 11)::
 
     view = LoadView(interval_s=1.0, timeout_s=0.5, stale_after_s=3.0)
-    view.set_pods(["10.0.0.7:8000", "10.0.0.8:8000"])  # from discovery, any time
+    view.set_pods(["127.0.0.7:8000", "127.0.0.8:8000"])  # from discovery, any time
     view.start()                                        # background scraping
     loads = view.snapshot(candidate_pods)               # per request, no I/O
     for pod, load in loads.items():

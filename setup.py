@@ -9,7 +9,8 @@ answers (``kvindex --version`` says which runs):
   OpenSSL's libcrypto (libssl-dev to build, libssl3 at run time; Python's own ssl
   module needs the latter anyway);
 - ``kvindex.events._wire_scan`` (events/_wire_scan.c): the KV-event payload scanner
-  (the msgspec decoder otherwise);
+  (the msgspec decoder otherwise), and the receiver's drain straight from the libzmq
+  pyzmq loaded (pyzmq's receive otherwise);
 - ``kvindex.indexer._redis_lookup`` (indexer/_redis_lookup.c): the Redis lookup's
   client side (HMGET packing, reply reading, the walk; numpy and hiredis otherwise).
 
@@ -38,8 +39,13 @@ setup(
         Extension(
             "kvindex.events._wire_scan",
             sources=["events/_wire_scan.c"],
-            depends=["events/_wire_scan_read.h"],
+            depends=[
+                "events/_wire_scan_read.h",
+                "events/_wire_scan_merge.h",
+                "events/_wire_scan_zmq.h",
+            ],
             extra_compile_args=["-O3"],
+            libraries=["dl"],  # dlopen/dlsym: libzmq through pyzmq (glibc < 2.34)
             optional=True,
         ),
         Extension(

@@ -187,9 +187,20 @@ def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
     return flags
 
 
+class _Version(argparse.Action):
+    """``--version`` on one line (argparse's own wraps it at the terminal's width)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> NoReturn:
+        print(f"kvindex {VERSION} ({describe()})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvindex", description=__doc__.split("\n")[0])
-    parser.add_argument("--version", action="version", version=f"kvindex {VERSION} ({describe()})")
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = commands.add_parser(

@@ -172,14 +172,16 @@ class InstrumentedSink:
         now = self._clock()
         observe = self._lag.observe
         for delivery in deliveries:
-            ts = delivery.batch.ts
-            problem = timestamp_problem(ts, now)
-            if problem is None:
-                observe(max(0.0, now - ts))
-                if self._last_lag is not None and not delivery.replayed:
-                    self._last_lag.record(delivery.stream.member, now - ts)
-            else:
-                self._bad_ts[problem].inc()
+            batch = delivery.batch
+            # One observation per engine batch, also when a delivery holds several.
+            for ts in batch.timestamps if delivery.batches > 1 else (batch.ts,):  # type: ignore[union-attr]
+                problem = timestamp_problem(ts, now)
+                if problem is None:
+                    observe(max(0.0, now - ts))
+                    if self._last_lag is not None and not delivery.replayed:
+                        self._last_lag.record(delivery.stream.member, now - ts)
+                else:
+                    self._bad_ts[problem].inc()
 
     def reset(self, stream: StreamId, reason: str) -> None:
         self._inner.reset(stream, reason)

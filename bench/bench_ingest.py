@@ -90,7 +90,7 @@ class CountingSink:
         if not self.batches:
             self.first, self.cpu_first = time.perf_counter(), time.process_time()
         self.inner.deliver(deliveries)
-        self.batches += len(deliveries)
+        self.batches += sum(d.batches for d in deliveries)
         self.last, self.cpu_last = time.perf_counter(), time.process_time()
 
     def reset(self, stream, reason) -> None:

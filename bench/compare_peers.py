@@ -24,7 +24,7 @@ figure >= 1.2x Dynamo's); then the floors (pyzmq receive, msgspec decode, SHA-25
 Needs Dynamo's ``ai-dynamo-runtime`` in some Python (``--dynamo-python``; it pins
 pydantic <= 2.13.5, so a venv of its own keeps kvindex's environment intact).
 
-    python -m bench.compare_peers [--quick] [--dynamo-python .dynvenv/bin/python]
+    python -m bench.compare_peers [--quick] [--only ingest] [--dynamo-python .dynvenv/bin/python]
 """
 
 from __future__ import annotations
@@ -135,6 +135,11 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=256, help="distinct query prompts")
     parser.add_argument("--check", type=int, default=64, help="prompts whose answers are compared")
     parser.add_argument("--quick", action="store_true", help="8 pods, 2,048 tokens, small runs")
+    parser.add_argument(
+        "--only",
+        choices=("ingest",),
+        help="ingest: only the ingest and memory figures (no prefix fill, no queries)",
+    )
     parser.add_argument("--dynamo-python", help="a Python with ai-dynamo-runtime installed")
     parser.add_argument(
         "--dynamo-threads", type=int, help="dynamo.indexer --threads (default: its own)"
@@ -203,6 +208,8 @@ def run(args, pubs: dict[str, Publishers], peers: list[Peer]) -> int:
         # high-water (queued messages, allocator arenas), so this is closer to the index.
         r["bytes_per_entry"] = (r["ingest8"]["rss"] - r["ingest1"]["rss"]) / runs[8].blocks
         r["bytes_per_entry_all"] = (r["ingest8"]["rss"] - rss0[peer.name]) / stored
+        if args.only == "ingest":
+            continue
         fill(peer, pubs[peer.name], prompt, args.pods, clients[peer.name], 60)
         answers[peer.name] = [peer.query(clients[peer.name], p) for p in prompts[: args.check]]
         answers[peer.name + "#"] = [
@@ -210,6 +217,8 @@ def run(args, pubs: dict[str, Publishers], peers: list[Peer]) -> int:
         ]
         clients[peer.name].close()
     forms = (("", False), ("#", True))
+    if args.only == "ingest":
+        return report(args, results, None, runs, prompt)
     for label, count, seconds in (("one", 1, None), ("many", args.clients, args.seconds)):
         for (mark, by_hash), peer in ((f, p) for f in forms for p in peers):
             make = peer.hash_body if by_hash else peer.body
@@ -248,7 +257,7 @@ def rows(args, k: dict, d: dict) -> list[tuple[str, float, float, bool, str]]:
         per_cpu = (a["blocks"] / max(a["cpu_s"], 0.01), b["blocks"] / max(b["cpu_s"], 0.01))
         out.append(("  same, blocks per server CPU-s", *per_cpu))
     table = [(name, ours, theirs, True, ",.0f") for name, ours, theirs in out]
-    for mark, form in (("", "token_ids"), ("#", "by hash")):
+    for mark, form in () if args.only == "ingest" else (("", "token_ids"), ("#", "by hash")):
         one, many = "one" + mark, "many" + mark
         rps = f"query {form}, {args.clients} clients, req/s"
         table += [
@@ -269,11 +278,15 @@ def rows(args, k: dict, d: dict) -> list[tuple[str, float, float, bool, str]]:
 
 
 def report(args, results, answers, runs, prompt) -> int:
-    same = answers["kvindex"] == answers["Dynamo"]
-    same_hash = answers["kvindex#"] == answers["Dynamo#"] == answers["kvindex"]
+    if answers is None:  # --only ingest: no queries were asked
+        same = same_hash = True
+    else:
+        same = answers["kvindex"] == answers["Dynamo"]
+        same_hash = answers["kvindex#"] == answers["Dynamo#"] == answers["kvindex"]
     print(
         f"\n{args.prompt_tokens}-token prompt, {args.pods} pods, "
-        f"{args.blocks:,} fresh blocks per ingest run, queries by {args.generator}"
+        f"{args.blocks:,} fresh blocks per ingest run"
+        + ("" if answers is None else f", queries by {args.generator}")
     )
     print(f"{'figure':40} {'kvindex':>12} {'Dynamo':>12} {'ratio':>7}  target >= {TARGET}x")
     failed = not (same and same_hash)
@@ -281,8 +294,10 @@ def report(args, results, answers, runs, prompt) -> int:
         ratio, mark = verdict(ours, theirs, higher)
         failed |= mark == "FAIL"
         print(f"{name:40} {ours:>12{fmt}} {theirs:>12{fmt}} {ratio:>6.2f}x  {mark}")
-    print(f"answers identical on {len(answers['kvindex'])} prompts: {'PASS' if same else 'FAIL'}")
-    print(f"answers by hash identical (and equal to token_ids'): {'PASS' if same_hash else 'FAIL'}")
+    if answers is not None:
+        mark, mark_hash = ("PASS" if ok else "FAIL" for ok in (same, same_hash))
+        print(f"answers identical on {len(answers['kvindex'])} prompts: {mark}")
+        print(f"answers by hash identical (and equal to token_ids'): {mark_hash}")
     if not same:
         pairs = zip(answers["kvindex"], answers["Dynamo"], strict=True)
         first = next((a, b) for a, b in pairs if a != b)

@@ -5,8 +5,10 @@
  * the ingest path needs neither. This scanner walks the msgpack bytes once, at memory
  * speed, and yields what ingest needs: every block hash as a native uint64 (no Python
  * ints), the events grouped into runs of consecutive events whose ingest-relevant
- * fields are equal, and each event's byte offset (so one event can be decoded by
- * msgspec on demand: the sampled hash check reads its token ids).
+ * fields are equal, and each event's byte span (so one event can be decoded by
+ * msgspec on demand: the sampled hash check reads its token ids). merge()
+ * (_wire_scan_merge.h) joins the scans of consecutive batches; drain()
+ * (_wire_scan_zmq.h) receives, scans and joins them straight off a SUB socket.
  *
  * It recognises the payloads of every vLLM release from 0.9 to 0.33 (DESIGN.md, "The
  * wire"): a positional batch [ts, events(, rank, ...)] whose events are all positional
@@ -19,15 +21,17 @@
  * msgspec. Being stricter than msgspec only costs speed; it is never allowed to be
  * looser.
  *
- * scan(payload, release_gil) -> None | (ts, rank, is_map, n_events, hashes, runs, offsets)
+ * scan(payload, release_gil) -> None
+ *     | (ts, stamps, rank, is_map, n_events, hashes, runs, spans)
+ *   stamps:  bytes, native double per batch (one here): its ts;
  *   hashes:  bytes, native uint64 per block hash, in event order (BlockStored and
  *            BlockRemoved); a digest sent as bytes becomes its last 8 bytes, big-endian;
  *   runs:    tuple of (tag, first, count, start, stop, parent_none, block_size, medium,
  *            group_idx, kind, window, locality): tag 0 BlockStored, 1 BlockRemoved,
  *            2 AllBlocksCleared; events first..first+count-1; their hashes are
  *            hashes[start:stop] (in items); the other fields as events/runs.py defines;
- *   offsets: bytes, native uint32 per event: where it starts in the payload, then
- *            where the last one ends.
+ *   spans:   bytes, native uint32 (payload, start, stop) per event: where its bytes are
+ *            (payload 0 here; merge() and drain() join several payloads' scans).
  * With release_gil true the walk runs without the GIL (the Python objects are built
  * after it), so another thread can run meanwhile on another core.
  */
@@ -226,8 +230,8 @@ static int read_event(Scan *s, uint32_t index) {
     Val v;
     Key key;
     uint32_t start = (uint32_t)s->n_hashes;
+    uint32_t at = (uint32_t)(s->p - s->base);
     int has_hashes = 0;
-    if (push_offset(s, (uint32_t)(s->p - s->base)) < 0) return -1;
     next(s, &v);
     if (v.type == V_ARR) {
         if (s->is_map == 1 || v.len < 1) return -1;
@@ -272,6 +276,7 @@ static int read_event(Scan *s, uint32_t index) {
         return -1;
     }
     if (key.tag != TAG_CLEARED && !has_hashes) return -1; /* block_hashes is required */
+    if (push_span(s, at, (uint32_t)(s->p - s->base)) < 0) return -1;
     if (s->n_runs && key_eq(&s->runs[s->n_runs - 1].key, &key)) {
         Run *run = &s->runs[s->n_runs - 1];
         run->count++;
@@ -304,7 +309,6 @@ static int walk(Scan *s) {
     for (uint32_t i = 0; i < events.len; i++) {
         if (read_event(s, i) < 0) return -1;
     }
-    if (push_offset(s, (uint32_t)(s->p - s->base)) < 0) return -1;
     if (n >= 3) {
         Attr rank;
         if (read_attr(s, &rank, 1, 0) < 0) return -1;
@@ -365,14 +369,21 @@ static PyObject *run_object(const Run *r) {
     return t;
 }
 
-static PyObject *result(Scan *s) {
-    PyObject *ts = NULL, *rank = NULL, *hashes = NULL, *runs = NULL, *offsets = NULL;
-    ts = PyFloat_FromDouble(s->ts);
+/* The scan as Python objects: (ts, stamps, rank, is_map, n_events, hashes, runs, spans);
+ * stamps holds `n_stamps` native doubles (each batch's ts), ts the last one. */
+static PyObject *result(Scan *s, const double *stamps, size_t n_stamps) {
+    PyObject *ts = NULL, *rank = NULL, *hashes = NULL, *runs = NULL, *spans = NULL;
+    ts = PyBytes_FromStringAndSize((const char *)stamps, n_stamps * sizeof(double));
+    PyObject *last = ts == NULL ? NULL : PyFloat_FromDouble(stamps[n_stamps - 1]);
+    if (last == NULL) {
+        Py_XDECREF(ts);
+        return NULL;
+    }
     rank = s->has_rank ? PyLong_FromUnsignedLongLong(s->rank) : Py_NewRef(Py_None);
     hashes = PyBytes_FromStringAndSize((const char *)s->hashes, s->n_hashes * 8);
-    offsets = PyBytes_FromStringAndSize((const char *)s->offsets, s->n_offsets * 4);
+    spans = PyBytes_FromStringAndSize((const char *)s->spans, s->n_spans * 4);
     runs = PyTuple_New((Py_ssize_t)s->n_runs);
-    if (ts == NULL || rank == NULL || hashes == NULL || offsets == NULL || runs == NULL) {
+    if (rank == NULL || hashes == NULL || spans == NULL || runs == NULL) {
         goto fail;
     }
     for (size_t i = 0; i < s->n_runs; i++) {
@@ -380,15 +391,41 @@ static PyObject *result(Scan *s) {
         if (r == NULL) goto fail;
         PyTuple_SET_ITEM(runs, (Py_ssize_t)i, r);
     }
-    return Py_BuildValue("(NNOnNNN)", ts, rank, s->is_map == 1 ? Py_True : Py_False,
-                         (Py_ssize_t)(s->n_offsets - 1), hashes, runs, offsets);
+    return Py_BuildValue("(NNNOnNNN)", last, ts, rank, s->is_map == 1 ? Py_True : Py_False,
+                         (Py_ssize_t)(s->n_spans / 3), hashes, runs, spans);
 fail:
+    Py_DECREF(last);
     Py_XDECREF(ts);
     Py_XDECREF(rank);
     Py_XDECREF(hashes);
-    Py_XDECREF(offsets);
+    Py_XDECREF(spans);
     Py_XDECREF(runs);
     return NULL;
+}
+
+/* A scan with its first buffers on the caller's stack. */
+#define SCAN_BUFFERS                                                                    \
+    uint64_t hashes_[1024];                                                             \
+    Run runs_[32];                                                                      \
+    uint32_t spans_[192]
+#define SCAN_INIT(s)                                                                    \
+    memset(&(s), 0, sizeof(s));                                                         \
+    (s).hashes = hashes_, (s).cap_hashes = 1024;                                         \
+    (s).runs = runs_, (s).cap_runs = 32;                                                 \
+    (s).spans = spans_, (s).cap_spans = 192;                                             \
+    (s).is_map = -1
+
+static void scan_free(Scan *s) {
+    if (s->own_hashes) free(s->hashes);
+    if (s->own_runs) free(s->runs);
+    if (s->own_spans) free(s->spans);
+}
+
+/* Start reading `len` bytes at `data` (the buffers keep what earlier payloads left). */
+static void scan_payload(Scan *s, const uint8_t *data, size_t len) {
+    s->base = s->p = data;
+    s->end = data + len;
+    s->has_rank = 0, s->rank = 0, s->ts = 0.0;
 }
 
 static PyObject *wire_scan(PyObject *self, PyObject *args) {
@@ -401,17 +438,10 @@ static PyObject *wire_scan(PyObject *self, PyObject *args) {
         PyBuffer_Release(&view);
         Py_RETURN_NONE;
     }
-    uint64_t hashes[1024];
-    Run runs[32];
-    uint32_t offsets[64];
+    SCAN_BUFFERS;
     Scan s;
-    memset(&s, 0, sizeof(s));
-    s.base = s.p = (const uint8_t *)view.buf;
-    s.end = s.p + view.len;
-    s.hashes = hashes, s.cap_hashes = 1024;
-    s.runs = runs, s.cap_runs = 32;
-    s.offsets = offsets, s.cap_offsets = 64;
-    s.is_map = -1;
+    SCAN_INIT(s);
+    scan_payload(&s, (const uint8_t *)view.buf, (size_t)view.len);
     int status;
     if (release_gil) {
         Py_BEGIN_ALLOW_THREADS
@@ -420,17 +450,27 @@ static PyObject *wire_scan(PyObject *self, PyObject *args) {
     } else {
         status = walk(&s);
     }
-    PyObject *out = status < 0 ? Py_NewRef(Py_None) : result(&s);
-    if (s.own_hashes) free(s.hashes);
-    if (s.own_runs) free(s.runs);
-    if (s.own_offsets) free(s.offsets);
+    PyObject *out = status < 0 ? Py_NewRef(Py_None) : result(&s, &s.ts, 1);
+    scan_free(&s);
     PyBuffer_Release(&view);
     return out;
 }
 
+#include "_wire_scan_merge.h"
+#include "_wire_scan_zmq.h"
+
 static PyMethodDef methods[] = {
+    {"bind", zmq_bind, METH_VARARGS,
+     "bind(module_path): look up libzmq's functions through pyzmq's loaded backend "
+     "module; returns libzmq's (major, minor, patch)."},
+    {"drain", zmq_drain, METH_VARARGS,
+     "drain(socket, limit, max_payload, peer, group_max): up to `limit` messages off a "
+     "SUB socket, scanned and grouped (see _wire_scan_zmq.h)."},
+    {"merge", wire_merge, METH_VARARGS,
+     "merge(hashes, runs, spans, parts): the scans of consecutive batches as one "
+     "(hashes, runs, spans)."},
     {"scan", wire_scan, METH_VARARGS,
-     "scan(payload, release_gil=False): hashes, runs and offsets of a vLLM KV-event "
+     "scan(payload, release_gil=False): hashes, runs and spans of a vLLM KV-event "
      "batch, or None when msgspec must decode it."},
     {NULL, NULL, 0, NULL},
 };

@@ -26,9 +26,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from kvindex.events import scanned
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.gate import StreamGate
 from kvindex.events.identity import StreamId
+from kvindex.events.in_order import InOrderRuns, Work
 from kvindex.events.inbox import Inbox
 from kvindex.events.ownership import OwnershipHandling
 from kvindex.events.ratelog import RateLimitedLog
@@ -61,10 +63,7 @@ class Control:
     future: Future[object]
 
 
-Work = list[tuple[Arrival, bool]]
-
-
-class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
+class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery, InOrderRuns):
     """The stream table and the thread that applies it (see the module docstring).
 
     ``replay_endpoint(sid, arrival)`` is the one place a stream's replay endpoint is
@@ -228,13 +227,26 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
         """Apply a turn's messages in order; stop and hold the rest when one must wait."""
         tracker = stream.tracker
         pending: list[Delivery] = []
+        merging = scanned.scanner is not None
         newest = work[-1][0]  # what the stream is now: per turn, not per message
         stream.model = newest.model
         if newest.topic is not None:
             stream.topic = newest.topic
         stream.replay_endpoint = self._replay_endpoint(stream.sid, newest)
         silence_s = self._config.verify_after_silence_s
-        for i, (arrival, observed) in enumerate(work):
+        i, n = 0, len(work)
+        while i < n:
+            end = self._in_order(stream, work, i) if merging else i
+            if end - i > 1 or (end > i and work[i][0].batches > 1):
+                self._apply_run(stream, work, i, end, pending)
+                i = end
+                continue
+            arrival, observed = work[i]
+            if arrival.batches > 1:  # a group of messages that must be taken one by one
+                work[i : i + 1] = [(one, observed) for one in arrival.split()]
+                n = len(work)
+                continue
+            i += 1
             seq = arrival.seq
             if not observed:
                 # A long silence may hide a restart (and a disconnect): the engine could
@@ -247,11 +259,11 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
             if verdict.action is Action.RESTART:
                 # Batches of the old engine first, then the reset, then the new engine.
                 if not self._flush(stream, pending):
-                    return self._hold(stream, work, i, False)
+                    return self._hold(stream, work, i - 1, False)
                 pending = []
                 self._note_restart(stream, f"seq {seq} after {tracker.highest_live}")
                 if not self._ensure_reset(stream):
-                    return self._hold(stream, work, i, False)
+                    return self._hold(stream, work, i - 1, False)
                 verdict = tracker.live(seq)
             action = verdict.action
             if action is Action.DUPLICATE:
@@ -259,17 +271,17 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
                 continue
             if action is Action.APPLY:
                 if stream.recovery.unverified and self._verify(stream, pending):
-                    return self._hold(stream, work, i, True)
+                    return self._hold(stream, work, i - 1, True)
                 self._apply_live(stream, arrival, pending)
                 continue
             if not self._flush(stream, pending):
-                return self._hold(stream, work, i, True)
+                return self._hold(stream, work, i - 1, True)
             pending = []
             if action is Action.FIRST_CONTACT:
                 catch_up = self._config.catch_up_on_first_contact
                 if catch_up and self._can_replay(stream):
                     self._start_replay(stream, 0, seq - 1, JobKind.CATCH_UP)
-                    return self._hold(stream, work, i, True)
+                    return self._hold(stream, work, i - 1, True)
                 if catch_up:  # joined late and nothing can fetch the history before
                     self._incomplete(stream, seq - 1, self._no_replay_reason(stream))
                 tracker.skip_to(seq)
@@ -279,7 +291,7 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
                     anchor = self._anchor(stream)
                     start = verdict.missing_from if anchor is None else anchor.seq
                     self._start_replay(stream, start, verdict.missing_to, JobKind.GAP, anchor)
-                    return self._hold(stream, work, i, True)
+                    return self._hold(stream, work, i - 1, True)
                 self._lost(
                     stream, verdict.missing_to, verdict.missing, self._no_replay_reason(stream)
                 )
@@ -307,8 +319,11 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
         return True
 
     def _hold(self, stream: Stream, work: Work, i: int, observed: bool) -> None:
-        """Keep work[i:] for later, in order; work[i] with the given ``observed`` flag."""
+        """Keep work[i:] for later, in order, one message each; work[i] with the given
+        ``observed`` flag."""
         rest = [(work[i][0], observed), *work[i + 1 :]]
+        if any(arrival.batches > 1 for arrival, _ in rest):
+            rest = [(one, seen) for arrival, seen in rest for one in arrival.split()]
         stream.held.extendleft(reversed(rest))
 
     def _anchor(self, stream: Stream) -> Anchor | None:
@@ -409,33 +424,35 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery):
             if rec.pending_anchor is not None:  # only undecodable batches were consumed
                 rec.anchor, rec.pending_anchor = Anchor(*rec.pending_anchor), None
             return True
+        last = pending[-1]
         try:
             self._sink.deliver(pending)
         except Exception as exc:
             rec.pending_anchor = None
-            self._sink_failed(stream, pending[0].seq, pending[-1].seq, exc)
+            self._sink_failed(stream, pending[0].seq, last.last_seq, exc)
             return False
         counts = self._event_counts
+        delivered = 0
         for delivery in pending:
+            delivered += delivery.batches
             for name, count in zip(TAG_NAMES, tag_counts(delivery.batch), strict=True):
                 if count:
                     counts[name] = counts.get(name, 0) + count
-                    if name == "AllBlocksCleared" and delivery.seq > rec.lost_through:
+                    if name == "AllBlocksCleared" and delivery.last_seq > rec.lost_through:
                         # The engine dropped everything: whatever was lost before is moot.
                         rec.gapped = rec.incomplete = False
-        last = pending[-1]
         if stream.first_seq is None:
             stream.first_seq = pending[0].seq
-        stream.delivered += len(pending)
-        stream.last_seq = last.seq
+        stream.delivered += delivered
+        stream.last_seq = last.last_seq
         stream.last_batch_ts = last.batch.ts
         rec.backoff = 0.0
         if rec.pending_anchor is not None:
             rec.anchor, rec.pending_anchor = Anchor(*rec.pending_anchor), None
         if self._gate is not None:
             anchor = rec.anchor
-            digest = anchor.digest if anchor is not None and anchor.seq == last.seq else None
-            self._gate.committed(stream.sid, last.seq, digest)
+            digest = anchor.digest if anchor is not None and anchor.seq == last.last_seq else None
+            self._gate.committed(stream.sid, last.last_seq, digest)
         return True
 
     def _note_restart(self, stream: Stream, why: str) -> None:

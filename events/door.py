@@ -34,7 +34,7 @@ from kvindex.events.identity import IdentityError, StreamId, normalize_pod, pars
 from kvindex.events.known_pods import KnownPods
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.runs import event_count
-from kvindex.events.scanned import scan
+from kvindex.events.scanned import ScannedBatch, scan
 from kvindex.events.status import ReasonCounts
 from kvindex.events.wire import (
     MAX_DP_RANK,
@@ -68,6 +68,32 @@ class Arrival:
     connected: bool = False
     #: The payload, decoded here to read its rank (None: the applier decodes it).
     decoded: DecodedBatch | None = None
+    #: Consecutive messages this stands for (seqs ``seq`` ..), read as one group by the
+    #: receiver's drain: ``decoded`` holds a ScannedBatch of them all, ``payload`` is the
+    #: last one's.
+    batches: int = 1
+
+    def split(self) -> list[Arrival]:
+        """One Arrival per message (itself when it stands for one)."""
+        if self.batches == 1:
+            return [self]
+        assert self.decoded is not None  # only the scanner groups messages
+        parts = self.decoded.batch.parts()
+        return [
+            Arrival(
+                self.stream,
+                self.model,
+                self.seq + i,
+                part.payloads[0],
+                self.received_at,
+                self.replay_endpoint,
+                None,
+                self.topic,
+                self.connected,
+                DecodedBatch(part, part.layout),
+            )
+            for i, part in enumerate(parts)
+        ]
 
 
 @dataclass(slots=True)
@@ -136,6 +162,73 @@ class Door:
             streams -= gone
             if not streams:
                 del self._sender_streams[peer]
+
+    def admit_group(
+        self, source: Source, topic: bytes, peer: str | None, seq: int, batch: ScannedBatch
+    ) -> Arrival | None:
+        """Consecutive messages of one sender, framed well, read by the receiver's drain
+        as one ScannedBatch: one Arrival for them all, or None when they are skipped
+        (counted per message, as :meth:`admit` would count each)."""
+        identity = source.identities.get(topic)
+        if identity is None:
+            identity = self._identify(source, topic)
+            if len(source.identities) >= _TOPIC_CACHE_SIZE:
+                source.identities.clear()
+            source.identities[topic] = identity
+        count = batch.batches
+        if isinstance(identity, str):
+            return self._skip(identity, source, "topic %r", topic[:200], count=count)
+        pod, model = identity
+        target = source.target
+        if target is None:
+            problem = self._sender_problem(pod, peer)
+            if problem is not None:
+                return self._skip(
+                    problem, source, "topic %r from %s", topic[:200], peer, count=count
+                )
+        rank = batch.data_parallel_rank
+        if rank is None:
+            rank = target.rank if target is not None else 0
+        sid = StreamId(pod, rank)
+        if target is None and not self._admit_stream(sid, peer or ""):
+            return self._skip(
+                SENDER_STREAM_CAP,
+                source,
+                "new stream %s from %s (max_streams_per_sender is %d)",
+                sid,
+                peer,
+                self._config.max_streams_per_sender,
+                count=count,
+            )
+        if target is not None:
+            replay = target.replay_endpoint
+        elif self._config.replay_port:
+            replay = tcp_endpoint(pod_host(pod), self._config.replay_port + rank)
+        else:
+            replay = None
+        if batch.n_events:
+            self._layout = batch.layout
+        return Arrival(
+            sid, model, seq, batch.payloads[-1], self._clock(), replay,
+            topic=topic, connected=target is not None,
+            decoded=DecodedBatch(batch, batch.layout), batches=count,
+        )  # fmt: skip
+
+    def refuse(self, source: Source, reason: str, detail: int) -> None:
+        """A message the receiver's drain found badly framed (counted as :meth:`admit`
+        counts it)."""
+        if reason == "bad_frame_count":
+            self._skip(reason, source, "message with %d frames", detail)
+        elif reason == "bad_seq_frame":
+            self._skip(reason, source, "seq frame of %d bytes", detail)
+        else:
+            self._skip(
+                reason,
+                source,
+                "payload of %d bytes (max_payload_bytes is %d)",
+                detail,
+                self._config.max_payload_bytes,
+            )
 
     def admit(self, source: Source, frames: list[bytes], peer: str | None) -> Arrival | None:
         """The message as an Arrival, or None when it is skipped (counted and logged)."""
@@ -319,8 +412,10 @@ class Door:
             return "unknown_model"
         return pod, model
 
-    def _skip(self, reason: str, source: Source, detail: str, *args: object) -> None:
-        self._errors.add(reason)
+    def _skip(
+        self, reason: str, source: Source, detail: str, *args: object, count: int = 1
+    ) -> None:
+        self._errors.add(reason, count)
         self._ratelog.warning(
             reason,
             "KV events: skipped a message from %s (%s): " + detail,

@@ -24,20 +24,32 @@ from kvindex.events.status import ReasonCounts
 
 
 class Lane:
-    """One stream's waiting messages and what the receiver counted for it."""
+    """One stream's waiting messages and what the receiver counted for it.
 
-    __slots__ = ("dropped_until", "last_received_at", "overflows", "queue", "received", "sid")
+    An Arrival may stand for several consecutive messages (``Arrival.batches``); the
+    lane's length and capacity count messages."""
+
+    __slots__ = (
+        "dropped_until",
+        "last_received_at",
+        "overflows",
+        "queue",
+        "queued",
+        "received",
+        "sid",
+    )
 
     def __init__(self, sid: StreamId) -> None:
         self.sid = sid
         self.queue: collections.deque[Arrival] = collections.deque()
+        self.queued = 0  # messages in the queue
         self.received = 0
         self.overflows = 0
         self.dropped_until: int | None = None  # highest seq dropped by overflow
         self.last_received_at: float | None = None
 
     def __len__(self) -> int:
-        return len(self.queue)
+        return self.queued
 
 
 class Inbox:
@@ -73,7 +85,7 @@ class Inbox:
 
     def put_arrivals(self, arrivals: list[Arrival]) -> None:
         """Append each message to its stream's lane (receiver thread)."""
-        overflowed: list[StreamId] = []
+        overflowed: list[tuple[StreamId, int]] = []
         refused: list[StreamId] = []
         capacity = self.capacity
         with self._cond:
@@ -86,20 +98,31 @@ class Inbox:
                         refused.append(sid)
                         continue
                     lane = lanes[sid] = Lane(sid)
-                lane.received += 1
+                count = arrival.batches
+                lane.received += count
                 lane.last_received_at = arrival.received_at
-                if len(lane.queue) >= capacity:
-                    lane.overflows += 1
-                    if lane.dropped_until is None or arrival.seq > lane.dropped_until:
-                        lane.dropped_until = arrival.seq
-                    overflowed.append(sid)
-                    continue
-                lane.queue.append(arrival)
+                room = capacity - lane.queued
+                if count > room:
+                    # Keep the oldest messages that fit, drop the newest: the queue stays
+                    # contiguous and the gap is recovered by replay.
+                    last = arrival.seq + count - 1
+                    lane.overflows += count - max(room, 0)
+                    if lane.dropped_until is None or last > lane.dropped_until:
+                        lane.dropped_until = last
+                    overflowed.append((sid, count - max(room, 0)))
+                    if room <= 0:
+                        continue
+                    kept = arrival.split()[:room]
+                    lane.queue.extend(kept)
+                    lane.queued += room
+                else:
+                    lane.queue.append(arrival)
+                    lane.queued += count
                 self._touched[sid] = None
             if self._waiting:
                 self._cond.notify()
-        for sid in overflowed:
-            self._errors.add("queue_overflow")
+        for sid, dropped in overflowed:
+            self._errors.add("queue_overflow", dropped)
             self._on_overflow(sid, capacity)
         for sid in refused:
             self._errors.add("too_many_streams")
@@ -147,18 +170,27 @@ class Inbox:
             return lane.queue[0] if lane.queue else None
 
     def pop(self, lane: Lane, n: int) -> list[Arrival]:
-        """Up to ``n`` of the lane's oldest messages."""
+        """The lane's oldest arrivals, up to ``n`` messages (at least one arrival)."""
         with self._cond:
             queue = lane.queue
-            return [queue.popleft() for _ in range(min(n, len(queue)))]
+            taken: list[Arrival] = []
+            count = 0
+            while queue and (not taken or count + queue[0].batches <= n):
+                arrival = queue.popleft()
+                count += arrival.batches
+                taken.append(arrival)
+            lane.queued -= count
+            return taken
 
     def take_all(self, lane: Lane) -> list[Arrival]:
-        """Every waiting message; also forgets the dropped range (the caller owns it)."""
+        """Every waiting message, one Arrival each; also forgets the dropped range (the
+        caller owns it)."""
         with self._cond:
             taken = list(lane.queue)
             lane.queue.clear()
+            lane.queued = 0
             lane.dropped_until = None
-        return taken
+        return [one for arrival in taken for one in arrival.split()]
 
     def take_dropped(self, lane: Lane) -> int | None:
         """The highest seq overflow dropped, once the lane has drained (then forgotten)."""

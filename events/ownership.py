@@ -171,7 +171,8 @@ class OwnershipHandling:
         seq seen (a later takeover replays from the owner's position up to it)."""
         arrivals = self._waiting(stream)
         if arrivals:
-            stream.standby_seq = max(arrivals, key=lambda a: a.received_at).seq
+            # the newest (of equal stamps the last: messages received as one group)
+            stream.standby_seq = max(reversed(arrivals), key=lambda a: a.received_at).seq
             stream.not_owner += len(arrivals)
             self._errors.add("not_owner", len(arrivals))
         if stream.standby:

@@ -27,6 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.door import Arrival, Door, Source
+from kvindex.events.drain import Drain, drain
 from kvindex.events.endpoints import (
     HARD_MESSAGE_CAP,
     PodEndpoint,
@@ -36,6 +37,7 @@ from kvindex.events.endpoints import (
 from kvindex.events.identity import StreamId, normalize_pod
 from kvindex.events.known_pods import KnownPods
 from kvindex.events.ratelog import RateLimitedLog
+from kvindex.events.scanned import ScannedBatch
 from kvindex.events.status import ReasonCounts
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 #: Messages taken from one socket per poll round, so one busy socket cannot starve the
 #: others or the command queue.
 _DRAIN_PER_SOCKET = 256
+#: What the compiled drain hands back (events/_wire_scan_zmq.h): a group of messages, a
+#: message left to msgspec, a badly framed message.
+_GROUP, _SINGLE = 0, 1
 
 _COMMAND_TIMEOUT_S = 10.0
 _wake_ids = itertools.count()
@@ -342,6 +347,10 @@ class Receiver:
     # -- per message --------------------------------------------------------------
 
     def _drain(self, sock: zmq.Socket, source: Source, out: list[Arrival]) -> None:
+        compiled = drain()
+        if compiled is not None:
+            self._drain_compiled(compiled, sock, source, out)
+            return
         bind_mode = source.target is None
         peer: str | None = None
         recv = sock.recv
@@ -361,6 +370,32 @@ class Receiver:
                 frame = recv(zmq.NOBLOCK, copy=False)
                 frames.append(frame.bytes)
             arrival = admit(source, frames, peer)
+            if arrival is not None:
+                out.append(arrival)
+
+    def _drain_compiled(
+        self, compiled: Drain, sock: zmq.Socket, source: Source, out: list[Arrival]
+    ) -> None:
+        """The same, in one compiled call (:mod:`kvindex.events.drain`): consecutive
+        messages of one sender come as one group."""
+        door = self._door
+        items = compiled(
+            sock.underlying,
+            _DRAIN_PER_SOCKET,
+            self._config.max_payload_bytes,
+            source.target is None,  # bind mode: the sender's address
+            self._config.batches_per_turn,
+        )
+        for item in items:
+            kind = item[0]
+            if kind == _GROUP:
+                _, topic, peer, seq, payloads, scan = item
+                arrival = door.admit_group(source, topic, peer, seq, ScannedBatch(payloads, scan))
+            elif kind == _SINGLE:
+                arrival = door.admit(source, item[1], item[2])
+            else:
+                door.refuse(source, item[1], item[2])
+                continue
             if arrival is not None:
                 out.append(arrival)
 

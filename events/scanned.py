@@ -17,6 +17,9 @@ is None, every payload takes the msgspec path, and ingest gives the same index
 
 from __future__ import annotations
 
+import itertools
+import struct
+from collections.abc import Sequence
 from types import ModuleType
 
 import msgspec
@@ -47,21 +50,29 @@ def implementation() -> str:
 
 
 class ScannedBatch:
-    """One payload as the scanner read it; stands in for an
-    :class:`~kvindex.events.wire.EventBatch` (``ts``, ``data_parallel_rank``,
-    ``events``).
+    """One payload, or a run of consecutive payloads of one stream, as the scanner read
+    it; stands in for an :class:`~kvindex.events.wire.EventBatch` (``ts``,
+    ``data_parallel_rank``, ``events``).
 
-    ``hashes`` holds every block hash of the batch's BlockStored and BlockRemoved
-    events as native ``uint64`` (a digest sent as bytes: its last 8 bytes, big-endian),
-    in event order; ``runs`` groups the events (:class:`~kvindex.events.runs.Run`
-    fields, as plain tuples). ``events`` is msgspec's decode of the payload, made on
-    first use and kept; :meth:`event` decodes a single one.
+    ``hashes`` holds every block hash of the BlockStored and BlockRemoved events as
+    native ``uint64`` (a digest sent as bytes: its last 8 bytes, big-endian), in event
+    order; ``runs`` groups the events (:class:`~kvindex.events.runs.Run` fields, as plain
+    tuples). ``events`` is msgspec's decode of the payloads, made on first use and kept;
+    :meth:`event` decodes a single one.
+
+    Several payloads (:attr:`batches` > 1: read as a group by the receiver's drain, or
+    joined by the applier with :meth:`merge`) stand for their batches one after another: their
+    events in order, runs joined where one continues another, ``ts`` the last one's
+    (:attr:`timestamps` has each). What ingest makes of it is what it makes of the
+    batches one by one (``tests/test_events_scan.py``, ``tests/test_ingest_runs.py``),
+    for one pass of per-batch work instead of one per batch.
     """
 
     __slots__ = (
         "_events",
-        "_offsets",
-        "_payload",
+        "_payloads",
+        "_spans",
+        "_stamps",
         "data_parallel_rank",
         "hashes",
         "layout",
@@ -70,25 +81,78 @@ class ScannedBatch:
         "ts",
     )
 
-    def __init__(self, payload: bytes, scanned: tuple) -> None:
-        ts, rank, is_map, n_events, hashes, runs, offsets = scanned
+    def __init__(self, payloads: tuple[bytes, ...], scanned: tuple) -> None:
+        ts, stamps, rank, is_map, n_events, hashes, runs, spans = scanned
         self.ts: float = ts
         self.data_parallel_rank: int | None = rank
         self.layout = Layout.MAP if is_map else Layout.ARRAY
         self.n_events: int = n_events
         self.hashes: bytes = hashes
         self.runs: tuple[tuple, ...] = runs
-        self._offsets = offsets
-        self._payload = payload
+        self._payloads = payloads
+        self._stamps: bytes = stamps  # native doubles, one per payload
+        self._spans: bytes = spans  # native uint32 (payload, start, stop) per event
         self._events: list[Event] | None = None
+
+    @classmethod
+    def merge(cls, parts: Sequence[ScannedBatch]) -> ScannedBatch:
+        """Consecutive batches of one stream (in seq order; those with events all of one
+        layout) as one."""
+        assert _compiled is not None
+        hashes, runs, spans = _compiled.merge(
+            [p.hashes for p in parts],
+            [p.runs for p in parts],
+            [p._spans for p in parts],
+            [len(p._payloads) for p in parts],
+        )
+        last = parts[-1]
+        layout = next((p.layout for p in parts if p.n_events), last.layout)
+        scanned = (
+            last.ts,
+            b"".join(p._stamps for p in parts),
+            last.data_parallel_rank,
+            layout is Layout.MAP,
+            sum(p.n_events for p in parts),
+            hashes,
+            runs,
+            spans,
+        )
+        return cls(tuple(itertools.chain.from_iterable(p._payloads for p in parts)), scanned)
+
+    @property
+    def batches(self) -> int:
+        """How many engine batches this stands for."""
+        return len(self._payloads)
+
+    @property
+    def payloads(self) -> tuple[bytes, ...]:
+        """The batches' raw payloads, in order."""
+        return self._payloads
+
+    @property
+    def timestamps(self) -> list[float]:
+        """Each batch's ``ts``, in order."""
+        return list(memoryview(self._stamps).cast("d"))
+
+    def parts(self) -> list[ScannedBatch]:
+        """One ScannedBatch per batch (itself when it stands for one), scanned again."""
+        if len(self._payloads) == 1:
+            return [self]
+        parts = [scan(payload) for payload in self._payloads]
+        assert all(p is not None for p in parts)  # the scanner took them once
+        return parts  # type: ignore[return-value]
 
     @property
     def events(self) -> list[Event]:
-        """The batch's events, decoded by msgspec (the same structs the
+        """The batches' events, decoded by msgspec (the same structs the
         :class:`~kvindex.events.wire.BatchDecoder` makes)."""
         events = self._events
         if events is None:
-            events = [] if not self.n_events else _BATCHES[self.layout].decode(self._payload).events
+            decoder = _BATCHES[self.layout]
+            events = []
+            if self.n_events:
+                for payload in self._payloads:
+                    events += decoder.decode(payload).events
             self._events = events
         return events
 
@@ -96,12 +160,15 @@ class ScannedBatch:
         """Event ``index`` alone, decoded by msgspec from its bytes."""
         if self._events is not None:
             return self._events[index]
-        offsets = memoryview(self._offsets).cast("I")
-        span = memoryview(self._payload)[offsets[index] : offsets[index + 1]]
+        part, start, stop = struct.unpack_from("=III", self._spans, 12 * index)
+        span = memoryview(self._payloads[part])[start:stop]
         return _EVENTS[self.layout].decode(span)
 
     def __repr__(self) -> str:
-        return f"ScannedBatch(ts={self.ts!r}, events={self.n_events}, runs={len(self.runs)})"
+        return (
+            f"ScannedBatch(ts={self.ts!r}, events={self.n_events}, runs={len(self.runs)}"
+            f"{f', batches={self.batches}' if self.batches > 1 else ''})"
+        )
 
 
 def scan(payload: bytes) -> ScannedBatch | None:
@@ -113,4 +180,4 @@ def scan(payload: bytes) -> ScannedBatch | None:
     scanned = compiled.scan(payload, len(payload) >= RELEASE_GIL_BYTES)
     if scanned is None:
         return None
-    return ScannedBatch(payload, scanned)
+    return ScannedBatch((payload,), scanned)

@@ -76,6 +76,20 @@ class SequenceTracker:
         self.highest_live = seq
         return self.position(seq)
 
+    def applies_live(self, seq: int) -> bool:
+        """Whether :meth:`live` would say APPLY for ``seq`` (nothing is recorded)."""
+        if self.highest_live is not None and seq <= self.highest_live:
+            return False
+        expected = self.expected
+        return seq == 0 if expected is None else seq == expected
+
+    def live_run(self, seq: int, count: int) -> None:
+        """Record ``count`` consecutive seqs from ``seq``, received live and applied, when
+        :meth:`applies_live` holds for ``seq``: what :meth:`live` then :meth:`applied`
+        would record one by one."""
+        self.highest_live = seq + count - 1
+        self.expected = seq + count
+
     def position(self, seq: int) -> Verdict:
         """Classify a seq against the next one to apply, without recording anything.
 

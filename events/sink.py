@@ -17,12 +17,16 @@ from kvindex.events.wire import EventBatch
 
 @dataclass(slots=True)
 class Delivery:
-    """One batch, in stream order, ready to apply.
+    """One batch, or a run of consecutive batches, in stream order, ready to apply.
 
-    ``seq`` is the engine's sequence number; within a stream, deliveries arrive with
-    strictly increasing ``seq`` (duplicates from replay are already dropped). ``batch``
-    is an EventBatch, or a ScannedBatch standing in for one (its ``events`` are decoded
-    on first use; :mod:`kvindex.events.runs` reads either without decoding them).
+    ``seq`` is the engine's sequence number (the first one's when ``batches`` > 1: the
+    delivery holds seqs ``seq`` .. :attr:`last_seq`); within a stream, deliveries arrive
+    with strictly increasing, non-overlapping seqs (duplicates from replay are already
+    dropped). ``batch`` is an EventBatch, or a ScannedBatch standing in for one or for
+    ``batches`` consecutive ones (:meth:`ScannedBatch.merge`: their events in order, ``ts``
+    the last one's); its ``events`` are decoded on first use, and
+    :mod:`kvindex.events.runs` reads either without decoding them. Applying a delivery of
+    several batches must leave what applying them one by one leaves.
     """
 
     stream: StreamId
@@ -31,6 +35,21 @@ class Delivery:
     batch: EventBatch | ScannedBatch
     received_at: float
     replayed: bool = False
+    batches: int = 1
+
+    @property
+    def last_seq(self) -> int:
+        return self.seq + self.batches - 1
+
+    def split(self) -> list[Delivery]:
+        """One Delivery per engine batch (itself when it holds one)."""
+        if self.batches == 1:
+            return [self]
+        parts = self.batch.parts()  # type: ignore[union-attr]  # only a ScannedBatch merges
+        return [
+            Delivery(self.stream, self.model, self.seq + i, part, self.received_at, self.replayed)
+            for i, part in enumerate(parts)
+        ]
 
 
 class BatchSink(Protocol):

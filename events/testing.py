@@ -32,6 +32,10 @@ class Reset:
 class RecordingSink:
     """A thread-safe :class:`~kvindex.events.sink.BatchSink` that records every call.
 
+    A delivery of several consecutive batches is recorded batch by batch
+    (:meth:`Delivery.split`), so what a test reads does not depend on how the
+    subscriber grouped them.
+
     ``failing = True`` makes ``deliver`` and ``reset`` raise :class:`SinkDown` (recording
     nothing), as a backend outage would.
     """
@@ -50,7 +54,7 @@ class RecordingSink:
             if self.failing:
                 self.failed_calls += 1
                 raise SinkDown("sink is down")
-            for delivery in deliveries:
+            for delivery in (one for d in deliveries for one in d.split()):
                 self.deliveries.append(delivery)
                 self.log.append(("deliver", delivery))
             self._cond.notify_all()

@@ -10,8 +10,9 @@ pickle or CBOR bytes written directly, SHA-256 from OpenSSL's libcrypto); it is 
 optional (it needs OpenSSL's headers to build) and gives the keys of the pure path in
 indexer/keys.py, several times faster (bench/bench_hash.py).
 
-``kvindex --version`` and the startup line say which ones run, and which payload reader
-(events/_wire_scan.c or msgspec). Tests run both paths
+``kvindex --version`` and the startup line say which ones run, which payload reader
+(events/_wire_scan.c or msgspec) and which receive (the compiled drain straight from
+libzmq, or pyzmq). Tests run both paths
 (``tests/test_memory_table_paths.py``, ``tests/test_keys_compiled.py``) by swapping
 :data:`probe` or :data:`chain` for None.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from kvindex.events.drain import implementation as receive
 from kvindex.events.scanned import implementation as payloads
 
 try:
@@ -48,7 +50,11 @@ def hashing() -> str:
 
 
 def describe() -> str:
-    """The table, the hashing and the KV-event payload reader
-    (:func:`kvindex.events.scanned.implementation`), as ``--version`` and the startup
-    line print them."""
-    return f"{implementation()} table, {hashing()} hashing, {payloads()} payloads"
+    """The table, the hashing, the KV-event payload reader
+    (:func:`kvindex.events.scanned.implementation`) and how messages are received
+    (:func:`kvindex.events.drain.implementation`), as ``--version`` and the startup line
+    print them."""
+    return (
+        f"{implementation()} table, {hashing()} hashing, {payloads()} payloads, "
+        f"{receive()} receive"
+    )

@@ -254,4 +254,6 @@ def test_the_dockerfile_commands_build_install_and_start(stages, tmp_path: Path)
                 ["kvindex", "--version"], env=env, capture_output=True, text=True, check=True
             ).stdout
             # the build stage's image has gcc and libssl-dev: both extensions build
-            assert "(compiled table, compiled hashing, compiled payloads)" in version, version
+            assert (
+                "(compiled table, compiled hashing, compiled payloads, compiled receive)" in version
+            ), version

@@ -35,6 +35,7 @@ from kvindex.events import (
     Subscriber,
     SubscriberConfig,
 )
+from kvindex.events import drain as drain_module
 from kvindex.events import scanned as scanned_module
 from kvindex.events.runs import Run, runs_of
 from kvindex.events.scanned import ScannedBatch, scan
@@ -399,8 +400,10 @@ def test_ingest_gives_the_same_index_with_and_without_the_scanner(
             payloads.append(fmt.encode_batch(events, 7.0 + i, 0))
     payloads.append(msgspec.msgpack.encode([8, [["BlockStored", [99], None, [], 0]], 0]))
     with_scanner = _ingest_through_subscriber(ctx, payloads)
+    monkeypatch.setattr(drain_module, "_drain", None)  # the scanner, and pyzmq's receive
+    with_pyzmq = _ingest_through_subscriber(ctx, payloads)
     monkeypatch.setattr(scanned_module, "scanner", None)
     without = _ingest_through_subscriber(ctx, payloads)
-    assert with_scanner == without
+    assert with_scanner == with_pyzmq == without
     index = with_scanner[0]
     assert any(index.values()) and with_scanner[1]["BlockStored"] > 10

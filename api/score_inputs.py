@@ -44,7 +44,7 @@ QUERY_FIELDS = ("model", "pods", "lora_name", "cache_salt", "request_id", "max_t
 
 _HEX = re.compile(r"(?:0[xX])?[0-9a-fA-F]{1,64}")  # also msgspec's pattern in schemas.py
 _INT_ONLY = {int}
-_UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
 # unsigned long when it is 64 bits (Linux, macOS): array('Q') converts through a slower
 # generic path in CPython 3.11
 _UINT64 = "L" if array.array("L").itemsize == 8 else None
@@ -122,7 +122,7 @@ def binary_tokens(body: bytes) -> array.array[int]:
             f"binary body of {len(body)} bytes is not a whole number of token ids "
             "(little-endian uint32, 4 bytes each)"
         )
-    tokens = array.array(_UINT32, body)
+    tokens = array.array(UINT32, body)
     if sys.byteorder != "little":
         tokens.byteswap()
     return tokens

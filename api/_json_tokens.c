@@ -235,7 +235,7 @@ static const unsigned char *read_ids_wide(const unsigned char *p, const unsigned
         uint64_t events = starts | comma;
         uint64_t odd = prefix_xor(events) ^ (0ull - parity); /* events 1, 3, 5...: ids */
         if ((events & odd) != starts) return NULL;
-        parity ^= (uint64_t)(__builtin_popcountll(events) & 1);
+        parity = odd >> 63; /* the parity of every event so far */
         digit_carry = digit >> 63;
         while (starts) {
             const unsigned char *at = base + __builtin_ctzll(starts);

@@ -1,27 +1,30 @@
-/* The token ids of a JSON /score or /route body read straight into uint32s
- * (api/json_tokens.py wraps it).
+/* A JSON /score or /route body's token_ids or block_hashes array read straight into
+ * native integers (api/json_tokens.py wraps it).
  *
  * Why C: msgspec decodes an 8,192-token body's array into 8,192 Python ints (~90 ns
  * each, ~0.75 ms of the request), and the compiled hash chain then reads them back one
- * by one. Here the array's digits become native uint32s in one pass, and msgspec
- * decodes what is left of the body, with the array replaced by null (a few dozen
- * bytes); the caller sets the field to the array afterwards.
+ * by one; 512 block hashes cost ~20 us, then a range check and the lookup's reading
+ * them back. Here the array's digits become native uint32s (token ids) or uint64s
+ * (block hashes) in one pass, and msgspec decodes what is left of the body, with the
+ * array replaced by null (a few dozen bytes); the caller sets the field afterwards.
  *
- * split(body, wide=True) -> None | (rest, tokens)
- *   rest:   the body with the top-level "token_ids" array replaced by null;
- *   tokens: bytes, the ids as native uint32, in order;
+ * split(body, field, wide=True) -> None | (rest, items)
+ *   field:  "token_ids" (uint32 items) or "block_hashes" (uint64 items);
+ *   rest:   the body with the top-level array of that name replaced by null;
+ *   items:  bytes, the array's integers as native uint32 or uint64, in order;
  *   wide:   read the array 64 bytes at a time with SSE2 (x86-64; elsewhere, and with
  *           wide=False, byte by byte: the same answers, tests compare them).
  *
- * The rule that keeps it exact: it answers only for a body whose "token_ids" msgspec
- * would decode into the same ids, and leaves everything else to msgspec. It returns None
+ * The rule that keeps it exact: it answers only for a body whose array msgspec would
+ * decode into the same integers, and leaves everything else to msgspec. It returns None
  * (decode the whole body with msgspec) unless the body is one JSON object whose
- * top-level keys are plain (no backslash escape), with "token_ids" given exactly once
- * and its value an array of plain non-negative integers (digits only, no leading zero,
- * no fraction or exponent, at most 2**32 - 1). Being stricter than msgspec only costs
- * speed. Anything wrong elsewhere in the body (a bad field, malformed JSON after the
- * array) is still in the rest, so msgspec rejects the rest and the caller decodes the
- * whole body to give msgspec's own error for it.
+ * top-level keys are plain (no backslash escape), with the field given exactly once and
+ * its value an array of plain non-negative integers (digits only, no leading zero, no
+ * fraction or exponent, at most 2**32 - 1 or 2**64 - 1). A hex string among block
+ * hashes is msgspec's too. Being stricter than msgspec only costs speed. Anything wrong
+ * elsewhere in the body (a bad field, malformed JSON after the array) is still in the
+ * rest, so msgspec rejects the rest and the caller decodes the whole body to give
+ * msgspec's own error for it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,8 +36,6 @@
 #else
 #define HAVE_WIDE 0
 #endif
-
-#define TOKEN_MAX 0xFFFFFFFFull
 
 static inline int is_ws(unsigned char c) {
     return c == ' ' || c == '\n' || c == '\r' || c == '\t';
@@ -86,8 +87,8 @@ static const unsigned char *skip_value(const unsigned char *p, const unsigned ch
     return p;
 }
 
-/* The digits at p as a number: how many there are (0..8 counted in one word; 8 means
- * "8 or more") and, when fewer than 8, their value. Needs 8 readable bytes at p. */
+/* The digits at p as a number: how many there are in these 8 bytes (0..8; 8 means
+ * more may follow) and their value (when there is one). Needs 8 readable bytes at p. */
 static inline int word_digits(const unsigned char *p, uint64_t *value) {
     uint64_t x;
     memcpy(&x, p, 8);
@@ -98,8 +99,7 @@ static inline int word_digits(const unsigned char *p, uint64_t *value) {
     uint64_t high = x & 0xF0F0F0F0F0F0F0F0ull;
     uint64_t carried = (x + 0x0606060606060606ull) & 0xF0F0F0F0F0F0F0F0ull;
     uint64_t not_digit = (high ^ 0x3030303030303030ull) | (carried ^ 0x3030303030303030ull);
-    if (not_digit == 0) return 8;
-    int n = __builtin_ctzll(not_digit) >> 3;
+    int n = not_digit == 0 ? 8 : __builtin_ctzll(not_digit) >> 3;
     if (n == 0) return 0;
     /* digits to the top bytes (the first, most significant, lowest), zeros below them:
      * leading zeros of an 8-digit number, converted by the usual three multiplies */
@@ -111,29 +111,76 @@ static inline int word_digits(const unsigned char *p, uint64_t *value) {
     return n;
 }
 
-/* The id whose first digit is at p: its digit count (0 when p is no digit, -1 when it
- * is no plain uint32: a leading zero, more than 10 digits, past 2**32 - 1) and value. */
-static inline int read_id(const unsigned char *p, const unsigned char *end, uint32_t *out) {
+static const uint64_t POW10[9] = {1, 10, 100, 1000, 10000, 100000, 1000000, 10000000,
+                                  100000000};
+
+/* The plain non-negative integer whose first digit is at p: its digit count (0 when p
+ * is no digit; -1 when it is no plain integer up to `max`: a leading zero, more than 20
+ * digits, past max) and its value in *out. Up to 24 digits are read 8 at a time. */
+static inline int read_uint(const unsigned char *p, const unsigned char *end, uint64_t max,
+                            uint64_t *out) {
     uint64_t v = 0;
-    int digits = end - p >= 8 ? word_digits(p, &v) : -1;
-    if (digits < 0 || digits == 8) { /* near the end, or a long number: byte by byte */
-        v = 0;
-        digits = 0;
-        while (p + digits < end && p[digits] >= '0' && p[digits] <= '9') {
-            v = v * 10 + (uint64_t)(p[digits] - '0');
-            if (++digits > 10) return -1;
+    int n;
+    if (end - p >= 24) {
+        n = word_digits(p, &v);
+        if (n == 8) {
+            uint64_t w = 0, u = 0;
+            int m = word_digits(p + 8, &w);
+            if (m < 8) {
+                v = v * POW10[m] + w; /* < 10^16 */
+                n = 8 + m;
+            } else {
+                int k = word_digits(p + 16, &u);
+                if (k > 4) return -1; /* more than 20 digits */
+                uint64_t high;
+                if (__builtin_mul_overflow(v, POW10[k] * POW10[8], &high) ||
+                    __builtin_add_overflow(high, w * POW10[k] + u, &v)) {
+                    return -1;
+                }
+                n = 16 + k;
+            }
         }
-        if (v > TOKEN_MAX) return -1;
+    } else { /* near the body's end: byte by byte */
+        n = 0;
+        while (p + n < end && p[n] >= '0' && p[n] <= '9') {
+            if (__builtin_mul_overflow(v, 10, &v) ||
+                __builtin_add_overflow(v, (uint64_t)(p[n] - '0'), &v) || ++n > 20) {
+                return -1;
+            }
+        }
     }
-    if (digits > 1 && *p == '0') return -1;
-    *out = (uint32_t)v;
+    if (n == 0) return 0;
+    if ((n > 1 && *p == '0') || v > max) return -1;
+    *out = v;
+    return n;
+}
+
+/* Where read_ids() puts the integers: native uint32 (token ids) or uint64 (hashes). */
+typedef struct {
+    unsigned char *out;
+    int size; /* 4 or 8 */
+    uint64_t max;
+} Items;
+
+static inline int read_item(const unsigned char *p, const unsigned char *end, const Items *items,
+                            Py_ssize_t n) {
+    uint64_t v;
+    int digits = read_uint(p, end, items->max, &v);
+    if (digits > 0) {
+        if (items->size == 4) {
+            uint32_t u = (uint32_t)v;
+            memcpy(items->out + 4 * n, &u, 4);
+        } else {
+            memcpy(items->out + 8 * n, &v, 8);
+        }
+    }
     return digits;
 }
 
-/* The array of ints at p ('[') into out (room for every id), its count in *count;
- * past the ']', or NULL when it is anything but plain non-negative integers. */
+/* The array of integers at p ('[') into items (room for every one), its count in
+ * *count; past the ']', or NULL when it is anything but plain non-negative integers. */
 static const unsigned char *read_ids_narrow(const unsigned char *p, const unsigned char *end,
-                                     uint32_t *out, Py_ssize_t *count) {
+                                            const Items *items, Py_ssize_t *count) {
     Py_ssize_t n = 0;
     p = skip_ws(p + 1, end);
     if (p < end && *p == ']') {
@@ -142,7 +189,7 @@ static const unsigned char *read_ids_narrow(const unsigned char *p, const unsign
     }
     for (;;) {
         if (p >= end) return NULL;
-        int digits = read_id(p, end, &out[n]);
+        int digits = read_item(p, end, items, n);
         if (digits <= 0) return NULL;
         p += digits;
         n++;
@@ -211,7 +258,7 @@ static inline uint64_t prefix_xor(uint64_t x) {
  * digits, commas and whitespace up to its ']', and the ids and commas alternate, an id
  * first and last (or neither: []). */
 static const unsigned char *read_ids_wide(const unsigned char *p, const unsigned char *end,
-                                          uint32_t *out, Py_ssize_t *count) {
+                                          const Items *items, Py_ssize_t *count) {
     unsigned char tail[64];
     Py_ssize_t n = 0;
     uint64_t digit_carry = 0, parity = 0; /* the last byte was a digit; odd events so far */
@@ -240,7 +287,7 @@ static const unsigned char *read_ids_wide(const unsigned char *p, const unsigned
         while (starts) {
             const unsigned char *at = base + __builtin_ctzll(starts);
             starts &= starts - 1;
-            if (read_id(at, end, &out[n++]) < 0) return NULL;
+            if (read_item(at, end, items, n++) < 0) return NULL;
         }
         if (m.close) {
             if (n > 0 && !parity) return NULL; /* a comma after the last id */
@@ -252,26 +299,40 @@ static const unsigned char *read_ids_wide(const unsigned char *p, const unsigned
 #endif
 
 static const unsigned char *read_ids(const unsigned char *p, const unsigned char *end,
-                                     uint32_t *out, Py_ssize_t *count, int wide) {
+                                     const Items *items, Py_ssize_t *count, int wide) {
 #if HAVE_WIDE
-    if (wide) return read_ids_wide(p, end, out, count);
+    if (wide) return read_ids_wide(p, end, items, count);
 #endif
     (void)wide;
-    return read_ids_narrow(p, end, out, count);
+    return read_ids_narrow(p, end, items, count);
 }
 
 static PyObject *split(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 2 || !PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "split(body: bytes, wide: bool = True)");
+    const char *field;
+    Py_ssize_t field_len;
+    if (nargs < 2 || nargs > 3 || !PyBytes_Check(args[0]) ||
+        (field = PyUnicode_AsUTF8AndSize(args[1], &field_len)) == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "split(body: bytes, field: str, wide=True)");
+        }
         return NULL;
     }
+    Items items;
+    if (strcmp(field, "token_ids") == 0) {
+        items.size = 4, items.max = 0xFFFFFFFFull;
+    } else if (strcmp(field, "block_hashes") == 0) {
+        items.size = 8, items.max = UINT64_MAX;
+    } else {
+        PyErr_SetString(PyExc_ValueError, "split(): field is token_ids or block_hashes");
+        return NULL;
+    }
+    int wide = nargs < 3 || PyObject_IsTrue(args[2]);
     PyObject *arg = args[0];
-    int wide = nargs < 2 || PyObject_IsTrue(args[1]);
     const unsigned char *body = (const unsigned char *)PyBytes_AS_STRING(arg);
     Py_ssize_t size = PyBytes_GET_SIZE(arg);
     const unsigned char *end = body + size, *p = skip_ws(body, end);
     const unsigned char *array_at = NULL, *array_end = NULL;
-    PyObject *tokens = NULL;
+    PyObject *found = NULL;
     Py_ssize_t count = 0;
 
     if (p >= end || *p != '{') Py_RETURN_NONE;
@@ -286,13 +347,14 @@ static PyObject *split(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         p = skip_ws(after, end);
         if (p >= end || *p != ':') goto msgspec;
         p = skip_ws(p + 1, end);
-        if (key_len == 9 && memcmp(key, "token_ids", 9) == 0) {
-            if (tokens != NULL || p >= end || *p != '[') goto msgspec; /* twice, or not [...] */
-            /* each id takes at least 2 bytes ("1,"), the last one 1 */
-            tokens = PyBytes_FromStringAndSize(NULL, 4 * ((end - p) / 2 + 1));
-            if (tokens == NULL) return NULL;
+        if (key_len == field_len && memcmp(key, field, (size_t)field_len) == 0) {
+            if (found != NULL || p >= end || *p != '[') goto msgspec; /* twice, or not [...] */
+            /* each integer takes at least 2 bytes ("1,"), the last one 1 */
+            found = PyBytes_FromStringAndSize(NULL, items.size * ((end - p) / 2 + 1));
+            if (found == NULL) return NULL;
+            items.out = (unsigned char *)PyBytes_AS_STRING(found);
             array_at = p;
-            p = read_ids(p, end, (uint32_t *)PyBytes_AS_STRING(tokens), &count, wide);
+            p = read_ids(p, end, &items, &count, wide);
             if (p == NULL) goto msgspec;
             array_end = p;
         } else {
@@ -307,40 +369,41 @@ static PyObject *split(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         if (p < end && *p == '}') break;
         goto msgspec;
     }
-    if (tokens == NULL || skip_ws(p + 1, end) != end) goto msgspec;
-    if (_PyBytes_Resize(&tokens, 4 * count) < 0) return NULL;
+    if (found == NULL || skip_ws(p + 1, end) != end) goto msgspec;
+    if (_PyBytes_Resize(&found, items.size * count) < 0) return NULL;
 
     Py_ssize_t head = array_at - body, tail = end - array_end;
     PyObject *rest = PyBytes_FromStringAndSize(NULL, head + 4 + tail);
     if (rest == NULL) {
-        Py_DECREF(tokens);
+        Py_DECREF(found);
         return NULL;
     }
     char *out = PyBytes_AS_STRING(rest);
     memcpy(out, body, head);
     memcpy(out + head, "null", 4);
     memcpy(out + head + 4, array_end, tail);
-    PyObject *pair = PyTuple_Pack(2, rest, tokens);
+    PyObject *pair = PyTuple_Pack(2, rest, found);
     Py_DECREF(rest);
-    Py_DECREF(tokens);
+    Py_DECREF(found);
     return pair;
 
 msgspec:
-    Py_XDECREF(tokens);
+    Py_XDECREF(found);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"split", (PyCFunction)(void (*)(void))split, METH_FASTCALL,
-     "split(body, wide=True): (the body with its top-level token_ids array replaced by "
-     "null, the ids as native uint32 bytes), or None when msgspec must decode the whole "
-     "body. wide=False reads the array byte by byte (what runs without SSE2; for tests)."},
+     "split(body, field, wide=True): (the body with its top-level array `field` "
+     "(token_ids or block_hashes) replaced by null, the array's integers as native uint32 "
+     "or uint64 bytes), or None when msgspec must decode the whole body. wide=False reads "
+     "the array byte by byte (what runs without SSE2; for tests)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_json_tokens",
-    "Compiled reader of a JSON body's token_ids array.", -1, methods,
+    "Compiled reader of a JSON body's token_ids or block_hashes array.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__json_tokens(void) { return PyModule_Create(&module); }

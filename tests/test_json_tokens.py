@@ -1,12 +1,13 @@
-"""A JSON body's token ids read by the compiled reader give exactly what msgspec gives.
+"""A JSON body's token ids and block hashes read by the compiled reader give exactly what
+msgspec gives.
 
 ``api/_json_tokens.c`` reads a ``/score`` or ``/route`` body's top-level ``token_ids``
-array into uint32s and msgspec decodes the rest. Every body must come out as the pure
-msgspec decode of the whole body makes it: the same request (``token_ids`` as an
-``array('I')`` of the same ids), or the same error (kind, code and text). Checked on
-hand-made odd bodies, on hypothesis-generated ones (valid requests in many spellings,
-and those mutated byte by byte), and over HTTP: /score and /route answer byte for byte
-alike with the reader and without.
+(or ``block_hashes``) array into uint32s (uint64s) and msgspec decodes the rest. Every
+body must come out as the pure msgspec decode of the whole body makes it: the same
+request (the array as an ``array('I')`` / ``array('Q')`` of the same integers), or the
+same error (kind, code and text). Checked on hand-made odd bodies, on
+hypothesis-generated ones (valid requests in many spellings, and those mutated byte by
+byte), and over HTTP: /score and /route answer alike with the reader and without.
 
 The hypothesis tests are derandomized so every run checks the same examples.
 """
@@ -43,28 +44,35 @@ from kvindex.indexer.keys import BlockHasher, HashConfig
 COMPILED = json_tokens.reader is not None
 needs_reader = pytest.mark.skipif(not COMPILED, reason="api/_json_tokens.c is not built")
 DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (ScoreRequest, RouteRequest)}
-U32 = 2**32 - 1
+U32, U64 = 2**32 - 1, 2**64 - 1
+FIELDS_READ = ("token_ids", "block_hashes")
+ITEM_SIZE = {"token_ids": 4, "block_hashes": 8}
 
 
 def outcome(kind: type[ScoreRequest], body: bytes, monkeypatch, compiled: bool) -> Any:
-    """What decoding ``body`` gives: the request as builtins (token_ids a list), or the
-    error's kind, code and text; and whether the compiled reader took the ids."""
+    """What decoding ``body`` gives: the request as builtins (arrays as lists), or the
+    error's kind, code and text; and whether the compiled reader took an array."""
     monkeypatch.setattr(json_tokens, "reader", json_tokens._compiled if compiled else None)
     try:
         req = decode_prompt(DECODERS[kind], body)
     except KvindexError as exc:
         return ("error", type(exc).__name__, exc.code, exc.detail), False
-    took = isinstance(req.token_ids, array)
-    if took:
-        assert req.token_ids.itemsize == 4
-        req.token_ids = req.token_ids.tolist()
+    took = False
+    for field in FIELDS_READ:
+        items = getattr(req, field)
+        if isinstance(items, array):
+            assert items.itemsize == ITEM_SIZE[field] and not took
+            setattr(req, field, items.tolist())
+            took = True
     return ("ok", type(req).__name__, msgspec.to_builtins(req)), took
 
 
 def same(body: bytes, monkeypatch, kind: type[ScoreRequest] = ScoreRequest) -> bool:
     """Assert the reader and msgspec agree on ``body``; whether the reader took it."""
     if COMPILED:  # the SSE2 reader and the byte-by-byte one (what runs without SSE2)
-        assert json_tokens._compiled.split(body) == json_tokens._compiled.split(body, False)
+        for field in FIELDS_READ:
+            split = json_tokens._compiled.split
+            assert split(body, field) == split(body, field, False)
     fast, took = outcome(kind, body, monkeypatch, compiled=True)
     pure, pure_took = outcome(kind, body, monkeypatch, compiled=False)
     assert not pure_took
@@ -147,61 +155,105 @@ DECLINED = [
 ]
 
 
+HASHES_TAKEN = [
+    b'{"model":"m","block_hashes":[1,18446744073709551615,0]}',
+    b'{"model":"m","block_hashes":[12345678901234567890, 10000000000000000000 ,9]}',
+    b'{"block_hashes":[ ],"model":"m"}',
+    b'{"model":"m","block_hashes":[1],"token_ids":[1]}',  # token_ids read, hashes msgspec's
+    b'{"model":"m","block_hashes":[1],"lora_name":"x"}',
+    b'{"model":"m","block_hashes":[1],"pods":[]}',
+]
+HASHES_DECLINED = [
+    b'{"model":"m","block_hashes":[18446744073709551616]}',
+    b'{"model":"m","block_hashes":[99999999999999999999]}',
+    b'{"model":"m","block_hashes":[123456789012345678901]}',
+    b'{"model":"m","block_hashes":[-1]}',
+    b'{"model":"m","block_hashes":["ff"]}',
+    b'{"model":"m","block_hashes":[1,"0xFF"]}',
+    b'{"model":"m","block_hashes":["nothex"]}',
+    b'{"model":"m","block_hashes":[01]}',
+    b'{"model":"m","block_hashes":[1.5]}',
+    b'{"model":"m","block_hashes":[1],"block_hashes":[2]}',
+    b'{"model":"m","block_hashes":null}',
+]
+
+
 @needs_reader
-@pytest.mark.parametrize("body", TAKEN)
+@pytest.mark.parametrize("body", TAKEN + HASHES_TAKEN)
 def test_bodies_the_reader_takes_decode_as_msgspec_decodes_them(body, monkeypatch) -> None:
     for kind in DECODERS:
         same(body, monkeypatch, kind)
-    assert json_tokens._compiled.split(body) is not None
+    field = "token_ids" if b'"token_ids"' in body else "block_hashes"
+    assert json_tokens._compiled.split(body, field) is not None
 
 
-@pytest.mark.parametrize("body", DECLINED)
+@pytest.mark.parametrize("body", DECLINED + HASHES_DECLINED)
 def test_bodies_left_to_msgspec_decode_as_before(body, monkeypatch) -> None:
     for kind in DECODERS:
         assert not same(body, monkeypatch, kind)
     if COMPILED:
-        assert json_tokens._compiled.split(body) is None
+        for field in FIELDS_READ:
+            assert json_tokens._compiled.split(body, field) is None
+
+
+RANGES = {"token_ids": U32, "block_hashes": U64}
+
+
+def integers_of_every_length(rng: random.Random, top: int, count: int) -> list[int]:
+    digits = len(str(top))
+    edges = [0, 1, 9, 10, 99, 100, top - 1, top]
+    edges += [10**n + d for n in range(1, digits) for d in (-1, 0, 1) if 10**n + d <= top]
+    drawn = [rng.randrange(10 ** rng.randrange(1, digits + 1)) % (top + 1) for _ in range(count)]
+    out = edges + drawn
+    rng.shuffle(out)
+    return out
 
 
 @needs_reader
-def test_the_reader_takes_ids_across_the_uint32_range(monkeypatch) -> None:
-    """Every digit count (the reader converts up to 8 digits per word, longer ones digit
-    by digit), the range's edges, and a prompt the size bench_score sends."""
+@pytest.mark.parametrize("field", FIELDS_READ)
+def test_the_reader_takes_integers_across_the_range(field, monkeypatch) -> None:
+    """Every digit count (the reader converts 8 digits per word: 1 to 3 words), the
+    range's edges, and a prompt the size bench_score sends."""
     rng = random.Random(13)
-    edges = [0, 1, 9, 10, 99, 100, 10**7 - 1, 10**7, 10**8 - 1, 10**8, 10**9, U32 - 1, U32]
-    ids = edges + [rng.randrange(10 ** rng.randrange(1, 10)) for _ in range(20_000)]
-    rng.shuffle(ids)
+    values = integers_of_every_length(rng, RANGES[field], 20_000)
+    typecode = json_tokens.UINT32 if field == "token_ids" else json_tokens.UINT64
     for body in (
-        json.dumps({"model": "m", "token_ids": ids}).encode(),  # ", " separators
-        msgspec.json.encode({"token_ids": ids, "model": "m"}),  # "," separators
-        json.dumps({"model": "m", "token_ids": ids}, indent=3).encode(),
+        json.dumps({"model": "m", field: values}).encode(),  # ", " separators
+        msgspec.json.encode({field: values, "model": "m"}),  # "," separators
+        json.dumps({"model": "m", field: values}, indent=3).encode(),
     ):
         assert same(body, monkeypatch)
-        rest, raw = json_tokens._compiled.split(body)
-        assert array(json_tokens.UINT32, raw).tolist() == ids
+        rest, raw = json_tokens._compiled.split(body, field)
+        assert array(typecode, raw).tolist() == values
         assert b"null" in rest and len(rest) < 50
-    # at the body's very end the reader goes digit by digit: no byte read past it
-    for n in edges:
-        assert same(b'{"model":"m","token_ids":[%d]}' % n, monkeypatch)
+    # near the body's very end the reader goes digit by digit: no byte read past it
+    for n in values[:200]:
+        assert same(b'{"model":"m","%s":[%d]}' % (field.encode(), n), monkeypatch)
+    for n in (RANGES[field] + 1, 10 ** len(str(RANGES[field])), 10**24):  # past the range
+        assert not same(b'{"model":"m","%s":[%d]}' % (field.encode(), n), monkeypatch)
+        padded = b'{"model":"m","%s":[%d,1,2,3,4,5,6,7,8,9]}' % (field.encode(), n)
+        assert not same(padded, monkeypatch)
 
 
 @needs_reader
-def test_every_byte_of_an_array_across_64_byte_blocks(monkeypatch) -> None:
+@pytest.mark.parametrize("field", FIELDS_READ)
+def test_every_byte_of_an_array_across_64_byte_blocks(field, monkeypatch) -> None:
     """The SSE2 reader takes 64 bytes at a time: an array starting at every offset, and
     one byte of it changed at every position (a digit, a comma, a space, ']', '-', '.'
     or dropped), agrees with msgspec and with the byte-by-byte reader."""
     rng = random.Random(3)
-    ids = [rng.randrange(10 ** rng.randrange(1, 11)) % (U32 + 1) for _ in range(30)]
-    array_bytes = json.dumps(ids).encode()
+    array_bytes = json.dumps(integers_of_every_length(rng, RANGES[field], 10)[:30]).encode()
+    name = field.encode()
     for pad in range(0, 70, 7):
-        assert same(b'{"model":"%s","token_ids":%s}' % (b"m" * (pad + 1), array_bytes), monkeypatch)
+        body = b'{"model":"%s","%s":%s}' % (b"m" * (pad + 1), name, array_bytes)
+        assert same(body, monkeypatch)
     taken = 0
     for at in range(len(array_bytes)):
         for change in (b"0", b"7", b",", b" ", b"]", b"-", b".", b""):
             changed = array_bytes[:at] + change + array_bytes[at + 1 :]
-            body = b'{"model":"%s","token_ids":%s}' % (b"m" * (at % 64 + 1), changed)
+            body = b'{"model":"%s","%s":%s}' % (b"m" * (at % 64 + 1), name, changed)
             taken += same(body, monkeypatch)
-    assert taken > 100  # many changes still give an array of ids
+    assert taken > 100  # many changes still give an array of integers
 
 
 # -- generated bodies ----------------------------------------------------------------------
@@ -210,6 +262,11 @@ token_id = st.one_of(
     st.integers(0, 200_000),
     st.integers(0, U32),
     st.sampled_from([0, 1, 10, 10**8 - 1, 10**8, U32, U32 + 1, 2**63, -1, 2**64]),
+)
+block_hash = st.one_of(
+    st.integers(0, U64),
+    st.integers(0, 10**12),
+    st.sampled_from([0, 10**19 - 1, 10**19, U64, U64 + 1, 10**20, -1, 2**70]),
 )
 json_scalar = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
@@ -230,7 +287,11 @@ FIELDS = {
     "pods": st.one_of(st.lists(st.text(max_size=16), max_size=3), json_value),
     "lora_name": st.one_of(st.none(), st.text(max_size=8)),
     "cache_salt": st.one_of(st.none(), st.text(max_size=8)),
-    "block_hashes": st.lists(st.integers(0, 2**64 - 1), max_size=3),
+    "block_hashes": st.one_of(
+        st.lists(block_hash, max_size=40),
+        st.lists(st.integers(0, U64) | st.text("0123456789abcdefxX", max_size=18), max_size=3),
+        json_value,
+    ),
     "prompt": st.text(max_size=20),
     "request_id": st.text(min_size=1, max_size=8),
     "max_tokens": st.integers(-3, 100),
@@ -242,10 +303,12 @@ FIELDS = {
 
 @st.composite
 def request_bodies(draw) -> bytes:
-    """A body a client might send: some fields (token_ids and model most often) in any
-    order, serialised with the separators, indentation and escaping of common encoders."""
+    """A body a client might send: some fields (model and token_ids or block_hashes most
+    often) in any order, serialised with the separators, indentation and escaping of
+    common encoders."""
     more = draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=4, unique=True))
-    names = draw(st.permutations(list(dict.fromkeys(["model", "token_ids", *more]))))
+    prompt = draw(st.sampled_from(FIELDS_READ))
+    names = draw(st.permutations(list(dict.fromkeys(["model", prompt, *more]))))
     fields = {name: draw(FIELDS[name]) for name in names}
     style = draw(st.integers(0, 3))
     if style == 0:
@@ -306,8 +369,9 @@ def test_generated_bodies_are_mostly_taken(monkeypatch) -> None:
     taken = 0
     rng = random.Random(7)
     for i in range(200):
-        ids = [rng.randrange(U32 + 1) for _ in range(rng.randrange(0, 50))]
-        fields = {"token_ids": ids, "model": "m", "pods": ["127.0.0.1:8000"]}
+        field = FIELDS_READ[i % 2]
+        values = [rng.randrange(RANGES[field] + 1) for _ in range(rng.randrange(0, 50))]
+        fields = {field: values, "model": "m", "pods": ["127.0.0.1:8000"]}
         body = json.dumps(fields, indent=i % 3 or None).encode()
         taken += same(body, monkeypatch)
     assert taken == 200
@@ -316,6 +380,7 @@ def test_generated_bodies_are_mostly_taken(monkeypatch) -> None:
 # -- over HTTP -----------------------------------------------------------------------------
 
 TOKENS = list(range(1, 16 * 32 + 1))
+KEYS = BlockHasher(HashConfig()).keys(TOKENS)
 POD_A, POD_B = "127.0.0.1:8000", "127.0.0.2:8000"
 
 
@@ -325,7 +390,7 @@ def filled_client() -> Iterator[TestClient]:
     routed (speculative entries, pending loads), so each pass gets its own."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     service = Service(from_flags(zmq_bind=[endpoint], max_prompt_tokens=4096, max_pods=4))
-    keys = BlockHasher(HashConfig()).keys(TOKENS)
+    keys = KEYS
     with TestClient(create_app(service)) as test_client:
         for pod, blocks in ((POD_A, 32), (POD_B, 5)):
             with EnginePublisher(
@@ -357,12 +422,21 @@ HTTP_BODIES = [
     {"model": "m", "token_ids": TOKENS, "extra": 1},
     {"model": "m", "token_ids": TOKENS, "role": "prefill", "max_tokens": 10},
     {"model": "m", "token_ids": TOKENS, "role": "chef"},
+    {"model": "m", "block_hashes": KEYS},
+    {"model": "m", "block_hashes": KEYS[:7], "pods": [POD_B, "127.0.0.9:8000"]},
+    {"model": "m", "block_hashes": KEYS, "lora_name": "x"},
+    {"model": "m", "block_hashes": []},
+    {"model": "m", "block_hashes": KEYS * 9},  # past --max-prompt-tokens
+    {"model": "m", "block_hashes": [*KEYS[:3], U64 + 1]},
+    {"model": "m", "block_hashes": [*KEYS[:3], f"{KEYS[3]:x}", *KEYS[4:]]},
+    {"model": "other", "block_hashes": KEYS},
 ]
 
 
 def answer_all(client: TestClient, path: str) -> list[tuple[int, Any]]:
     answers = []
-    for body in [*(json.dumps(b).encode() for b in HTTP_BODIES), *DECLINED[:12], *TAKEN]:
+    bodies = [*(json.dumps(b).encode() for b in HTTP_BODIES), *DECLINED[:12], *TAKEN]
+    for body in bodies + HASHES_TAKEN + HASHES_DECLINED:
         response = client.post(path, content=body, headers={"content-type": "application/json"})
         answer = response.json()
         if path == "/route" and response.status_code == 200:

@@ -1,6 +1,6 @@
 """Build hook for the compiled modules; everything else is in pyproject.toml.
 
-All four are optional: without a C compiler (or OpenSSL's headers, for the hash chain)
+All five are optional: without a C compiler (or OpenSSL's headers, for the hash chain)
 ``pip install`` still succeeds and kvindex runs the pure path, which gives identical
 answers (``kvindex --version`` says which runs):
 
@@ -12,7 +12,9 @@ answers (``kvindex --version`` says which runs):
   (the msgspec decoder otherwise), and the receiver's drain straight from the libzmq
   pyzmq loaded (pyzmq's receive otherwise);
 - ``kvindex.indexer._redis_lookup`` (indexer/_redis_lookup.c): the Redis lookup's
-  client side (HMGET packing, reply reading, the walk; numpy and hiredis otherwise).
+  client side (HMGET packing, reply reading, the walk; numpy and hiredis otherwise);
+- ``kvindex.api._json_tokens`` (api/_json_tokens.c): a JSON ``/score`` or ``/route``
+  body's ``token_ids`` read into uint32s (msgspec decodes the whole body otherwise).
 
 setuptools reads extension modules from setup.py on every version this project
 supports (its pyproject.toml form is still marked experimental).
@@ -57,6 +59,12 @@ setup(
                 "indexer/_redis_io.h",
                 "indexer/_redis_presence.h",
             ],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "kvindex.api._json_tokens",
+            sources=["api/_json_tokens.c"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

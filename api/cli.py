@@ -27,8 +27,7 @@ from kvindex.api.settings_load import (
     decode_settings,
     environment_variables,
 )
-from kvindex.api.version import VERSION
-from kvindex.indexer.compiled import describe
+from kvindex.api.version import VERSION, implementations
 
 __all__ = ["build_parser", "format_score_table", "main", "unknown_variables"]
 
@@ -194,7 +193,7 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object) -> NoReturn:
-        print(f"kvindex {VERSION} ({describe()})")
+        print(f"kvindex {VERSION} ({implementations()})")
         parser.exit()
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvindex.api.errors import decode_json
+from kvindex.api.json_tokens import decode_prompt
 from kvindex.api.offload import BackendBusy, BackendTimeout
 from kvindex.api.schemas import RouteCandidate, RouteDone, RouteRequest, RouteResponse
 from kvindex.api.score import candidate_pods, tokens_of
@@ -48,7 +48,7 @@ _route_decoder = msgspec.json.Decoder(RouteRequest)
 
 def decode_route(body: bytes) -> RouteRequest:
     """A JSON ``/route`` body, every decode failure a 400."""
-    return decode_json(_route_decoder, body)
+    return decode_prompt(_route_decoder, body)
 
 
 class NoCapacity(TooManyRequests):

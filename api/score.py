@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvindex.api.errors import decode_json
+from kvindex.api.json_tokens import decode_prompt
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
 from kvindex.api.score_inputs import hashed_keys, prompt_form, require_known_model
 from kvindex.events.errors import ClientError, KvindexError, TooLarge
@@ -33,7 +33,7 @@ _score_decoder = msgspec.json.Decoder(ScoreRequest)
 
 def decode_score(body: bytes) -> ScoreRequest:
     """A JSON ``/score`` body, every decode failure a 400."""
-    return decode_json(_score_decoder, body)
+    return decode_prompt(_score_decoder, body)
 
 
 async def score_request(service: Service, req: ScoreRequest, started: float) -> ScoreResponse:

@@ -44,7 +44,8 @@ QUERY_FIELDS = ("model", "pods", "lora_name", "cache_salt", "request_id", "max_t
 
 _HEX = re.compile(r"(?:0[xX])?[0-9a-fA-F]{1,64}")  # also msgspec's pattern in schemas.py
 _INT_ONLY = {int}
-_UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+UINT64 = "Q"  # always 8 bytes; what the memory index's keys go through (table_layout.py)
 # unsigned long when it is 64 bits (Linux, macOS): array('Q') converts through a slower
 # generic path in CPython 3.11
 _UINT64 = "L" if array.array("L").itemsize == 8 else None
@@ -122,7 +123,7 @@ def binary_tokens(body: bytes) -> array.array[int]:
             f"binary body of {len(body)} bytes is not a whole number of token ids "
             "(little-endian uint32, 4 bytes each)"
         )
-    tokens = array.array(_UINT32, body)
+    tokens = array.array(UINT32, body)
     if sys.byteorder != "little":
         tokens.byteswap()
     return tokens
@@ -178,9 +179,12 @@ def hashed_keys(service: Service, req: ScoreRequest, max_tokens: int) -> list[in
     return block_keys(hashes)
 
 
-def block_keys(hashes: list[int | str]) -> list[int]:
+def block_keys(hashes: list[int | str] | array.array[int]) -> list[int]:
     """Block hashes as the uint64 keys the index holds: ints as they are (0..2**64-1),
-    hex strings as their low 64 bits (``hash_to_int``'s rule for a digest's bytes)."""
+    hex strings as their low 64 bits (``hash_to_int``'s rule for a digest's bytes). An
+    ``array('Q')`` (what ``api/json_tokens.py`` reads from a JSON body) is them already."""
+    if type(hashes) is array.array and hashes.typecode == UINT64:
+        return hashes  # type: ignore[return-value]
     if _UINT64 is not None and _INT_ONLY.issuperset(map(type, hashes[:1])):
         # One C pass checks type and range (CPython reads an unsigned long's digits in
         # a loop): half the time of a type set plus min() and max() at 512 hashes.

@@ -42,13 +42,12 @@ from kvindex.api.route_metrics import (
     SpeculativeCollector,
 )
 from kvindex.api.route_view import RouteView
-from kvindex.api.version import VERSION
+from kvindex.api.version import VERSION, implementations
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.discovery import KubernetesDiscovery
 from kvindex.events.known_pods import KnownPods
 from kvindex.events.subscriber import Subscriber
 from kvindex.indexer.backend import BackendError, IndexBackend
-from kvindex.indexer.compiled import describe
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.kv_groups import is_group_namespace
 from kvindex.indexer.memory import MemoryBackend
@@ -249,7 +248,7 @@ class Service:
                 f"({self.settings.k8s.selector})"
             )
         return (
-            f"kvindex {VERSION} started: backend={backend} ({describe()}) "
+            f"kvindex {VERSION} started: backend={backend} ({implementations()}) "
             f"hash_algo={keying.hash.algo.value} "
             f"block_size={keying.hash.block_size} key_mode={keying.key_mode.value} "
             f"models={','.join(self._configured_models()) or '(from events)'} "

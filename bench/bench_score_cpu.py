@@ -17,7 +17,11 @@ on uvloop as ``kvindex serve`` runs:
   lane: the hot paths answered by the ASGI app, through an ASGI task);
 * ``ASGI app``: the ASGI app called directly, body in one message (no HTTP parsing).
 
-    python bench/bench_score_cpu.py [--requests 2000]
+    python bench/bench_score_cpu.py [--requests 2000] [--case "/score token_ids"] [--way lane]
+
+``--case`` and ``--way`` keep one case or way (repeatable), for a profiler or
+``valgrind --tool=callgrind``: two runs with different ``--requests``, the difference
+divided by the difference in requests, count one request's instructions.
 
 Prints, per case, the median and the best of the CPU time per request over batches of
 50 (the cases interleaved batch by batch), and ``/route`` minus ``/score`` for each
@@ -201,8 +205,10 @@ def _service(prompt: list[int]) -> tuple[Service, list[int]]:
     return service, keys
 
 
-async def _measure(http: Http, cases: dict[str, tuple[str, bytes]], requests: int):
-    ways = _ways(http)
+async def _measure(
+    http: Http, cases: dict[str, tuple[str, bytes]], requests: int, only: list[str] | None
+):
+    ways = {name: way for name, way in _ways(http).items() if not only or name in only}
     for name, (path, body) in cases.items():  # warm up, and check every way answers alike
         answers = {}
         for way_name, way in ways.items():
@@ -214,7 +220,9 @@ async def _measure(http: Http, cases: dict[str, tuple[str, bytes]], requests: in
         if path == "/score":  # /route's candidates tie at random: only /score is compared
             if len({answer for _, answer in answers.values()}) != 1:
                 raise SystemExit(f"{name}: the ways answered different bodies")
-            if answers["lane"][0] != answers["uvicorn+ASGI"][0]:
+            if {"lane", "uvicorn+ASGI"} <= answers.keys() and (
+                answers["lane"][0] != answers["uvicorn+ASGI"][0]
+            ):
                 raise SystemExit(f"{name}: the lane's answer head differs from uvicorn's")
     per_batch: dict[str, list[float]] = {f"{n} [{w}]": [] for n in cases for w in ways}
     clock = time.thread_time_ns
@@ -231,6 +239,8 @@ async def _measure(http: Http, cases: dict[str, tuple[str, bytes]], requests: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="requests per case")
+    parser.add_argument("--case", action="append", help="only this case (repeatable)")
+    parser.add_argument("--way", action="append", choices=WAYS, help="only this way")
     args = parser.parse_args()
     rng = random.Random(11)  # bench_score.py's prompt
     prompt = [rng.randrange(1, 150_000) for _ in range(PROMPT_TOKENS)]
@@ -245,6 +255,8 @@ def main() -> None:
             "/score token_ids": ("/score", json.dumps(tokens).encode()),
             "/route token_ids": ("/route", json.dumps({**tokens, "request_id": "b"}).encode()),
         }
+        if args.case:
+            cases = {name: cases[name] for name in args.case}
         load = "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
         print(
             f"in-process CPU per request, {PROMPT_TOKENS} tokens = {len(keys)} blocks, "
@@ -252,13 +264,15 @@ def main() -> None:
         )
         print("  (lane / uvicorn+ASGI: identical /score answer bytes, heads included: checked)")
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            per_batch = runner.run(_measure(http, cases, args.requests))
+            per_batch = runner.run(_measure(http, cases, args.requests, args.way))
     finally:
         service.stop()
     median = {name: statistics.median(t) for name, t in per_batch.items()}
     for name, times in per_batch.items():
         print(f"  {name:<38} median {median[name]:7.1f} us   best {min(times):7.1f} us")
     for form in ("block_hashes", "token_ids"):
+        if f"/route {form} [lane]" not in median or f"/score {form} [lane]" not in median:
+            continue
         added = median[f"/route {form} [lane]"] - median[f"/score {form} [lane]"]
         print(f"  /route - /score, {form:<12} {added:7.1f} us (medians, lane)")
 

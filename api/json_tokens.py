@@ -1,0 +1,77 @@
+"""A JSON ``/score`` or ``/route`` body decoded with its ``token_ids`` (or ``block_hashes``)
+read as native integers.
+
+msgspec makes a Python int of every token id (~90 ns each: ~0.75 ms of an 8,192-token
+request, most of its CPU) and the compiled hash chain then reads them back one by one;
+512 block hashes cost ~20 µs, a range check and the lookup's reading them back. The
+compiled reader (``api/_json_tokens.c``, optional: setup.py) reads the top-level array's
+digits straight into an ``array('I')`` of token ids (the form a binary body arrives in,
+``api/score_inputs.py``) or an ``array('Q')`` of block hashes, and msgspec decodes the
+rest of the body (the array replaced by ``null``, a few dozen bytes) into the request
+type, which validates every other field as before.
+
+msgspec stays the reference: the reader takes only a body whose array msgspec would
+decode to the same values (one JSON object, plain top-level keys, the field once, an
+array of plain non-negative integers up to 2**32 - 1 for token ids and 2**64 - 1 for
+hashes; a hex hash is msgspec's), and when msgspec refuses the rest, the whole body is
+decoded again by msgspec, so every error is msgspec's own for that body. Without the
+compiled reader every body is decoded whole by msgspec: the same answers and errors
+(``tests/test_json_tokens.py`` runs both), the arrays then lists.
+"""
+
+from __future__ import annotations
+
+from array import array
+from types import ModuleType
+from typing import TypeVar
+
+import msgspec
+
+from kvindex.api.errors import decode_json
+from kvindex.api.schemas import ScoreRequest
+from kvindex.api.score_inputs import UINT32, UINT64
+
+try:
+    from kvindex.api import _json_tokens as _compiled
+except ImportError:  # built without a compiler: msgspec decodes every body whole
+    _compiled = None
+
+#: The compiled reader, or None when msgspec decodes every body whole. Tests swap it.
+reader: ModuleType | None = _compiled
+
+R = TypeVar("R", bound=ScoreRequest)
+
+# The fields the reader takes, with how their items are kept. (Searched for in the body
+# first: a memchr-fast scan, even over 60 KB.)
+_TOKENS, _HASHES = b'"token_ids"', b'"block_hashes"'
+
+
+def implementation() -> str:
+    """``"compiled"`` or ``"msgspec"``: how this process reads a JSON body's token ids
+    and block hashes."""
+    return "compiled" if reader is not None else "msgspec"
+
+
+def decode_prompt(decoder: msgspec.json.Decoder[R], body: bytes) -> R:
+    """``body`` as ``decoder``'s request type, every failure a 400 as
+    :func:`kvindex.api.errors.decode_json` gives it; ``token_ids`` an ``array('I')``, or
+    ``block_hashes`` an ``array('Q')``, when the compiled reader took them."""
+    core = reader
+    if core is None or type(body) is not bytes:
+        return decode_json(decoder, body)
+    if _TOKENS in body:
+        field, typecode = "token_ids", UINT32
+    elif _HASHES in body:
+        field, typecode = "block_hashes", UINT64
+    else:
+        return decode_json(decoder, body)
+    found = core.split(body, field)
+    if found is None:
+        return decode_json(decoder, body)
+    rest, items = found
+    try:
+        req = decoder.decode(rest)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return decode_json(decoder, body)  # the error msgspec gives for the whole body
+    setattr(req, field, array(typecode, items))
+    return req

@@ -143,6 +143,15 @@ class IndexSettings(_Section):
         int | None,
         doc("memory backend: most distinct blocks kept; oldest-stored evicted beyond"),
     ] = None
+    expected_blocks: Annotated[
+        int,
+        msgspec.Meta(ge=0),
+        doc(
+            "memory backend: distinct blocks to size the index for at start (about the "
+            "pods' KV blocks together), so it does not grow into them; it still grows past "
+            "them; 0: start small and grow"
+        ),
+    ] = 0
     snapshot: Annotated[
         str | None,
         doc(

@@ -881,9 +881,13 @@ static PyObject *probe_store(PyObject *self, PyObject *args) {
     unsigned char *was = had.view.buf;
     uint32_t *gain = gained.view.buf, *stamp = stamps.held ? stamps.view.buf : NULL;
     Py_ssize_t worst = 0, created = 0, newly = 0, n_gained = 0, live_new = 0;
+    int full = 0;
     enum { AHEAD = 8 };
+    /* Without the GIL: lookups may read the table meanwhile, which a step allows (keys
+     * fill empty slots, bits are set, word by word: see MemoryBackend's docstring). */
+    Py_BEGIN_ALLOW_THREADS
     /* 1. slots */
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n && !full; i++) {
         if (i + AHEAD < n && k[i + AHEAD] != 0) {
             __builtin_prefetch(&tk[home_of(k[i + AHEAD], seed, shift)], 1);
         }
@@ -899,8 +903,8 @@ static PyObject *probe_store(PyObject *self, PyObject *args) {
         Py_ssize_t home = home_of(key, seed, shift), s = home;
         for (;;) {
             if (s >= size || s - home > limit) {
-                result = Py_NewRef(Py_None); /* TableFull */
-                goto done;
+                full = 1; /* TableFull */
+                break;
             }
             uint64_t at = tk[s];
             if (at == key) break;
@@ -915,7 +919,7 @@ static PyObject *probe_store(PyObject *self, PyObject *args) {
         out[i] = s;
     }
     /* 2. bits, counters, stamps */
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n && !full; i++) {
         if (i + AHEAD < n) {
             __builtin_prefetch(&m[out[i + AHEAD] * width + word], 1);
         }
@@ -942,6 +946,11 @@ static PyObject *probe_store(PyObject *self, PyObject *args) {
         }
         if (!live) live_new++;
         if (!elsewhere) gain[n_gained++] = (uint32_t)s;
+    }
+    Py_END_ALLOW_THREADS
+    if (full) {
+        result = Py_NewRef(Py_None);
+        goto done;
     }
     result = Py_BuildValue("(nnnnn)", worst, created, newly, n_gained, live_new);
 done:

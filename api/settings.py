@@ -113,6 +113,16 @@ class EventsSettings(_Section):
             "(and fetched again by replay); raise it if queue_overflow is counted"
         ),
     ] = 32_768
+    queue_memory: Annotated[
+        int,
+        msgspec.Meta(ge=0),
+        doc(
+            "MiB the batches waiting in every stream's queue may hold together; past it a "
+            "stream over its share has its newest dropped (and fetched again by replay); "
+            "0: a quarter of the memory the process may use (cgroup limit, else the machine's)",
+            metavar="MIB",
+        ),
+    ] = 0
     replay_endpoint: Annotated[
         list[str],
         doc(

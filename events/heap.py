@@ -1,4 +1,8 @@
-"""Giving back the memory a burst of messages used, once it is applied.
+"""The process's memory, as the subscriber sees it: how much it may use, and giving back
+what a burst of messages used once it is applied.
+
+:func:`memory_limit` is what the process may use (its cgroup's limit, else the machine's
+memory): the inbox's default budget for waiting messages is a share of it.
 
 While the applier catches up with a burst, its messages wait in libzmq's queues and the
 inbox's lanes (tens of MB for a few seconds of a busy cluster). When they are applied
@@ -14,8 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,37 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 _LIBC = _glibc()
+
+
+def memory_limit() -> int:
+    """Bytes this process may use: its cgroup's memory limit (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) when one is set, else the machine's physical memory."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = [physical]
+    for path in _cgroup_limit_files():
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # v1 writes ~2**63 for "no limit"
+            limits.append(int(text))
+    return min(limits)
+
+
+def _cgroup_limit_files() -> list[str]:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    files = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            files.append(f"/sys/fs/cgroup{path.rstrip('/')}/memory.max")
+        elif "memory" in controllers.split(","):
+            files.append(f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.limit_in_bytes")
+            files.append("/sys/fs/cgroup/memory/memory.limit_in_bytes")  # a container's own
+    return files
 
 
 def free_bytes() -> int | None:

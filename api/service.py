@@ -118,6 +118,7 @@ class Service:
                 topic_filter=settings.events.topic_filter,
                 replay_port=settings.events.replay_port or None,
                 queue_capacity=settings.events.stream_queue,
+                queue_bytes=settings.events.queue_memory << 20,
                 default_serving_port=settings.events.serving_port,
                 default_model=settings.events.model,
                 bind_allow=tuple(settings.events.bind_allow),

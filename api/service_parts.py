@@ -43,7 +43,10 @@ def make_backend(settings: Settings) -> IndexBackend:
     """``memory`` (embedded, the default) or ``redis://host:port/db`` (shared)."""
     spec = settings.index.backend
     if spec == "memory":
-        return MemoryBackend(capacity_blocks=settings.index.capacity_blocks)
+        index = settings.index
+        return MemoryBackend(
+            capacity_blocks=index.capacity_blocks, expected_keys=index.expected_blocks or None
+        )
     if spec.startswith(("redis://", "rediss://", "unix://")):
         try:
             from kvindex.indexer.redis_backend import RedisBackend

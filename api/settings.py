@@ -113,6 +113,16 @@ class EventsSettings(_Section):
             "(and fetched again by replay); raise it if queue_overflow is counted"
         ),
     ] = 32_768
+    queue_memory: Annotated[
+        int,
+        msgspec.Meta(ge=0),
+        doc(
+            "MiB the batches waiting in every stream's queue may hold together; past it a "
+            "stream over its share has its newest dropped (and fetched again by replay); "
+            "0: a quarter of the memory the process may use (cgroup limit, else the machine's)",
+            metavar="MIB",
+        ),
+    ] = 0
     replay_endpoint: Annotated[
         list[str],
         doc(
@@ -143,6 +153,15 @@ class IndexSettings(_Section):
         int | None,
         doc("memory backend: most distinct blocks kept; oldest-stored evicted beyond"),
     ] = None
+    expected_blocks: Annotated[
+        int,
+        msgspec.Meta(ge=0),
+        doc(
+            "memory backend: distinct blocks to size the index for at start (about the "
+            "pods' KV blocks together), so it does not grow into them; it still grows past "
+            "them; 0: start small and grow"
+        ),
+    ] = 0
     snapshot: Annotated[
         str | None,
         doc(

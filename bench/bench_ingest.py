@@ -63,11 +63,13 @@ def _publish(endpoint: str, batches: int, events_per_batch: int, version: str, r
             events.append(BlockStored(keys, None, tokens, BLOCK_SIZE, medium="GPU", group_idx=0))
         payloads.append(fmt.encode_batch(events, time.time(), 0))
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
+    pub = ctx.socket(zmq.XPUB)  # XPUB: it hears the subscription, so nothing is sent before
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.connect(endpoint)
     ready.wait(10)
-    time.sleep(0.5)  # let the subscription propagate
+    if not pub.poll(600_000):  # generous: under valgrind the subscriber is slow to start
+        raise SystemExit("publisher: the subscriber never subscribed")
+    pub.recv()
     topic = b"kv@127.0.0.1:8000@bench"
     for seq, payload in enumerate(payloads):
         pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), copy=False)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from kvindex.events import scanned
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.gate import StreamGate
+from kvindex.events.heap import HeapTrim
 from kvindex.events.identity import StreamId
 from kvindex.events.in_order import InOrderRuns, Work
 from kvindex.events.inbox import Inbox
@@ -114,6 +116,7 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery, InOrderRun
         self._ownership_check_at = 0.0
         self._idle_scan_at = 0.0
         self._event_counts: dict[str, int] = {}
+        self._heap = HeapTrim(time.monotonic)
         self.thread: threading.Thread | None = None
 
     def event_counts(self) -> dict[str, int]:
@@ -131,6 +134,8 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery, InOrderRun
     def _run(self) -> None:
         try:
             while True:
+                if not self._ready:
+                    self._heap.idle()  # a burst applied: give its buffers back
                 got = self._inbox.wait(self._wait_timeout())
                 if got is None:
                     break

@@ -23,6 +23,13 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     #: batches at the old 4,096 (bench_ingest.py --stream-queue); it costs memory only while
     #: a stream is behind (at most ~80 MB for a stream of 2.5 KB batches).
     queue_capacity: int = 32_768
+    #: Bytes the messages waiting in every stream's queue may hold together (payloads,
+    #: what was read from them, about 640 bytes each besides). Past it, a stream holding
+    #: more than its share (the budget over the streams with messages waiting) has its
+    #: newest message dropped and counted (``queue_overflow``), as when its queue is full.
+    #: 0: a quarter of the memory the process may use (its cgroup's limit, else the
+    #: machine's), so a burst is kept while it fits in memory and never past it.
+    queue_bytes: int = 0
     #: Payloads above this are skipped and counted (ZMQ's own hard cap is 256 MiB).
     max_payload_bytes: int = 16 * 1024 * 1024
     #: Bind mode: the engines' replay port (``replay_endpoint`` of ``--kv-events-config``)
@@ -103,6 +110,8 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 raise ValueError(f"SubscriberConfig.{name} must be > 0, got {value}")
         if self.replay_port is not None and not 0 <= self.replay_port < 65536:
             raise ValueError(f"SubscriberConfig.replay_port {self.replay_port} is not a port")
+        if self.queue_bytes < 0:
+            raise ValueError("SubscriberConfig.queue_bytes must be >= 0 (0: from memory)")
         if self.stream_evict_idle_s < 0:
             raise ValueError("SubscriberConfig.stream_evict_idle_s must be >= 0")
         if self.forget_quiet_s < 0:

@@ -47,6 +47,9 @@ from kvindex.events.wire import (
 
 #: Topics (per socket) and address verdicts remembered before the cache starts over.
 _TOPIC_CACHE_SIZE = 1024
+#: Bytes a waiting message holds besides its payload and hashes (the Arrival, the scan's
+#: objects, a run tuple), about.
+QUEUED_OVERHEAD = 640
 
 
 @dataclass(slots=True)
@@ -72,6 +75,20 @@ class Arrival:
     #: receiver's drain: ``decoded`` holds a ScannedBatch of them all, ``payload`` is the
     #: last one's.
     batches: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        """About the memory it holds while it waits: the payloads, what was read from
+        them (a scan's hashes and spans, or msgspec's objects), and the objects around."""
+        decoded = self.decoded
+        if decoded is None:
+            return len(self.payload) + QUEUED_OVERHEAD
+        batch = decoded.batch
+        if type(batch) is not ScannedBatch:  # msgspec's events: Python ints and structs
+            return 2 * len(self.payload) + QUEUED_OVERHEAD
+        payloads = batch.payloads
+        size = len(payloads[0]) if len(payloads) == 1 else sum(map(len, payloads))
+        return size + len(batch.hashes) + 12 * batch.n_events + QUEUED_OVERHEAD * self.batches
 
     def split(self) -> list[Arrival]:
         """One Arrival per message (itself when it stands for one)."""

@@ -32,6 +32,7 @@ class Lane:
     __slots__ = (
         "dropped_until",
         "last_received_at",
+        "nbytes",
         "overflows",
         "queue",
         "queued",
@@ -43,6 +44,7 @@ class Lane:
         self.sid = sid
         self.queue: collections.deque[Arrival] = collections.deque()
         self.queued = 0  # messages in the queue
+        self.nbytes = 0  # what they hold (Arrival.nbytes)
         self.received = 0
         self.overflows = 0
         self.dropped_until: int | None = None  # highest seq dropped by overflow
@@ -55,10 +57,14 @@ class Lane:
 class Inbox:
     """Lanes and commands, under one condition.
 
-    ``capacity`` bounds each lane; ``max_lanes`` bounds how many lanes may exist (the
-    applier admits or refuses every new one; this cap only bounds memory while it has
-    not looked yet). ``on_overflow(sid, capacity)`` and ``on_refused(sid)`` are called
-    outside the lock for logging and counting.
+    ``capacity`` bounds each lane's messages. ``budget`` bounds what all lanes' messages
+    hold together (bytes, :attr:`Arrival.nbytes`): past it, a message is dropped only
+    from a lane holding more than its share (the budget over the lanes with messages
+    waiting), so a flooding pod cannot crowd the others out; all of them together stay
+    under twice the budget. ``max_lanes`` bounds how many lanes may exist (the applier
+    admits or refuses every new one; this cap only bounds memory while it has not looked
+    yet). ``on_overflow(sid, capacity)`` and ``on_refused(sid)`` are called outside the
+    lock for logging and counting.
     """
 
     def __init__(
@@ -68,8 +74,12 @@ class Inbox:
         errors: ReasonCounts,
         on_overflow: Callable[[StreamId, int], None],
         on_refused: Callable[[StreamId], None],
+        budget: int = 1 << 62,
     ) -> None:
         self.capacity = capacity
+        self.budget = budget
+        self._bytes = 0  # every lane's nbytes
+        self._busy = 0  # lanes with messages waiting
         self._max_lanes = max_lanes
         self._errors = errors
         self._on_overflow = on_overflow
@@ -101,24 +111,25 @@ class Inbox:
                 count = arrival.batches
                 lane.received += count
                 lane.last_received_at = arrival.received_at
-                room = capacity - lane.queued
-                if count > room:
-                    # Keep the oldest messages that fit, drop the newest: the queue stays
-                    # contiguous and the gap is recovered by replay.
-                    last = arrival.seq + count - 1
-                    lane.overflows += count - max(room, 0)
-                    if lane.dropped_until is None or last > lane.dropped_until:
-                        lane.dropped_until = last
-                    overflowed.append((sid, count - max(room, 0)))
-                    if room <= 0:
+                size = arrival.nbytes
+                if self._fits(lane, count, size):
+                    self._queue(lane, arrival, count, size)
+                    self._touched[sid] = None
+                    continue
+                # Keep the oldest messages that fit, drop the newest: the queue stays
+                # contiguous and the gap is recovered by replay.
+                dropped = 0
+                for one in arrival.split():
+                    size = one.nbytes
+                    if not dropped and self._fits(lane, 1, size):
+                        self._queue(lane, one, 1, size)
+                        self._touched[sid] = None
                         continue
-                    kept = arrival.split()[:room]
-                    lane.queue.extend(kept)
-                    lane.queued += room
-                else:
-                    lane.queue.append(arrival)
-                    lane.queued += count
-                self._touched[sid] = None
+                    dropped += 1
+                    if lane.dropped_until is None or one.seq > lane.dropped_until:
+                        lane.dropped_until = one.seq
+                lane.overflows += dropped
+                overflowed.append((sid, dropped))
             if self._waiting:
                 self._cond.notify()
         for sid, dropped in overflowed:
@@ -127,6 +138,34 @@ class Inbox:
         for sid in refused:
             self._errors.add("too_many_streams")
             self._on_refused(sid)
+
+    def _fits(self, lane: Lane, count: int, size: int) -> bool:
+        if lane.queued + count > self.capacity:
+            return False
+        if self._bytes + size <= self.budget:
+            return True
+        share = self.budget // (self._busy + (lane.queued == 0))
+        return lane.nbytes + size <= share
+
+    def _queue(self, lane: Lane, arrival: Arrival, count: int, size: int) -> None:
+        if not lane.queued:
+            self._busy += 1
+        lane.queue.append(arrival)
+        lane.queued += count
+        lane.nbytes += size
+        self._bytes += size
+
+    def _taken(self, lane: Lane, count: int, size: int) -> None:
+        lane.queued -= count
+        lane.nbytes -= size
+        self._bytes -= size
+        if count and not lane.queued:
+            self._busy -= 1
+
+    @property
+    def queued_bytes(self) -> int:
+        """What every lane's messages hold, together."""
+        return self._bytes
 
     def post(self, command: object) -> None:
         """Queue a command for the applier (any thread)."""
@@ -174,12 +213,13 @@ class Inbox:
         with self._cond:
             queue = lane.queue
             taken: list[Arrival] = []
-            count = 0
+            count = size = 0
             while queue and (not taken or count + queue[0].batches <= n):
                 arrival = queue.popleft()
                 count += arrival.batches
+                size += arrival.nbytes
                 taken.append(arrival)
-            lane.queued -= count
+            self._taken(lane, count, size)
             return taken
 
     def take_all(self, lane: Lane) -> list[Arrival]:
@@ -188,7 +228,7 @@ class Inbox:
         with self._cond:
             taken = list(lane.queue)
             lane.queue.clear()
-            lane.queued = 0
+            self._taken(lane, lane.queued, lane.nbytes)
             lane.dropped_until = None
         return [one for arrival in taken for one in arrival.split()]
 
@@ -213,4 +253,8 @@ class Inbox:
         """Remove a lane (its stream is gone or refused); return it, messages and all."""
         with self._cond:
             self._touched.pop(sid, None)
-            return self._lanes.pop(sid, None)
+            lane = self._lanes.pop(sid, None)
+            if lane is not None:  # its messages go with it (the caller counts them)
+                self._bytes -= lane.nbytes
+                self._busy -= lane.queued > 0
+            return lane

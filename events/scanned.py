@@ -30,6 +30,11 @@ try:
     from kvindex.events import _wire_scan as _compiled
 except ImportError:  # built without a compiler: msgspec decodes every payload
     _compiled = None
+#: What scan() returns changed with the drain (per-event spans, stamps): a module built
+#: from older sources would be misread, so it is not used (rebuild: pip install -e .).
+_API = ("scan", "merge", "drain", "bind")
+if _compiled is not None and not all(hasattr(_compiled, name) for name in _API):
+    _compiled = None
 
 #: The compiled scanner, or None when every payload is decoded by msgspec. Tests swap it.
 scanner: ModuleType | None = _compiled

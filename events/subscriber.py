@@ -29,10 +29,12 @@ Threads and where work happens (this module only wires them together):
 
 Loss and recovery:
 
-* **Queue overflow**: when a stream's queue is full the *newest* message is dropped and
-  counted (``queue_overflow``). Keeping the oldest keeps the queue contiguous; the seq
-  gap the drop leaves is seen on the next message and recovered by the normal replay
-  path, exactly like a message PUB dropped.
+* **Queue overflow**: when a stream's queue is full (``queue_capacity`` messages, or
+  past its share of ``queue_bytes`` for every queue, by default a quarter of the memory
+  the process may use) the *newest* message is dropped and counted (``queue_overflow``).
+  Keeping the oldest keeps the queue contiguous; the seq gap the drop leaves is seen on
+  the next message and recovered by the normal replay path, exactly like a message PUB
+  dropped.
 * **Gap**: replay from the engine's replay endpoint (connect mode:
   ``PodEndpoint.replay_endpoint``; bind mode: what the ``replay_resolver`` says,
   :mod:`kvindex.events.replay_endpoints`, by default ``tcp://<pod host>:<replay_port +
@@ -89,6 +91,7 @@ from kvindex.events.applier import Applier, Control
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.endpoints import PodEndpoint
 from kvindex.events.gate import StreamGate
+from kvindex.events.heap import memory_limit
 from kvindex.events.identity import IdentityError, StreamId, normalize_pod
 from kvindex.events.inbox import Inbox
 from kvindex.events.known_pods import KnownPods
@@ -149,6 +152,7 @@ class Subscriber:
             self._errors,
             self._overflowed,
             self._refused,
+            self._config.queue_bytes or memory_limit() // 4,
         )
         self._applier = Applier(
             sink,
@@ -191,10 +195,12 @@ class Subscriber:
     def _overflowed(self, sid: StreamId, capacity: int) -> None:
         self._ratelog.warning(
             "queue_overflow",
-            "KV events: queue of %s is full (%d); dropping the newest batch, replay will "
-            "recover it (raise --stream-queue / queue_capacity if this persists)",
+            "KV events: queue of %s is full (%d batches, or its share of %d MiB for all "
+            "queues); dropping the newest batch, replay will recover it (raise "
+            "--stream-queue / --queue-memory if this persists)",
             sid,
             capacity,
+            self._inbox.budget >> 20,
         )
 
     def _refused(self, sid: StreamId) -> None:

@@ -812,7 +812,163 @@ done:
     return result;
 }
 
+/* store(table, keys, seed, shift, limit, zero_slot, zero_used, masks, others, stamps,
+ *       tick, width, word, bit, slots, had, gained) -> (worst, created, newly, n_gained,
+ *       n_live_new) or None
+ *
+ * One member stores one copy of each key in one tier (indexer/table_update.py's common
+ * case), in one pass per key instead of numpy's passes over the batch:
+ *   1. find each key, or insert it at the first empty slot from its home (a repeat finds
+ *      the copy placed before it): slots[i]; worst = the largest displacement of a key
+ *      placed, created = keys placed (key 0 takes zero_slot, placed when !zero_used).
+ *      None when a key would land more than `limit` slots from home (nothing else was
+ *      written: the caller rebuilds, and the keys placed are dead slots it drops).
+ *   2. set the member's bit (word `word`, mask `bit`) in `masks` (the tier's, flat,
+ *      `width` words per slot): newly = bits set; had[i] = 1 where it was set already
+ *      (an extra copy, for the caller's copy counts); n_live_new = slots that held
+ *      nothing in any tier (`others`: the other tiers' flat masks) before; gained[:n] =
+ *      slots the member now holds in no other tier (for its reverse record); stamps
+ *      (or None) get `tick` for every key. */
+static PyObject *probe_store(PyObject *self, PyObject *args) {
+    PyObject *table_o, *keys_o, *masks_o, *others_o, *stamps_o, *slots_o, *had_o, *gained_o;
+    unsigned long long seed, bit;
+    unsigned int shift;
+    Py_ssize_t limit, zero_slot, width, word;
+    int zero_used;
+    unsigned long tick;
+    if (!PyArg_ParseTuple(args, "OOKInnpOOOknnKOOO", &table_o, &keys_o, &seed, &shift, &limit,
+                          &zero_slot, &zero_used, &masks_o, &others_o, &stamps_o, &tick,
+                          &width, &word, &bit, &slots_o, &had_o, &gained_o)) {
+        return NULL;
+    }
+    if (!PyTuple_Check(others_o) || PyTuple_GET_SIZE(others_o) > 2 || width < 1 ||
+        word < 0 || word >= width) {
+        PyErr_SetString(PyExc_ValueError, "store: others is a tuple of at most two masks");
+        return NULL;
+    }
+    Buf table = {0}, keys = {0}, masks = {0}, stamps = {0}, slots = {0}, had = {0};
+    Buf gained = {0}, other[2];
+    memset(other, 0, sizeof(other));
+    Py_ssize_t n_other = PyTuple_GET_SIZE(others_o);
+    PyObject *result = NULL;
+    if (get(table_o, &table, 8, 1, "table") < 0 || get(keys_o, &keys, 8, 0, "keys") < 0 ||
+        get(masks_o, &masks, 8, 1, "masks") < 0 ||
+        (stamps_o != Py_None && get(stamps_o, &stamps, 4, 1, "stamps") < 0) ||
+        get(slots_o, &slots, sizeof(Py_ssize_t), 1, "slots") < 0 ||
+        get(had_o, &had, 1, 1, "had") < 0 || get(gained_o, &gained, 4, 1, "gained") < 0) {
+        goto done;
+    }
+    for (Py_ssize_t t = 0; t < n_other; t++) {
+        if (get(PyTuple_GET_ITEM(others_o, t), &other[t], 8, 0, "others") < 0) goto done;
+    }
+    Py_ssize_t n = keys.view.len / 8, size = table.view.len / 8;
+    Py_ssize_t rows = masks.view.len / 8 / width;
+    if (slots.view.len / (Py_ssize_t)sizeof(Py_ssize_t) != n || had.view.len != n ||
+        gained.view.len / 4 != n || rows != size ||
+        (stamps.held && stamps.view.len / 4 != size)) {
+        PyErr_SetString(PyExc_ValueError, "store: arrays of the wrong size");
+        goto done;
+    }
+    for (Py_ssize_t t = 0; t < n_other; t++) {
+        if (other[t].view.len / 8 != size * width) {
+            PyErr_SetString(PyExc_ValueError, "store: other masks of the wrong size");
+            goto done;
+        }
+    }
+    uint64_t *tk = table.view.buf, *m = masks.view.buf;
+    const uint64_t *k = keys.view.buf;
+    Py_ssize_t *out = slots.view.buf;
+    unsigned char *was = had.view.buf;
+    uint32_t *gain = gained.view.buf, *stamp = stamps.held ? stamps.view.buf : NULL;
+    Py_ssize_t worst = 0, created = 0, newly = 0, n_gained = 0, live_new = 0;
+    int full = 0;
+    enum { AHEAD = 8 };
+    /* Without the GIL: lookups may read the table meanwhile, which a step allows (keys
+     * fill empty slots, bits are set, word by word: see MemoryBackend's docstring). */
+    Py_BEGIN_ALLOW_THREADS
+    /* 1. slots */
+    for (Py_ssize_t i = 0; i < n && !full; i++) {
+        if (i + AHEAD < n && k[i + AHEAD] != 0) {
+            __builtin_prefetch(&tk[home_of(k[i + AHEAD], seed, shift)], 1);
+        }
+        uint64_t key = k[i];
+        if (key == 0) {
+            out[i] = zero_slot;
+            if (!zero_used) {
+                zero_used = 1;
+                created++;
+            }
+            continue;
+        }
+        Py_ssize_t home = home_of(key, seed, shift), s = home;
+        for (;;) {
+            if (s >= size || s - home > limit) {
+                full = 1; /* TableFull */
+                break;
+            }
+            uint64_t at = tk[s];
+            if (at == key) break;
+            if (at == 0) {
+                tk[s] = key;
+                created++;
+                if (s - home > worst) worst = s - home;
+                break;
+            }
+            s++;
+        }
+        out[i] = s;
+    }
+    /* 2. bits, counters, stamps */
+    for (Py_ssize_t i = 0; i < n && !full; i++) {
+        if (i + AHEAD < n) {
+            __builtin_prefetch(&m[out[i + AHEAD] * width + word], 1);
+        }
+        Py_ssize_t s = out[i], cell = s * width + word;
+        if (stamp != NULL) stamp[s] = (uint32_t)tick;
+        uint64_t old = m[cell];
+        if (old & bit) {
+            was[i] = 1;
+            continue;
+        }
+        was[i] = 0;
+        m[cell] = old | bit;
+        newly++;
+        int live = 0, elsewhere = 0;
+        for (Py_ssize_t w = 0; w < width && !live; w++) {
+            live = m[s * width + w] != (w == word ? bit : 0);
+        }
+        for (Py_ssize_t t = 0; t < n_other; t++) {
+            const uint64_t *o = other[t].view.buf;
+            if (o[cell] & bit) elsewhere = 1;
+            for (Py_ssize_t w = 0; w < width && !live; w++) {
+                live = o[s * width + w] != 0;
+            }
+        }
+        if (!live) live_new++;
+        if (!elsewhere) gain[n_gained++] = (uint32_t)s;
+    }
+    Py_END_ALLOW_THREADS
+    if (full) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    result = Py_BuildValue("(nnnnn)", worst, created, newly, n_gained, live_new);
+done:
+    release(&table);
+    release(&keys);
+    release(&masks);
+    release(&stamps);
+    release(&slots);
+    release(&had);
+    release(&gained);
+    release(&other[0]);
+    release(&other[1]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"store", probe_store, METH_VARARGS,
+     "One member stores one copy of each key in one tier: slots, bits, counters."},
     {"move_rows", probe_move_rows, METH_VARARGS, "dst[dst_rows] = src[src_rows], row by row."},
     {"distinct", probe_distinct, METH_O, "Whether no value of an int64 buffer repeats."},
     {"find", probe_find, METH_VARARGS, "Slots of keys (-1 absent), and insert cursors."},

@@ -13,7 +13,19 @@ import numpy as np
 
 from kvindex.indexer import compiled
 from kvindex.indexer.backend import Tier
-from kvindex.indexer.table_layout import _BIT, _SMALL, Bools, Counts, Ops, Slots, U64s
+from kvindex.indexer.table_copies import _copy_codes
+from kvindex.indexer.table_layout import (
+    _BIT,
+    _SMALL,
+    MAX_DISPLACEMENT,
+    MAX_LOAD,
+    Bools,
+    Counts,
+    Ops,
+    Slots,
+    TableFull,
+    U64s,
+)
 
 #: Op codes of :meth:`BlockTable.update` (an ``int8`` array of them, or one for all).
 STORE, REMOVE, ANNOUNCE = 1, -1, 0
@@ -43,6 +55,15 @@ class _Updates:
         ``REMOVE`` takes one away but never below zero, ``ANNOUNCE`` makes the count at
         least one), in order per (key, member). Raises NeedRoom or TableFull, after
         which the caller rebuilds and retries (nothing visible changed)."""
+        if (
+            isinstance(op, int)
+            and op == STORE
+            and isinstance(mid, int)
+            and compiled.probe is not None
+            and self.n_used + keys.size <= MAX_LOAD * self.cap
+        ):
+            self._store(tier, keys, mid, tick)
+            return
         if isinstance(op, int):
             needs_slot: bool | Bools = op != REMOVE
         else:
@@ -79,6 +100,55 @@ class _Updates:
         if created is not None:  # count each new slot once
             self.n_used += int(np.count_nonzero(created if first is None else created & first))
         self._write(tier, slots, mid, delta, floor, None if first is None else slots[first], tick)
+
+    def _store(self, tier: Tier, keys: U64s, mid: int, tick: int) -> None:
+        """:meth:`update` for one member storing one copy of each key, compiled
+        (``probe.store``): what the steps below do, in one pass per key. Raises
+        TableFull like them (nothing visible changed: placed keys hold no bits)."""
+        flat = self._tier_flat(tier, create=True)
+        assert flat is not None and compiled.probe is not None
+        others = tuple(
+            m.reshape(-1) for t, m in enumerate(self.masks) if t != tier and m is not None
+        )
+        n = keys.size
+        slots = np.empty(n, np.intp)
+        had = np.empty(n, np.uint8)
+        gained = np.empty(n, np.uint32)
+        done = compiled.probe.store(
+            self.keys,
+            np.ascontiguousarray(keys),
+            int(self.seed),
+            int(self.shift),
+            MAX_DISPLACEMENT,
+            self.zero_slot,
+            self.zero_used,
+            flat,
+            others,
+            self.stamps,
+            tick,
+            self.width,
+            mid >> 6,
+            int(_BIT[mid & 63]),
+            slots,
+            had,
+            gained,
+        )
+        if done is None:
+            raise TableFull
+        worst, created, newly, n_gained, live_new = done
+        self.max_disp = max(self.max_disp, worst)
+        if not keys.all():
+            self.zero_used = True
+        self.n_used += created
+        self.n_live += live_new
+        self.counts[tier, mid] += newly
+        self.held[mid] += n_gained
+        if n_gained:
+            self._extend_log(mid, gained[:n_gained])
+        if newly < n:  # extra copies of keys the member held already (rare)
+            copies = self.copies
+            for code in _copy_codes(slots[had.view(np.bool_)], mid, tier):
+                copies[code] = copies.get(code, 0) + 1
 
     def _fold_pairs(
         self, slots: Slots, mid: int | Slots, delta: int | Counts, floor: int | Counts

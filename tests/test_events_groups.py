@@ -12,6 +12,7 @@ framing asks), deliveries against the batches published, queue capacity in messa
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -305,3 +306,51 @@ def test_a_backlog_is_delivered_in_runs_in_order(
         assert d.last_seq == d.seq + d.batches - 1
     status = sub.streams()[0]
     assert status.delivered == 100 and status.last_seq == 99 and status.state == "live"
+
+
+def _singles(sid: StreamId, seqs: range, payload_events: int = 1) -> list[Arrival]:
+    payload = RELEASES[-1].encode_batch(
+        [BlockRemoved(list(range(32)), "GPU")] * payload_events, 1.0, 0
+    )
+    out = []
+    for seq in seqs:
+        decoded = BatchDecoder().decode(payload)
+        out.append(Arrival(sid, "m", seq, payload, 1.0, None, decoded=decoded))
+    return out
+
+
+def test_a_flooding_stream_is_cut_at_its_share_of_the_memory_budget() -> None:
+    a, b = StreamId("127.0.0.1:8000"), StreamId("127.0.0.2:8000")
+    size = _singles(a, range(1))[0].nbytes
+    errors = ReasonCounts()
+    inbox = Inbox(10_000, 10, errors, lambda s, c: None, lambda s: None, budget=100 * size)
+    inbox.put_arrivals(_singles(a, range(300)))  # alone: the whole budget is its share
+    lane_a = inbox.lane(a)
+    assert lane_a is not None and len(lane_a) == 100 and lane_a.overflows == 200
+    assert inbox.peek_dropped(lane_a) == 299 and inbox.queued_bytes == 100 * size
+    inbox.put_arrivals(_singles(b, range(80)))  # over the budget, but b is under its half
+    lane_b = inbox.lane(b)
+    assert lane_b is not None and len(lane_b) == 50 and lane_b.overflows == 30
+    assert inbox.queued_bytes == 150 * size <= 2 * inbox.budget
+    assert errors.snapshot()["queue_overflow"] == 230
+    assert [x.seq for x in inbox.pop(lane_a, 100)] == list(range(100))  # the oldest kept
+    inbox.put_arrivals(_singles(b, range(50, 60)))  # room again
+    assert len(lane_b) == 60
+    inbox.take_all(lane_b)
+    assert inbox.queued_bytes == 0
+
+
+def test_the_default_budget_follows_the_memory_the_process_may_use() -> None:
+    from kvindex.events.heap import memory_limit
+
+    limit = memory_limit()
+    assert 0 < limit <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for config, budget in (
+        (SubscriberConfig(), limit // 4),
+        (SubscriberConfig(queue_bytes=5 << 20), 5 << 20),
+    ):
+        sub = Subscriber(RecordingSink(), config)
+        try:
+            assert sub._inbox.budget == budget
+        finally:
+            sub.stop()

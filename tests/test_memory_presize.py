@@ -40,3 +40,22 @@ def test_the_hint_is_checked() -> None:
     with pytest.raises(ValueError):
         BlockTable(1, seed=0, stamped=False, cap=MIN_CAP + 1)
     assert MemoryBackend(expected_keys=0).stats().extra["table_slots"] == 0  # no table yet
+
+
+def test_the_expected_blocks_flag_sizes_the_memory_index() -> None:
+    from kvindex.api import cli
+    from kvindex.api.service_parts import make_backend
+
+    def backend_for(argv: list[str]) -> MemoryBackend:
+        args = cli.build_parser().parse_args(["serve", *argv])
+        backend = make_backend(cli._settings_from(args, {}))
+        assert isinstance(backend, MemoryBackend)
+        backend.apply([Change(Op.STORE, "p", "m", Tier.GPU, [1, 2, 3])])
+        return backend
+
+    sized = backend_for(["--expected-blocks", "60000"])
+    assert sized.stats().extra["table_slots"] >= 2 * 60_000
+    assert backend_for([]).stats().extra["table_slots"] < 2 * MIN_CAP
+    args = cli.build_parser().parse_args(["serve"])
+    environ = {"KVINDEX_EXPECTED_BLOCKS": "5000"}
+    assert cli._settings_from(args, environ).index.expected_blocks == 5000

@@ -67,6 +67,29 @@ def random_changes(rng: random.Random, pool: list[int]) -> list[Change]:
     return changes
 
 
+def facts(backend: MemoryBackend) -> tuple:
+    """The table's counters and copy counts, by key rather than by slot (the two paths
+    may place racing keys in different slots)."""
+    table = backend._tables.get(M)
+    if table is None:
+        return ()
+    copies = {}
+    for code, n in table.copies.items():
+        slot, mid, tier = code >> (memory_table.MEMBER_BITS + 2), (code >> 2), code & 3
+        mid &= memory_table.MAX_MEMBERS - 1
+        copies[(int(table.keys[slot]), mid, tier)] = n
+    stats = backend.stats()
+    return (
+        table.n_live,
+        table.n_used,
+        table.counts.tolist(),
+        table.held.tolist(),
+        copies,
+        stats.keys,
+        stats.blocks,
+    )
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_compiled_and_numpy_paths_answer_alike(seed: int, monkeypatch) -> None:
     rng = random.Random(seed)
@@ -84,8 +107,10 @@ def test_compiled_and_numpy_paths_answer_alike(seed: int, monkeypatch) -> None:
             slow.apply(changes)
             expected = [slow.lookup(M, keys) for keys in probes]
             expected_keys = {m: sorted(slow.member_keys(m, M)) for m in MEMBERS}
+            expected_facts = facts(slow)
         assert [fast.lookup(M, keys) for keys in probes] == expected, f"step {step}"
         assert {m: sorted(fast.member_keys(m, M)) for m in MEMBERS} == expected_keys
+        assert facts(fast) == expected_facts, f"step {step}"
     table = fast._tables[M]
     valid(table)
     assert table.rebuilds > 0  # the run grew the table through the compiled layout

@@ -231,9 +231,10 @@ class KvindexRoute(Policy):
     """``POST /route`` on the real kvindex: its cost over the index's prefix match, the
     pods' load as kvindex scraped it from their ``/metrics`` pages (the same scrape tick
     every policy reads: :mod:`bench.sim.metrics`), its in-flight ledger, which every
-    replica shares (one kvindex), and speculative entries; ``POST /route/{id}/done``
-    when the request completes. A 429 (no pod admissible) falls back to least-loaded
-    (by the scrape) and is counted."""
+    replica shares (one kvindex), and speculative entries; ``POST
+    /route/{id}/first-token`` at the request's first token (as a gateway sees its answer
+    begin) and ``POST /route/{id}/done`` when it completes. A 429 (no pod admissible)
+    falls back to least-loaded (by the scrape) and is counted."""
 
     name = "kvindex-route"
 
@@ -257,6 +258,9 @@ class KvindexRoute(Policy):
         pod, reason = answer
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
         return self._index[pod]
+
+    def first_token(self, job: Job) -> None:
+        self.client.route_first_token(f"{self._tag}-{job.keyed.request.rid}")
 
     def finished(self, job: Job) -> None:
         self.client.route_done(f"{self._tag}-{job.keyed.request.rid}")

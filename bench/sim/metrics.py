@@ -26,7 +26,9 @@ The page holds what ``kvindex.scoring.load_metrics`` reads from vLLM 0.33's Prom
 logger: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` (labelled ``model_name`` and ``engine``), and
 ``process_start_time_seconds`` from prometheus_client's process collector, which
-vLLM's API server exposes: the virtual time of the pod's last (re)start.
+vLLM's API server exposes: the pod's last (re)start on the clock its KV-event batches
+are stamped with (the wall clock: the publisher stamps ``time.time()``), so kvindex can
+tell a restarted pod it has not heard from since, as it would in a cluster.
 """
 
 from __future__ import annotations
@@ -44,8 +46,6 @@ from bench.sim.service import ServiceError
 
 #: llm-d's endpoint picker scrapes every 50 ms by default (see the module docstring).
 DEFAULT_SCRAPE_S = 0.05
-#: A fixed epoch for the pods' process start times (virtual time 0).
-START_EPOCH = 1_700_000_000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +55,11 @@ class Gauges:
     running: int
     waiting: int
     kv_usage: float
-    started_s: float  # virtual time of the pod's last (re)start
+    started_at: float  # the pod's last (re)start, on the clock its event batches carry
 
     @classmethod
     def of(cls, pod: SimPod) -> Gauges:
-        return cls(len(pod.running), len(pod.waiting), pod.kv_usage, pod.started_s)
+        return cls(len(pod.running), len(pod.waiting), pod.kv_usage, pod.started_at)
 
 
 class ScrapedPod:
@@ -128,7 +128,7 @@ def page(gauges: Gauges, model: str) -> bytes:
         "# TYPE vllm:kv_cache_usage_perc gauge\n"
         f"vllm:kv_cache_usage_perc{labels} {gauges.kv_usage:.6f}\n"
         "# TYPE process_start_time_seconds gauge\n"
-        f"process_start_time_seconds {START_EPOCH + gauges.started_s:.3f}\n"
+        f"process_start_time_seconds {gauges.started_at!r}\n"
     ).encode()
 
 

@@ -71,6 +71,8 @@ class RunSpec:
     max_probes: int | None = 2000
     load: float = 1.0  # the offered-load factor the workload was built with (a label)
     scrape_s: float = DEFAULT_SCRAPE_S  # virtual seconds between scrapes of pod load
+    #: /route's cost weights for kvindex-route runs (None: kvindex's defaults).
+    route_weights: dict[str, float] | None = None
 
 
 Inspect = Callable[[Cluster, IndexClient], None]
@@ -112,8 +114,13 @@ def run(
             if routes:
                 roles = [f"--pod-role={pod}=both" for pod in spec.cluster.pod_ids()]
                 extra = (*ROUTE_SCRAPE_ARGS, *roles)
+            weights = spec.route_weights if routes else None
             service = stack.enter_context(
-                KvindexProcess(block_size=spec.cluster.block_size, extra_args=extra)
+                KvindexProcess(
+                    block_size=spec.cluster.block_size,
+                    extra_args=extra,
+                    settings={"scoring": {"route_weights": weights}} if weights else None,
+                )
             )
         if service is not None:
             client = IndexClient(service.url)

@@ -24,12 +24,14 @@ ROUTE_DESCRIPTION = """\
 The pod with the lowest **cost** wins (`scoring/route_cost.py`): the latency the request
 adds there, its own and what it inflicts, in units of this prompt's full prefill:
 
-`cost = 1 * u/P + 1 * Q/P + 1 * R * u/P + 1 * kv_usage`
+`cost = 2 * u/P + 1 * Q/P + 1 * R * u/P + 1 * kv_usage`
 
 * `P`: the prompt's tokens; `u`: those the pod must compute past its cached prefix. A hit
   covers at most `P - 1` tokens (vLLM always computes the last one); CPU or storage
   blocks count by their tier weight; `speculative_blocks` (recent routes to the pod its
-  events have not confirmed yet) count as cached GPU blocks. (`prefix_cost`)
+  events have not confirmed yet) count as cached GPU blocks. Weight 2: the request's
+  own time, and as much again of the pod's capacity, which later requests wait for.
+  (`prefix_cost`)
 * `Q`: prefill tokens queued on the pod ahead of it: the uncached tokens of the requests
   kvindex routed there whose first token was not reported yet (`queued_tokens`;
   `POST /route/{route_id}/first-token`, else until done), plus one prompt of this size
@@ -42,11 +44,10 @@ adds there, its own and what it inflicts, in units of this prompt's full prefill
 * `kv_usage`: the pod's KV-cache usage, mean over its engines: a full cache costs one
   prefill of the prompt. (`kv_cost`)
 
-Weights 1 say "as much as it costs"; set them with
-`scoring: {route_weights: {prefix, queue, decode, kv}}` in the config file (e.g. a
-lower `decode` when TTFT matters more than inter-token latency). A pod whose load is
-unknown (`load` stale or not_scraped) is costed busy: a full cache, one request running
-and one prompt queued beyond its in-flight routes. A pod whose
+Set the weights with `scoring: {route_weights: {prefix, queue, decode, kv}}` in the
+config file (e.g. a lower `decode` when TTFT matters more than inter-token latency). A
+pod whose load is unknown (`load` stale or not_scraped) is costed busy: a full cache,
+one request running and one prompt queued beyond its in-flight routes. A pod whose
 `process_start_time_seconds` is newer than its last KV events restarted unheard: its
 index entries are ignored (`warnings`). Equal costs are broken at random.
 
@@ -74,7 +75,7 @@ def _candidate(
     usable = min(matched, (_P - 1) // 16)
     own = _P - usable * 16  # u
     per_token = 1.0 / _P
-    prefix, queue = per_token * own, per_token * queued
+    prefix, queue = 2.0 * per_token * own, per_token * queued
     decode, kv = per_token * max(running, in_flight) * own, kv_usage
     return {
         "pod": pod, "rank": 0, "role": "both", "matched_blocks": matched,

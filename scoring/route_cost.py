@@ -2,8 +2,8 @@
 function, the heart of ``POST /route``.
 
 The cost (lower is better) estimates the latency a request adds if sent to the pod, its
-own and what it inflicts on the requests already there, counted in units of this
-prompt's full prefill (1.0 = the time to compute every token of the prompt)::
+own and what it inflicts on other requests, counted in units of this prompt's full
+prefill (1.0 = the time to compute every token of the prompt)::
 
     cost = prefix_w * u / P  +  queue_w * Q / P  +  decode_w * R * u / P  +  kv_w * usage
 
@@ -11,38 +11,43 @@ prompt's full prefill (1.0 = the time to compute every token of the prompt)::
   Only ``(P - 1) // block_size`` blocks can be reused, as vLLM 0.33 always computes the
   prompt's last token (``KVCacheManager.get_computed_blocks``); cached blocks count by
   their tier weight (a CPU block must be copied back first).
-  **Prefix term**: the request's own prefill. Dynamo's router prices the same thing
-  (``overlap_weight x`` uncached prefill blocks).
+  **Prefix term**, weight 2: computing ``u`` costs the request that time, and costs the
+  pod's capacity as much again: the requests that reach the pod after it wait behind
+  that work (the marginal delay a job adds to an M/M/1 queue is its own service time
+  over ``1 - utilisation``: twice it at 50%, the load a router is there for). This is
+  also what breaks the tie between waiting for a prefill of the same prompt queued on
+  the pod holding it and computing the prompt afresh elsewhere, equal in latency alone:
+  reuse wins. Dynamo's router prices the same thing (``overlap_weight x`` uncached
+  prefill blocks); llm-d weighs its prefix scorer 2 against queue 1 too.
 - ``Q``: prefill tokens queued on the pod ahead of this request, which it waits for
   before its own: the predicted uncached tokens of the requests kvindex routed there
   whose first token has not been reported (the in-flight ledger; a gateway reports it
   with ``POST /route/{id}/first-token``, else it counts until ``done``), plus, for
   waiting requests the scrape shows beyond those (traffic kvindex did not route), one
-  prompt of this size each. **Queue term**: counted in work, not in requests: three
-  5,000-token prefills queued weigh a hundred times three 50-token chat turns. Dynamo's
-  router counts its predicted in-flight prefill blocks the same way.
+  prompt of this size each. **Queue term**, weight 1: counted in work, not in requests:
+  three 5,000-token prefills queued weigh a hundred times three 50-token chat turns.
+  Dynamo's router counts its predicted in-flight prefill blocks the same way.
 - ``R``: requests on the pod that will share the engine's steps with this prefill:
   running + waiting as last scraped, or the ledger's in-flight count when that is
-  higher (routes since the scrape). **Decode term**: vLLM's chunked prefill batches a
-  prefill with every running request's decode step, so each of them waits about as
-  long as the prefill computes: ``R x u`` tokens of delay in all. Without it, a long
-  shared prefix (an agent's 4,500-token preamble) sends every new session to the one
-  pod holding it, whatever runs there, and every decode on that pod stalls behind every
-  new session's prefill (bench/README, "Routing comparison"); with it, a new session
-  goes to a quieter pod once the prefill it saves is smaller than the stall it causes,
-  and the session's later turns, whose uncached part is small, stay with their cache.
-  Dynamo's router counts active decode blocks with weight 1 next to prefill blocks;
-  this term prices decode load by what actually slows it, a prefill landing on it.
+  higher (routes since the scrape). **Decode term**, weight 1: vLLM's chunked prefill
+  batches a prefill with every running request's decode step, so each of them waits
+  about as long as the prefill computes: ``R x u`` tokens of delay in all. Without it, a
+  long shared prefix (an agent's 4,500-token preamble) sends every new session to the
+  one pod holding it, whatever runs there, and every decode on that pod stalls behind
+  every new session's prefill (bench/README, "Routing comparison"); with it, a new
+  session goes to a quieter pod once the prefill it saves is smaller than the stall it
+  causes, while a session's later turns, whose uncached part is small, stay with their
+  cache. Dynamo's router counts active decode blocks next to prefill blocks; this term
+  prices decode load by what actually slows it, a prefill landing on it.
 - ``usage``: the fraction of the pod's KV cache in use (mean over its engines), llm-d's
   KV-utilisation scorer: a full cache means preemptions and evicting what others reuse.
-  **KV term**: a full cache costs as much as prefilling the prompt once.
+  **KV term**, weight 1: a full cache costs as much as prefilling the prompt once.
 
-All four weights default to 1: each term is already in the same unit (the prompt's
-prefill time), so 1 means "as much as it costs", and the weights stay for operators
-who value one kind of delay over another (e.g. a lower ``decode`` when TTFT matters more
-than inter-token latency). Compared with the weighted scores of llm-d (prefix 2 : queue
-1 : KV 1 over normalised scores) the queue and decode terms here grow with the work,
-not saturate: a pod twice as busy costs twice as much.
+The weights are operators' to change (``scoring.route_weights``), e.g. a lower ``decode``
+when first-token latency matters more than inter-token latency. Unlike llm-d's scores,
+which are normalised over the candidates and bounded, the queue and decode terms grow
+with the work: a pod twice as busy costs twice as much. (The previous model here, 2 x
+uncached fraction + queued requests / 4 + KV usage, counted requests, not work.)
 
 Unknown load (no fresh scrape) is never idle: its KV usage counts as full, one request
 as running and one prompt of this size as queued beyond what the ledger holds, so it
@@ -61,7 +66,7 @@ class CostWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     The config file's ``scoring.route_weights`` decodes into this type (a negative
     weight is refused there, naming the field)."""
 
-    prefix: float = 1.0  # the request's own prefill, u / P
+    prefix: float = 2.0  # the request's own prefill, u / P: its latency and capacity
     queue: float = 1.0  # prefill queued ahead of it, Q / P
     decode: float = 1.0  # the decodes its prefill stalls, R x u / P
     kv: float = 1.0  # KV-cache usage

@@ -22,7 +22,7 @@ def test_the_route_operation_has_the_cost_model_and_an_example() -> None:
             route = client.get("/openapi.json").json()["paths"]["/route"]["post"]
     finally:
         service.stop()
-    assert "cost = 1 * u/P + 1 * Q/P + 1 * R * u/P + 1 * kv_usage" in route["description"]
+    assert "cost = 2 * u/P + 1 * Q/P + 1 * R * u/P + 1 * kv_usage" in route["description"]
     assert "route_weights" in route["description"]
     body = route["requestBody"]["content"]["application/json"]
     assert body["example"] == ROUTE_REQUEST_EXAMPLE

@@ -144,8 +144,8 @@ def test_prefix_wins_at_equal_load(cluster: Cluster) -> None:
     by_pod = {c["pod"]: c for c in body["candidates"]}
     assert set(by_pod) == {cluster.a, cluster.b, cluster.c}
     assert by_pod[cluster.a]["matched_blocks"] == 16 and by_pod[cluster.b]["matched_blocks"] == 0
-    assert by_pod[cluster.a]["prefix_cost"] == pytest.approx(0.5)  # half the prompt to compute
-    assert by_pod[cluster.b]["prefix_cost"] == pytest.approx(1.0)
+    assert by_pod[cluster.a]["prefix_cost"] == pytest.approx(1.0)  # half the prompt, weight 2
+    assert by_pod[cluster.b]["prefix_cost"] == pytest.approx(2.0)
     assert by_pod[cluster.a]["decode_cost"] == by_pod[cluster.a]["queue_cost"] == 0.0
     assert all(c["load"] == "known" and c["admitted"] for c in body["candidates"])
     assert cluster.done("eq-1").json() == {"route_id": "eq-1", "pod": cluster.a}

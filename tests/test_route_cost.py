@@ -37,7 +37,7 @@ def test_reuse_is_capped_at_all_tokens_but_the_last_like_vllm() -> None:
     assert usable_blocks(3, 0, BS) == 0
     full = pod_cost(pod("a", 32), 32 * BS, BS, W)
     assert full.usable_blocks == 31 and full.uncached_blocks == 1.0
-    assert full.prefix == pytest.approx(1 / 32)  # one block of 32 to compute
+    assert full.prefix == pytest.approx(2 / 32)  # one block of 32 to compute, weight 2
 
 
 def test_cpu_tier_blocks_save_less_prefill_than_gpu_blocks() -> None:
@@ -50,7 +50,7 @@ def test_cpu_tier_blocks_save_less_prefill_than_gpu_blocks() -> None:
 def test_terms_are_work_in_units_of_the_prompts_prefill() -> None:
     tokens = 4 * BS
     idle = pod_cost(pod("a"), tokens, BS, W)
-    assert (idle.prefix, idle.queue, idle.decode, idle.kv) == (1.0, 0.0, 0.0, 0.0)
+    assert (idle.prefix, idle.queue, idle.decode, idle.kv) == (2.0, 0.0, 0.0, 0.0)
     # Queue: the ledger's predicted prefill tokens, and one prompt per waiting request
     # the ledger does not account for (traffic kvindex did not route).
     ours = pod("a", waiting=1, flying=1, prefilling=1, queued=2 * tokens)
@@ -60,7 +60,7 @@ def test_terms_are_work_in_units_of_the_prompts_prefill() -> None:
     assert pod_cost(pod("a", running=3), tokens, BS, W).decode == pytest.approx(3.0)
     assert pod_cost(pod("a", running=3, flying=5), tokens, BS, W).decode == pytest.approx(5.0)
     half = pod_cost(pod("a", matched=2, running=3), tokens, BS, W)
-    assert (half.prefix, half.decode) == (pytest.approx(0.5), pytest.approx(1.5))
+    assert (half.prefix, half.decode) == (pytest.approx(1.0), pytest.approx(1.5))
     assert pod_cost(pod("a", kv=0.25), tokens, BS, W).kv == pytest.approx(0.25)
 
 
@@ -77,19 +77,20 @@ def test_queued_work_counts_tokens_not_requests() -> None:
 
 def test_a_shared_preamble_stops_drawing_new_sessions_to_a_busy_pod() -> None:
     """An agent's 4,500-token preamble cached on one pod, a new task of 8,500 tokens:
-    the preamble pod wins while idle, a cold pod once the decodes the task's 4,000-token
-    prefill would stall there outweigh the 4,500 tokens it saves. A session's next turn
-    (1,700 uncached tokens of 10,200) stays with its cache until the stall it causes
-    there outweighs recomputing the whole prompt on an idle pod (5 running)."""
+    the preamble pod wins while quiet, a cold pod once the decodes the task's 4,000-token
+    prefill would stall there (3 running) outweigh the 4,500 tokens it saves. A
+    session's next turn (1,700 uncached tokens of 10,200) stays with its cache until the
+    stall it causes there outweighs recomputing the whole prompt on an idle pod (10
+    running)."""
     tokens, preamble = 8500, 4500 // BS
-    hot, cold = pod("hot", matched=preamble), pod("cold")
+    hot, cold = pod("hot", matched=preamble, running=2), pod("cold")
     assert decide(Router(seed=0), [hot, cold], tokens=tokens).pod == "hot"
-    hot_busy = pod("hot", matched=preamble, running=2)
+    hot_busy = pod("hot", matched=preamble, running=3)
     assert decide(Router(seed=0), [hot_busy, cold], tokens=tokens).pod == "cold"
     turn, history = 10_200, 8_500 // BS
-    home = pod("home", matched=history, running=4)
+    home = pod("home", matched=history, running=9)
     assert decide(Router(seed=0), [home, pod("idle")], tokens=turn).pod == "home"
-    home = pod("home", matched=history, running=6)
+    home = pod("home", matched=history, running=11)
     assert decide(Router(seed=0), [home, pod("idle")], tokens=turn).pod == "idle"
 
 

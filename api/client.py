@@ -242,11 +242,19 @@ class Client:
         body = _body(_route_request(request, fields))
         return _decode(_route_decoder, self._call("POST", "/route", body))
 
+    def first_token(self, route_id: str) -> RouteDone | None:
+        """``POST /route/{route_id}/first-token``: the answer began, so the request's
+        prefill no longer counts as queued on its pod; None when the route is not open."""
+        return self._release(route_id, "first-token")
+
     def done(self, route_id: str) -> RouteDone | None:
         """``POST /route/{route_id}/done``; None when the route is not open (already
         released, expired, or never routed)."""
+        return self._release(route_id, "done")
+
+    def _release(self, route_id: str, what: str) -> RouteDone | None:
         try:
-            response = self._call("POST", f"/route/{_quote(route_id)}/done", b"")
+            response = self._call("POST", f"/route/{_quote(route_id)}/{what}", b"")
         except ApiError as exc:
             if exc.status == 404:
                 return None
@@ -316,9 +324,15 @@ class AsyncClient:
         body = _body(_route_request(request, fields))
         return _decode(_route_decoder, await self._call("POST", "/route", body))
 
+    async def first_token(self, route_id: str) -> RouteDone | None:
+        return await self._release(route_id, "first-token")
+
     async def done(self, route_id: str) -> RouteDone | None:
+        return await self._release(route_id, "done")
+
+    async def _release(self, route_id: str, what: str) -> RouteDone | None:
         try:
-            response = await self._call("POST", f"/route/{_quote(route_id)}/done", b"")
+            response = await self._call("POST", f"/route/{_quote(route_id)}/{what}", b"")
         except ApiError as exc:
             if exc.status == 404:
                 return None

@@ -1,6 +1,7 @@
-"""The OpenAPI path items of ``/score``, ``/route`` and ``/route/{route_id}/done``, which
-are not FastAPI routes (``api/hot_path.py``): generated from the same msgspec types as
-the bodies are decoded with, and added to FastAPI's document by ``api/app.py``."""
+"""The OpenAPI path items of ``/score``, ``/route``, ``/route/{route_id}/first-token`` and
+``/route/{route_id}/done``, which are not FastAPI routes (``api/hot_path.py``): generated
+from the same msgspec types as the bodies are decoded with, and added to FastAPI's
+document by ``api/app.py``."""
 
 from __future__ import annotations
 
@@ -20,30 +21,40 @@ from kvindex.api.schemas import (
 from kvindex.api.score_inputs import binary_parameters, request_body
 
 ROUTE_DESCRIPTION = """\
-The pod with the lowest **cost** wins (`scoring/route_cost.py`):
+The pod with the lowest **cost** wins (`scoring/route_cost.py`): the latency the request
+adds there, its own and what it inflicts, in units of this prompt's full prefill:
 
-`cost = 2 * uncached_fraction + 1 * q/4 + 1 * kv_usage`
+`cost = 2 * u/P + 1 * Q/P + 1 * R * u/P + 1 * kv_usage`
 
-* `uncached_fraction`: the prompt's blocks the pod must prefill, over the prompt's blocks.
-  A hit covers at most `prompt_tokens - 1` tokens (vLLM always computes the last one);
-  CPU or storage blocks count by their tier weight; `speculative_blocks` (recent routes
-  to the pod its events have not confirmed yet) count as cached GPU blocks.
-* `q`: the pod's scraped waiting queue plus the requests kvindex routed there that are
-  not done (`POST /route/{route_id}/done`, or `--route-ttl`).
-* `kv_usage`: the pod's KV-cache usage, mean over its engines.
+* `P`: the prompt's tokens; `u`: those the pod must compute past its cached prefix. A hit
+  covers at most `P - 1` tokens (vLLM always computes the last one); CPU or storage
+  blocks count by their tier weight; `speculative_blocks` (recent routes to the pod its
+  events have not confirmed yet) count as cached GPU blocks. Weight 2: the request's
+  own time, and as much again of the pod's capacity, which later requests wait for.
+  (`prefix_cost`)
+* `Q`: prefill tokens queued on the pod ahead of it: the uncached tokens of the requests
+  kvindex routed there whose first token was not reported yet (`queued_tokens`;
+  `POST /route/{route_id}/first-token`, else until done), plus one prompt of this size
+  per scraped waiting request kvindex did not route. (`queue_cost`)
+* `R`: requests on the pod (scraped running + waiting, or `in_flight` if more): each
+  decode step waits while a prefill shares the engine's steps, so `R * u` is the stall
+  the request causes. It keeps a long shared prefix (an agent's tool preamble) from
+  drawing every new session onto one busy pod, while a session's next turn, whose `u`
+  is small, stays with its cache. (`decode_cost`)
+* `kv_usage`: the pod's KV-cache usage, mean over its engines: a full cache costs one
+  prefill of the prompt. (`kv_cost`)
 
-The weights 2 : 1 : 1 are llm-d's default scorer weights: a prefix hit wins at equal
-load; a busy prefix pod loses to an idle cold one once its queue and cache cost more than
-the prefill it saves. The queue term is linear (4 requests cost the queue weight, so a
-pod 8 requests busier costs as much as a full prefix miss). Set them with
-`scoring: {route_weights: {prefix, queue, kv, queue_unit}}` in the config file. A pod
-whose load is unknown (`load` stale or not_scraped) is costed busy: a full cache and four
-more requests waiting. Equal costs are broken at random.
+Set the weights with `scoring: {route_weights: {prefix, queue, decode, kv}}` in the
+config file (e.g. a lower `decode` when TTFT matters more than inter-token latency). A
+pod whose load is unknown (`load` stale or not_scraped) is costed busy: a full cache,
+one request running and one prompt queued beyond its in-flight routes. A pod whose
+`process_start_time_seconds` is newer than its last KV events restarted unheard: its
+index entries are ignored (`warnings`). Equal costs are broken at random.
 
 A pod over `--max-kv-usage` or `--max-waiting` is not admitted (`refused` says why); no
 admissible pod is a 429 `no_capacity` with `Retry-After`. When the index cannot be used
 for the request (a stale stream, the backend down, an unknown model, no tokenizer) the
-decision is load-only and `reason` says which `fallback_*`.
+decision is load-only (`u = P` on every pod) and `reason` says which `fallback_*`.
 """
 
 # The example below is checked against the cost model by tests/test_hot_openapi.py.
@@ -53,20 +64,26 @@ ROUTE_REQUEST_EXAMPLE = {
     "request_id": "req-42",
     "max_tokens": 256,
 }
+_P = 48  # the example prompt's tokens: 3 blocks of 16
 
 
 def _candidate(
-    pod: str, matched: int, waiting: int, kv_usage: float, in_flight: int, terms: tuple
+    pod: str, matched: int, running: int, kv_usage: float, in_flight: int, queued: int
 ) -> dict[str, Any]:
-    """One candidate row of the example; ``terms`` are its cost terms as /route answers
-    them (usable, uncached, prefix, queue, kv, cost)."""
-    usable, uncached, prefix, queue, kv, cost = terms
+    """One candidate row of the example (no requests waiting), its cost terms computed as
+    ``pod_costs`` computes them: the same float operations in the same order."""
+    usable = min(matched, (_P - 1) // 16)
+    own = _P - usable * 16  # u
+    per_token = 1.0 / _P
+    prefix, queue = 2.0 * per_token * own, per_token * queued
+    decode, kv = per_token * max(running, in_flight) * own, kv_usage
     return {
         "pod": pod, "rank": 0, "role": "both", "matched_blocks": matched,
-        "speculative_blocks": 0, "usable_blocks": usable, "uncached_blocks": uncached,
-        "load": "known", "running": 2, "waiting": waiting, "kv_usage": kv_usage,
-        "in_flight": in_flight, "prefix_cost": prefix, "queue_cost": queue, "kv_cost": kv,
-        "cost": cost, "admitted": True, "refused": None,
+        "speculative_blocks": 0, "usable_blocks": usable, "uncached_blocks": 3.0 - usable,
+        "load": "known", "running": running, "waiting": 0, "kv_usage": kv_usage,
+        "in_flight": in_flight, "queued_tokens": queued, "prefix_cost": prefix,
+        "queue_cost": queue, "decode_cost": decode, "kv_cost": kv,
+        "cost": prefix + queue + decode + kv, "admitted": True, "refused": None,
     }  # fmt: skip
 
 
@@ -76,11 +93,11 @@ ROUTE_RESPONSE_EXAMPLE = {
     "reason": "prefix",
     "model": "Qwen/Qwen3-8B",
     "block_size": 16,
-    "prompt_tokens": 48,
+    "prompt_tokens": _P,
     "prompt_blocks": 3,
     "candidates": [
-        _candidate("127.0.0.2:8000", 2, 1, 0.25, 1, (2, 1.0, 2 / 3, 0.5, 0.25, 2 / 3 + 0.75)),
-        _candidate("127.0.0.3:8000", 0, 0, 0.1, 0, (0, 3.0, 2.0, 0.0, 0.1, 2.1)),
+        _candidate("127.0.0.2:8000", 2, 1, 0.1, 1, 16),
+        _candidate("127.0.0.3:8000", 0, 0, 0.2, 0, 0),
     ],
     "warnings": [],
     "rank": 0,
@@ -152,9 +169,23 @@ def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
             "404": described("Unknown route id (never routed, already done, or expired)"),
         },
     }
+    route_first = {
+        "summary": "The routed request's first token is out: stop counting its prefill as "
+        "queued on its pod",
+        "description": "Optional: a gateway that sees the answer begin (a streamed "
+        "response's first event) reports it, so the queue term of later decisions counts "
+        "only prefills not yet done; without it a request's prefill counts until done.",
+        "operationId": "route_first_token_route__route_id__first_token_post",
+        "parameters": route_done["parameters"],
+        "responses": {
+            "200": ok_response("Prefill released", done),
+            "404": described("Unknown route id (never routed, already done, or expired)"),
+        },
+    }
     paths = {
         "/score": {"post": score},
         "/route": {"post": route},
+        "/route/{route_id}/first-token": {"post": route_first},
         "/route/{route_id}/done": {"post": route_done},
     }
     return paths, components

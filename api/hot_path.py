@@ -1,6 +1,7 @@
-"""``POST /score``, ``POST /route`` and ``POST /route/{route_id}/done`` answered without
-FastAPI: the handlers (:class:`HotRoutes`), and the ASGI app in front of the FastAPI app
-that serves every other path (:class:`HotPath`).
+"""``POST /score``, ``POST /route``, ``POST /route/{route_id}/done`` and
+``/route/{route_id}/first-token`` answered without FastAPI: the handlers
+(:class:`HotRoutes`), and the ASGI app in front of the FastAPI app that serves every
+other path (:class:`HotPath`).
 
 Why not FastAPI routes: its dispatch (route matching, dependency solving, its middleware
 stack, Starlette's Request and Response) was ~18% of a ``/score`` request's CPU in issue
@@ -50,6 +51,7 @@ from kvindex.api.route import (
     decide_route,
     decode_route,
     index_inputs,
+    release_prefill,
     release_route,
     route_inputs,
 )
@@ -70,7 +72,7 @@ Answer = tuple[int, bytes, Headers]
 R = TypeVar("R", bound=ScoreRequest)
 
 _encode = msgspec.json.Encoder().encode
-_ROUTE_PREFIX, _DONE_SUFFIX = "/route/", "/done"
+_ROUTE_PREFIX, _DONE_SUFFIX, _FIRST_SUFFIX = "/route/", "/done", "/first-token"
 ALLOW = [(b"allow", b"POST")]
 
 
@@ -83,7 +85,7 @@ class Posted:
     media: str
     query: bytes
     body: bytes
-    argument: str = ""  # the route id of /route/{route_id}/done
+    argument: str = ""  # the route id of /route/{route_id}/done (or /first-token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,7 @@ class HotRoutes:
             "/route": Route(self._route, self._route_awaited),
         }
         self._done_route = Route(self._done, self._done_awaited)
+        self._first_route = Route(self._first, self._first_awaited)
 
     def match(self, path: str) -> tuple[Route, str] | None:
         """The route of ``path`` and its path parameter (a route id), or None."""
@@ -117,10 +120,15 @@ class HotRoutes:
         route = self._exact.get(path)
         if route is not None:
             return route, ""
-        if path.startswith(_ROUTE_PREFIX) and path.endswith(_DONE_SUFFIX):
-            route_id = path[len(_ROUTE_PREFIX) : -len(_DONE_SUFFIX)]
-            if route_id and "/" not in route_id:  # Starlette's {route_id}: [^/]+
-                return self._done_route, route_id
+        if path.startswith(_ROUTE_PREFIX):
+            for suffix, route in (
+                (_DONE_SUFFIX, self._done_route),
+                (_FIRST_SUFFIX, self._first_route),
+            ):
+                if path.endswith(suffix):
+                    route_id = path[len(_ROUTE_PREFIX) : -len(suffix)]
+                    if route_id and "/" not in route_id:  # Starlette's {route_id}: [^/]+
+                        return route, route_id
         return None
 
     def answer(self, route: Route, posted: Posted) -> Answer:
@@ -186,6 +194,12 @@ class HotRoutes:
 
     async def _done_awaited(self, posted: Posted) -> Answer:
         return self._done(posted)
+
+    def _first(self, posted: Posted) -> Answer:
+        return 200, _encode(release_prefill(self.service, posted.argument)), []
+
+    async def _first_awaited(self, posted: Posted) -> Answer:
+        return self._first(posted)
 
 
 def _parse(posted: Posted, kind: type[R], decode_json: Callable[[bytes], R]) -> R:

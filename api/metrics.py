@@ -179,7 +179,7 @@ class InstrumentedSink:
                 if problem is None:
                     observe(max(0.0, now - ts))
                     if self._last_lag is not None and not delivery.replayed:
-                        self._last_lag.record(delivery.stream.member, now - ts)
+                        self._last_lag.record(delivery.stream.member, now - ts, ts)
                 else:
                     self._bad_ts[problem].inc()
 

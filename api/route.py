@@ -1,5 +1,6 @@
-"""``POST /route`` and ``POST /route/{route_id}/done``: which pod should serve this request
-now, from the index's matches, each pod's scraped load and kvindex's in-flight ledger.
+"""``POST /route``, ``POST /route/{route_id}/first-token`` and ``POST /route/{route_id}/done``:
+which pod should serve this request now, from the index's matches, each pod's scraped
+load and kvindex's in-flight ledger.
 
 This module only gathers inputs and enters the decision (the HTTP side is
 ``api/hot_path.py``); the rules are in :mod:`kvindex.scoring.router` and the cost model
@@ -112,6 +113,7 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
     view.speculative = annotate(view.result, service.speculative) if view.result else {}
     block_size = service.catalog.keying(req.model).hash.block_size
     loads, in_flight = service.load.snapshot(pods), service.load.ledger.all()
+    _drop_restarted(service, loads, view)
     roles = service.roles()
     if req.role is None and not disaggregated(roles, pods):
         done = one_pass(
@@ -121,6 +123,36 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
         if done is not None:
             return _answer_pass(service, req, view, done, block_size)
     return _decide_targets(service, req, view, pods, loads, in_flight, roles, block_size)
+
+
+def _drop_restarted(
+    service: Service, loads: dict[str, PodLoad | Unknown], view: _IndexView
+) -> None:
+    """A pod whose server started (``process_start_time_seconds``, its clock) after the
+    engine timestamp of the last KV-event batch the index applied live from it restarted
+    and has not published since: its engine's cache is empty, while the index still holds
+    the old engine's blocks until the new engine's first batch arrives (which resets the
+    stream). Its matches and speculative entries are dropped from this decision, with a
+    warning, so requests whose history it held are not sent back to it for a cache it
+    lost. A pod whose page has no start time (several API server processes), or with no
+    live batch recorded (none yet, or its stream was just reset), is taken as it is."""
+    matches, speculative = view.matches, view.speculative
+    if not matches and not speculative:
+        return
+    last_ts = service.event_lag.last_batch_ts
+    for member in [*matches, *(m for m in speculative if m not in matches)]:
+        load = loads.get(member_pod(member))
+        if type(load) is not PodLoad or load.started is None:
+            continue
+        heard = last_ts(member)
+        if heard is None or heard >= load.started:
+            continue
+        matches.pop(member, None)
+        speculative.pop(member, None)
+        view.warnings.append(
+            f"pod {member}: restarted (process start {load.started:.0f}) and no KV events "
+            "since; its index entries are ignored"
+        )
 
 
 def _answer_pass(
@@ -137,8 +169,9 @@ def _answer_pass(
         _no_capacity(service, refused)
     chosen = done.rows[done.chosen]
     route_id = _enter(
-        service, req, view, chosen.pod, done.confirmed, view.prompt_tokens, block_size
-    )
+        service, req, view, chosen.pod, done.confirmed, view.prompt_tokens, block_size,
+        chosen.usable_blocks,
+    )  # fmt: skip
     return RouteResponse(
         route_id=route_id,
         pod=chosen.pod,
@@ -196,9 +229,12 @@ def _decide_targets(
         )
     by_member = {t.member: t for t in targets}
     chosen = by_member[decision.pod]
+    terms = next(c.terms for c in decision.candidates if c.inputs.pod == decision.pod)
+    remote = prefill is not None and prefill.pod is not None
     route_id = _enter(
-        service, req, view, chosen.member, chosen.confirmed_blocks, tokens, block_size
-    )
+        service, req, view, chosen.member, chosen.confirmed_blocks, tokens, block_size,
+        None if remote else terms.usable_blocks,
+    )  # fmt: skip
     answer = RouteResponse(
         route_id=route_id,
         pod=chosen.pod,
@@ -218,9 +254,10 @@ def _decide_targets(
             source = by_member[prefill.pod]
             answer.prefill_pod, answer.prefill_rank = source.pod, source.rank
             answer.prefill_reason = prefill.reason.value
+            usable = next(c.terms for c in prefill.candidates if c.inputs.pod == prefill.pod)
             _enter(
                 service, req, view, source.member, source.confirmed_blocks, tokens, block_size,
-                route_id=route_id + _PREFILL,
+                usable.usable_blocks, route_id=route_id + _PREFILL,
             )  # fmt: skip
     return answer
 
@@ -240,18 +277,22 @@ def _enter(
     confirmed_blocks: int,
     tokens: int,
     block_size: int,
+    usable_blocks: int | None,
     *,
     route_id: str | None = None,
 ) -> str:
     """Count a routed request against ``member`` in the ledger (under ``route_id``, by
-    default the request's id or a new one, which is returned) and enter the prompt's
-    blocks past its confirmed prefix as speculative entries."""
+    default the request's id or a new one, which is returned), with the prompt tokens
+    past its ``usable_blocks`` as the prefill it queues there (none when None: under P/D
+    another pod prefills), and enter the prompt's blocks past its confirmed prefix as
+    speculative entries."""
     settings = service.settings
     if route_id is None:
         route_id = req.request_id or uuid.uuid4().hex
     # The blocks the request will hold at its end: its prompt and expected output.
     held = -(-(tokens + (req.max_tokens or 0)) // block_size)
-    service.load.ledger.begin(member, route_id, held, settings.scoring.route_ttl)
+    prefill = 0 if usable_blocks is None else max(0, tokens - usable_blocks * block_size)
+    service.load.ledger.begin(member, route_id, held, settings.scoring.route_ttl, prefill)
     # Speculative: the blocks past what the chosen engine's index entries already hold.
     if len(view.keys) > confirmed_blocks:
         service.speculative.add(req.model, member, view.keys, confirmed_blocks)
@@ -263,11 +304,28 @@ def release_route(service: Service, route_id: str) -> RouteDone:
     member = service.load.ledger.done(route_id)
     service.load.ledger.done(route_id + _PREFILL)  # P/D: the prefill pod's share
     if member is None:
-        raise NotFound(
-            f"no open route {route_id!r} (never routed, already done, or past --route-ttl)",
-            code="unknown_route",
-        )
+        raise _unknown_route(route_id)
     return RouteDone(route_id, member_pod(member))
+
+
+def release_prefill(service: Service, route_id: str) -> RouteDone:
+    """``POST /route/{route_id}/first-token`` without HTTP: the request's first token is
+    out, so its prefill no longer counts as queued on its pod (and under P/D the prefill
+    pod's share ends: its work is done); it counts as a request until ``done``.
+    NotFound when the route is not open."""
+    ledger = service.load.ledger
+    member = ledger.first_token(route_id)
+    ledger.done(route_id + _PREFILL)
+    if member is None:
+        raise _unknown_route(route_id)
+    return RouteDone(route_id, member_pod(member))
+
+
+def _unknown_route(route_id: str) -> NotFound:
+    return NotFound(
+        f"no open route {route_id!r} (never routed, already done, or past --route-ttl)",
+        code="unknown_route",
+    )
 
 
 @dataclass(slots=True)
@@ -378,8 +436,10 @@ def _candidates_of(
                     inputs.waiting,
                     inputs.kv_usage,
                     inputs.in_flight,
+                    inputs.prefill_tokens,
                     terms.prefix,
                     terms.queue,
+                    terms.decode,
                     terms.kv,
                     terms.total,
                     c.refused is None,

@@ -178,10 +178,33 @@ class RouteCandidate(msgspec.Struct, gc=False):
         float | None, _doc("The pod's KV-cache usage 0..1, mean over its engines (null: unknown).")
     ]
     in_flight: Annotated[int, _doc("Requests kvindex routed here that are not done yet.")]
-    prefix_cost: Annotated[float, _doc("Weighted uncached-prefill term of the cost.")]
-    queue_cost: Annotated[float, _doc("Weighted queue term of the cost.")]
+    queued_tokens: Annotated[
+        int,
+        _doc(
+            "Predicted prefill tokens of the requests kvindex routed here whose first token "
+            "was not reported yet (POST /route/{route_id}/first-token, or done)."
+        ),
+    ]
+    prefix_cost: Annotated[
+        float, _doc("Weighted own-prefill term: the prompt's uncached tokens / its tokens.")
+    ]
+    queue_cost: Annotated[
+        float,
+        _doc(
+            "Weighted queue term: prefill tokens queued ahead (queued_tokens, plus one "
+            "prompt per waiting request kvindex did not route) / the prompt's tokens."
+        ),
+    ]
+    decode_cost: Annotated[
+        float,
+        _doc(
+            "Weighted decode term: requests on the pod (running + waiting, or in_flight "
+            "if more) x the prompt's uncached tokens / its tokens - the decodes its "
+            "prefill would stall."
+        ),
+    ]
     kv_cost: Annotated[float, _doc("Weighted KV-usage term of the cost.")]
-    cost: Annotated[float, _doc("The sum of the three terms; lower is better.")]
+    cost: Annotated[float, _doc("The sum of the four terms; lower is better.")]
     admitted: Annotated[bool, _doc("False when the pod is over --max-kv-usage or --max-waiting.")]
     refused: Annotated[str | None, _doc("Why the pod was not admitted.")] = None
 

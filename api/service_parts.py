@@ -175,6 +175,10 @@ def make_routing(
     scoring = settings.scoring
     if scoring.load_interval <= 0 or scoring.load_timeout <= 0:
         raise ConfigError("--load-interval and --load-timeout must be positive")
+    if scoring.load_stale_after < 0:
+        raise ConfigError(
+            f"--load-stale-after {scoring.load_stale_after}: must be >= 0 (0: 3 intervals)"
+        )
     if scoring.route_ttl <= 0:
         raise ConfigError(f"--route-ttl {scoring.route_ttl}: must be positive")
     if not 0 < scoring.max_kv_usage <= 1:
@@ -186,7 +190,10 @@ def make_routing(
     if scoring.pd_threshold < 0:
         raise ConfigError(f"--pd-threshold {scoring.pd_threshold}: must be >= 0")
     view = LoadView(
-        interval_s=scoring.load_interval, timeout_s=scoring.load_timeout, pods_source=pods
+        interval_s=scoring.load_interval,
+        timeout_s=scoring.load_timeout,
+        stale_after_s=scoring.load_stale_after or None,
+        pods_source=pods,
     )
     admission = Admission(scoring.max_kv_usage, scoring.max_waiting)
     least_bad = scoring.when_full == "least_bad"

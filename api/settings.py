@@ -243,12 +243,20 @@ class ScoringSettings(_Section):
     load_interval: Annotated[
         float,
         doc(
-            "/route: seconds between scrapes of every pod's vLLM /metrics; "
-            "a pod not scraped for 3 intervals has unknown load",
+            "/route: seconds between scrapes of every pod's vLLM /metrics "
+            "(see --load-stale-after)",
             metavar="SECONDS",
         ),
     ] = 1.0
     load_timeout: Annotated[float, doc("/route: one scrape's timeout", metavar="SECONDS")] = 0.5
+    load_stale_after: Annotated[
+        float,
+        doc(
+            "/route: a pod whose last good scrape is older than this has unknown load; "
+            "0 = 3 load intervals",
+            metavar="SECONDS",
+        ),
+    ] = 0.0
     route_ttl: Annotated[
         float,
         doc(

@@ -27,6 +27,7 @@ from kvindex.events.identity import member_pod
 class Lag:
     seconds: float
     at: float  # monotonic clock when the batch was applied
+    ts: float | None = None  # the batch's own timestamp (the engine's clock)
 
 
 class EventLag:
@@ -39,9 +40,18 @@ class EventLag:
         self._clock = clock
         self._lags: dict[str, Lag] = {}
 
-    def record(self, member: str, lag_s: float) -> None:
-        """The ingest path applied a batch of ``member`` that was ``lag_s`` old."""
-        self._lags[member] = Lag(max(0.0, lag_s), self._clock())  # one assignment: atomic
+    def record(self, member: str, lag_s: float, ts: float | None = None) -> None:
+        """The ingest path applied a batch of ``member`` that was ``lag_s`` old (stamped
+        ``ts`` by its engine)."""
+        self._lags[member] = Lag(max(0.0, lag_s), self._clock(), ts)  # one assignment: atomic
+
+    def last_batch_ts(self, member: str) -> float | None:
+        """The engine timestamp of ``member``'s last batch applied live since its stream
+        began or was reset (an engine restart resets it); None if there was none. Tells
+        whether the index heard from an engine since it started (``/route``: a pod whose
+        ``process_start_time_seconds`` is newer has restarted unheard)."""
+        lag = self._lags.get(member)
+        return None if lag is None else lag.ts
 
     def forget(self, member: str) -> None:
         self._lags.pop(member, None)

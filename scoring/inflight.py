@@ -1,10 +1,18 @@
-"""kvindex's own count of the requests it routed to each pod that have not finished yet.
+"""kvindex's own count of the requests it routed to each pod that have not finished yet,
+and of the prefill work they bring.
 
 A pod's ``/metrics`` are a second old at best; a burst of requests routed between two
 scrapes would all see the same idle pod and all land on it. The ledger closes that gap:
 each routing decision is entered (``begin``) and counts against its pod until the gateway
 reports it finished (``done``) or its time to live runs out (a gateway that crashed never
 reports). Every operation is O(1) amortised and thread-safe.
+
+A route also carries its predicted prefill: the prompt tokens the chosen pod must
+compute (those past its cached prefix). They count as prefill work queued on the pod
+until the request's first token (``first_token``: the prefill is over; the gateway
+saw the answer begin) or, for a gateway that never says, until ``done``. Dynamo's
+router keeps the same two figures (predicted prefill tokens, released at the first
+token, and active requests), from its own decisions.
 
 Expiry without a heap: entries with the same TTL expire in the order they began, so each
 distinct TTL keeps a FIFO of (deadline, route id); expiring pops the fronts that are due.
@@ -25,15 +33,19 @@ class InFlight:
     """What kvindex has routed to one pod and not yet seen finish."""
 
     requests: int = 0
-    prompt_blocks: int = 0  # the routed prompts' blocks, a proxy for prefill work queued
+    prompt_blocks: int = 0  # the blocks the routed requests hold (prompt and output)
+    prefilling: int = 0  # of the requests, those whose first token was not reported
+    prefill_tokens: int = 0  # their predicted uncached prompt tokens: prefill queued
 
 
 @dataclass(slots=True)
 class _Route:
     pod: str
     prompt_blocks: int
+    prefill_tokens: int  # 0 once the first token was reported
     deadline: float
     serial: int  # tells this entry from an earlier one that reused the route id
+    prefilling: bool = True
 
 
 class InFlightLedger:
@@ -43,18 +55,22 @@ class InFlightLedger:
         self._clock = clock
         self._lock = threading.Lock()
         self._routes: dict[str, _Route] = {}
-        self._per_pod: dict[str, list[int]] = {}  # pod -> [requests, prompt_blocks]
+        # pod -> [requests, prompt_blocks, prefilling, prefill_tokens]
+        self._per_pod: dict[str, list[int]] = {}
         self._expiry: dict[float, deque[tuple[float, str, int]]] = {}  # ttl -> FIFO
         self._serial = 0
         self.expired_total = 0  # routes released by their TTL, not by done()
 
-    def begin(self, pod: str, route_id: str, prompt_blocks: int, ttl_s: float) -> None:
-        """Count ``route_id`` against ``pod`` for at most ``ttl_s`` seconds. Beginning a
-        route id that is still open moves it (a gateway retrying on another pod)."""
+    def begin(
+        self, pod: str, route_id: str, prompt_blocks: int, ttl_s: float, prefill_tokens: int = 0
+    ) -> None:
+        """Count ``route_id`` against ``pod`` for at most ``ttl_s`` seconds, with
+        ``prefill_tokens`` of prefill queued until its first token. Beginning a route id
+        that is still open moves it (a gateway retrying on another pod)."""
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
-        if prompt_blocks < 0:
-            raise ValueError("prompt_blocks must not be negative")
+        if prompt_blocks < 0 or prefill_tokens < 0:
+            raise ValueError("prompt_blocks and prefill_tokens must not be negative")
         with self._lock:
             now = self._clock()
             self._expire(now)
@@ -62,11 +78,31 @@ class InFlightLedger:
                 self._release(route_id)
             self._serial += 1
             deadline = now + ttl_s
-            self._routes[route_id] = _Route(pod, prompt_blocks, deadline, self._serial)
-            counts = self._per_pod.setdefault(pod, [0, 0])
+            self._routes[route_id] = _Route(
+                pod, prompt_blocks, prefill_tokens, deadline, self._serial
+            )
+            counts = self._per_pod.setdefault(pod, [0, 0, 0, 0])
             counts[0] += 1
             counts[1] += prompt_blocks
+            counts[2] += 1
+            counts[3] += prefill_tokens
             self._expiry.setdefault(ttl_s, deque()).append((deadline, route_id, self._serial))
+
+    def first_token(self, route_id: str) -> str | None:
+        """The request's prefill is over: its prefill tokens no longer count as queued
+        (it still counts as a request until ``done``). The pod, or None when the route
+        is not open; a second report changes nothing."""
+        with self._lock:
+            self._expire(self._clock())
+            route = self._routes.get(route_id)
+            if route is None:
+                return None
+            if route.prefilling:
+                counts = self._per_pod[route.pod]
+                counts[2] -= 1
+                counts[3] -= route.prefill_tokens
+                route.prefilling, route.prefill_tokens = False, 0
+            return route.pod
 
     def done(self, route_id: str) -> str | None:
         """Release ``route_id``; the pod it counted against, or None when it is unknown
@@ -83,12 +119,12 @@ class InFlightLedger:
         with self._lock:
             self._expire(self._clock())
             counts = self._per_pod.get(pod)
-            return InFlight(counts[0], counts[1]) if counts else InFlight()
+            return InFlight(*counts) if counts else InFlight()
 
     def all(self) -> dict[str, InFlight]:
         with self._lock:
             self._expire(self._clock())
-            return {pod: InFlight(c[0], c[1]) for pod, c in self._per_pod.items()}
+            return {pod: InFlight(*c) for pod, c in self._per_pod.items()}
 
     def __len__(self) -> int:
         with self._lock:
@@ -100,6 +136,9 @@ class InFlightLedger:
         counts = self._per_pod[route.pod]
         counts[0] -= 1
         counts[1] -= route.prompt_blocks
+        if route.prefilling:
+            counts[2] -= 1
+            counts[3] -= route.prefill_tokens
         if counts[0] == 0:
             del self._per_pod[route.pod]
 

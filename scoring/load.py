@@ -30,6 +30,9 @@ Interface for the router (``/route``, issue 11)::
   are counted per pod (``scrape_errors``) and never raise.
 - Requests are summed over a pod's engines (data-parallel ranks, the ``engine`` label);
   KV usage is reported as the mean and the max over engines, and per engine.
+- ``process_start_time_seconds`` (when the pod's server process started) is kept with
+  the load: ``/route`` compares it with the pod's last KV-event batch to tell a pod that
+  restarted and has not published since (its index entries are the old engine's).
 - The scraper thread is the only writer of scrape results; it publishes each pod's new
   immutable record by a single dict assignment, so ``snapshot`` takes no lock for them.
 
@@ -55,6 +58,7 @@ from kvindex.scoring.load_metrics import (
     MetricsError,
     Totals,
     parse_engine_loads,
+    parse_start_time,
     totals,
 )
 
@@ -75,6 +79,9 @@ class PodLoad(msgspec.Struct, frozen=True, gc=False):
     engines: Mapping[str, EngineLoad]
     in_flight: InFlight
     age_s: float  # since the scrape that produced these figures
+    #: ``process_start_time_seconds`` (unix seconds): when the pod's server started;
+    #: None when its page has none.
+    started: float | None = None
 
 
 class Unknown(msgspec.Struct, frozen=True, gc=False):
@@ -92,6 +99,7 @@ class _Scrape:
     engines: Mapping[str, EngineLoad]
     at: float
     total: Totals  # over the engines, summed once per scrape rather than per request
+    started: float | None  # process_start_time_seconds
 
 
 @dataclass(slots=True)
@@ -264,6 +272,7 @@ class LoadView:
                 good.engines,
                 flying,
                 age,
+                good.started,
             )
         return out
 
@@ -327,4 +336,4 @@ class LoadView:
             return ("connect", f"GET {url}: {type(exc).__name__}: {exc}")
         except MetricsError as exc:
             return ("bad_metrics", f"GET {url}: {exc}")
-        return _Scrape(engines, self._clock(), totals(engines))
+        return _Scrape(engines, self._clock(), totals(engines), parse_start_time(text))

@@ -100,6 +100,30 @@ def _gauge_lines(text: str) -> str:
     return "\n".join(wanted) + "\n" if wanted else ""
 
 
+START_TIME = "process_start_time_seconds"
+
+
+def parse_start_time(text: str) -> float | None:
+    """When the pod's API server process started (unix seconds), from prometheus_client's
+    process collector, which vLLM's ``/metrics`` serves with its own gauges (vLLM 0.33
+    serves the default registry unless it runs several API server processes, then a
+    multiprocess registry without it); None when the page has none or it is unreadable.
+    A new value means the pod restarted: its engine, and the KV cache the index holds
+    for it, are gone."""
+    at = text.find("\n" + START_TIME + " ")
+    if at < 0:
+        if not text.startswith(START_TIME + " "):
+            return None
+        at = -1
+    start = at + 2 + len(START_TIME)
+    end = text.find("\n", start)
+    try:
+        value = float(text[start : end if end >= 0 else len(text)])
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
 def _fraction(value: float | None) -> float | None:
     return None if value is None else min(value, 1.0)
 

@@ -1,40 +1,58 @@
 """What serving one prompt on one pod costs, from its cached prefix and its load: a pure
 function, the heart of ``POST /route``.
 
-The cost (lower is better) is a weighted sum of three terms, each in 0..1::
+The cost (lower is better) estimates the latency a request adds if sent to the pod, its
+own and what it inflicts on other requests, counted in units of this prompt's full
+prefill (1.0 = the time to compute every token of the prompt)::
 
-    cost = prefix_w * uncached_fraction + queue_w * queue_term + kv_w * kv_usage
+    cost = prefix_w * u / P  +  queue_w * Q / P  +  decode_w * R * u / P  +  kv_w * usage
 
-- ``uncached_fraction``: the share of the prompt's blocks the pod must prefill. This is
-  Dynamo's router term (``overlap_weight * uncached prefill blocks``), divided by the
-  prompt's blocks so that it weighs the same against load for a short prompt as for a
-  long one. Only ``(num_tokens - 1) // block_size`` blocks can be reused, as vLLM 0.33
-  always computes the prompt's last token (``KVCacheManager.get_computed_blocks``); cached
-  blocks count by their tier weight (a CPU block must be copied back first).
-- ``queue_term``: requests waiting for the pod, ``q / queue_unit`` with
-  ``q = waiting + in_flight`` (the scrape's waiting queue plus what kvindex routed there
-  and has not seen finish). Linear and unbounded, as a queue's wait grows with its
-  length (Dynamo's cost is linear in a worker's load too), and not min-max normalised
-  over the candidates (llm-d's queue scorer), so a pod's cost does not depend on who else
-  is a candidate. An earlier saturating form, ``q / (q + 4)``, kept the queue term below
-  1 while a prefix covering more than half the prompt is worth more than 1 (weight 2):
-  such requests then went to the pod holding the prefix however deep its queue, and
-  piled up there (bench/README "Noticed" under the simulator: linear, chat-load x1.5
-  TTFT p90 2.15 -> 1.31 s, agent-load x1 ITL p50 29.2 -> 21.0 ms, light load unchanged).
-- ``kv_usage``: the fraction of the pod's KV cache in use (mean over its engines), llm-d's
-  KV-utilisation scorer; a full cache means preemption and evicting what others reuse.
+- ``P``: the prompt's tokens; ``u``: those the pod must compute, past its cached prefix.
+  Only ``(P - 1) // block_size`` blocks can be reused, as vLLM 0.33 always computes the
+  prompt's last token (``KVCacheManager.get_computed_blocks``); cached blocks count by
+  their tier weight (a CPU block must be copied back first).
+  **Prefix term**, weight 2: computing ``u`` costs the request that time, and costs the
+  pod's capacity as much again: the requests that reach the pod after it wait behind
+  that work (the marginal delay a job adds to an M/M/1 queue is its own service time
+  over ``1 - utilisation``: twice it at 50%, the load a router is there for). This is
+  also what breaks the tie between waiting for a prefill of the same prompt queued on
+  the pod holding it and computing the prompt afresh elsewhere, equal in latency alone:
+  reuse wins. Dynamo's router prices the same thing (``overlap_weight x`` uncached
+  prefill blocks); llm-d weighs its prefix scorer 2 against queue 1 too.
+- ``Q``: prefill tokens queued on the pod ahead of this request, which it waits for
+  before its own: the predicted uncached tokens of the requests kvindex routed there
+  whose first token has not been reported (the in-flight ledger; a gateway reports it
+  with ``POST /route/{id}/first-token``, else it counts until ``done``), plus, for
+  waiting requests the scrape shows beyond those (traffic kvindex did not route), one
+  prompt of this size each. **Queue term**, weight 1: counted in work, not in requests:
+  three 5,000-token prefills queued weigh a hundred times three 50-token chat turns.
+  Dynamo's router counts its predicted in-flight prefill blocks the same way.
+- ``R``: requests on the pod that will share the engine's steps with this prefill:
+  running + waiting as last scraped, or the ledger's in-flight count when that is
+  higher (routes since the scrape). **Decode term**, weight 1: vLLM's chunked prefill
+  batches a prefill with every running request's decode step, so each of them waits
+  about as long as the prefill computes: ``R x u`` tokens of delay in all. Without it, a
+  long shared prefix (an agent's 4,500-token preamble) sends every new session to the
+  one pod holding it, whatever runs there, and every decode on that pod stalls behind
+  every new session's prefill (bench/README, "Routing comparison"); with it, a new
+  session goes to a quieter pod once the prefill it saves is smaller than the stall it
+  causes, while a session's later turns, whose uncached part is small, stay with their
+  cache. Dynamo's router counts active decode blocks next to prefill blocks; this term
+  prices decode load by what actually slows it, a prefill landing on it.
+- ``usage``: the fraction of the pod's KV cache in use (mean over its engines), llm-d's
+  KV-utilisation scorer: a full cache means preemptions and evicting what others reuse.
+  **KV term**, weight 1: a full cache costs as much as prefilling the prompt once.
 
-Default weights 2 : 1 : 1 are llm-d's default scorer weights (prefix 2, queue 1, KV
-utilisation 1): a full prefix hit is worth as much as going from an idle pod to one with
-a deep queue and a full cache, so prefix wins at equal load, and load wins once the
-prefix pod is clearly busier. Dynamo's default ``overlap_weight`` of 1 against active
-blocks gives prefill and decode load equal say; kvindex cannot see active blocks per pod
-(only the scraped usage fraction), so its two load terms play that role.
+The weights are operators' to change (``scoring.route_weights``), e.g. a lower ``decode``
+when first-token latency matters more than inter-token latency. Unlike llm-d's scores,
+which are normalised over the candidates and bounded, the queue and decode terms grow
+with the work: a pod twice as busy costs twice as much. (The previous model here, 2 x
+uncached fraction + queued requests / 4 + KV usage, counted requests, not work.)
 
-Unknown load (no fresh scrape) is never idle: its KV term is 1 (full) and its queue
-term counts ``queue_unit`` assumed waiting requests on top of its in-flight ones, so it
-costs 2 more than an idle pod at the default weights. A pod whose load kvindex cannot
-see is chosen only for a strong prefix match or when every known pod is busy.
+Unknown load (no fresh scrape) is never idle: its KV usage counts as full, one request
+as running and one prompt of this size as queued beyond what the ledger holds, so it
+costs 2 + u / P more than an idle pod. A ``pending`` pod (first scrape not tried yet:
+:mod:`kvindex.scoring.targets`) counts one waiting request and an empty cache.
 """
 
 from __future__ import annotations
@@ -48,18 +66,14 @@ class CostWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     The config file's ``scoring.route_weights`` decodes into this type (a negative
     weight is refused there, naming the field)."""
 
-    prefix: float = 2.0
-    queue: float = 1.0
-    kv: float = 1.0
-    #: Waiting + in-flight requests that cost as much as ``queue`` (the weight): with the
-    #: defaults, a pod 8 requests busier costs as much as a full prefix miss.
-    queue_unit: float = 4.0
+    prefix: float = 2.0  # the request's own prefill, u / P: its latency and capacity
+    queue: float = 1.0  # prefill queued ahead of it, Q / P
+    decode: float = 1.0  # the decodes its prefill stalls, R x u / P
+    kv: float = 1.0  # KV-cache usage
 
     def __post_init__(self) -> None:
-        if min(self.prefix, self.queue, self.kv) < 0:
+        if min(self.prefix, self.queue, self.decode, self.kv) < 0:
             raise ValueError("route cost weights must not be negative")
-        if self.queue_unit <= 0:
-            raise ValueError("queue_unit must be positive")
 
 
 class PodInputs(msgspec.Struct, frozen=True, gc=False):
@@ -68,9 +82,12 @@ class PodInputs(msgspec.Struct, frozen=True, gc=False):
     pod: str
     matched_blocks: int  # the pod's consecutive cached prefix, in blocks
     tier_weighted_blocks: float  # the same blocks weighted by tier (the scorer's score)
-    waiting: int | None  # None: load unknown (no fresh scrape)
+    running: int | None  # scraped; None: load unknown (no fresh scrape)
+    waiting: int | None  # scraped; None: load unknown
     kv_usage: float | None  # 0..1; None: unknown
     in_flight: int  # requests kvindex routed to the pod that have not finished
+    prefilling: int = 0  # of those, the ones whose first token was not reported
+    prefill_tokens: int = 0  # their predicted uncached prompt tokens
 
 
 class CostTerms(msgspec.Struct, frozen=True, gc=False):
@@ -78,14 +95,15 @@ class CostTerms(msgspec.Struct, frozen=True, gc=False):
 
     usable_blocks: int  # cached blocks vLLM can reuse for this prompt
     uncached_blocks: float  # blocks to prefill, tier weights applied to the cached ones
-    prefix: float  # weighted uncached fraction
-    queue: float  # weighted queue term
+    prefix: float  # weighted own-prefill term
+    queue: float  # weighted queued-prefill term
+    decode: float  # weighted stalled-decodes term
     kv: float  # weighted KV-usage term
     total: float
 
     @property
     def load(self) -> float:
-        return self.queue + self.kv
+        return self.queue + self.decode + self.kv
 
 
 def usable_blocks(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -104,7 +122,8 @@ def pod_cost(
     load_only: bool = False,
 ) -> CostTerms:
     """The cost of serving a ``prompt_tokens``-token prompt on one pod. With
-    ``load_only`` the prefix term is 0 for every pod (the index is not trusted)."""
+    ``load_only`` (the index is not trusted) the prefix term is 0 for every pod and the
+    decode term takes ``u = P``."""
     return pod_costs([inputs], prompt_tokens, block_size, weights, load_only)[0]
 
 
@@ -117,14 +136,18 @@ def pod_costs(
 ) -> list[CostTerms]:
     """:func:`pod_cost` of each of ``pods``, in one loop: it runs for every candidate of
     every /route request, so the per-request constants are computed once and the loop
-    body is plain arithmetic."""
+    body is plain arithmetic. (:mod:`kvindex.scoring.route_pass` repeats this body term
+    for term; ``tests/test_route_pass.py`` holds the two equal.)"""
     if prompt_tokens > 0:
         total_blocks = -(-prompt_tokens // block_size)
         cap = (prompt_tokens - 1) // block_size
+        per_token = 1.0 / prompt_tokens
     else:
         total_blocks = cap = 0
-    w_prefix = 0.0 if load_only or not total_blocks else weights.prefix / total_blocks
-    w_queue, w_kv, unit = weights.queue, weights.kv, weights.queue_unit
+        per_token = 0.0
+    w_prefix = 0.0 if load_only else weights.prefix * per_token
+    w_queue = weights.queue * per_token
+    w_decode, w_kv = weights.decode * per_token, weights.kv
     out = []
     append = out.append
     for p in pods:
@@ -133,16 +156,28 @@ def pod_costs(
         # Tier weights scale the reusable part only: the blocks past the cap are not reused.
         hit = p.tier_weighted_blocks * usable / matched if usable > 0 else 0.0
         uncached = total_blocks - hit if total_blocks > hit else 0.0
-        prefix = w_prefix * uncached
-        waiting = p.waiting
-        pending = p.in_flight + (unit if waiting is None else waiting)  # unknown: never idle
-        queue = w_queue * pending / unit
-        usage = p.kv_usage
-        if usage is None:
+        # u: the tokens to compute here (all of them when the index is not trusted)
+        own = prompt_tokens if load_only else prompt_tokens - hit * block_size
+        waiting, flying = p.waiting, p.in_flight
+        if waiting is None:  # unknown: never idle
+            sharing = flying + 1
+            queued = p.prefill_tokens + prompt_tokens
             usage = 1.0
-        elif usage < 0.0 or usage > 1.0:
-            usage = 0.0 if usage < 0.0 else 1.0
+        else:
+            sharing = (p.running or 0) + waiting
+            if flying > sharing:
+                sharing = flying
+            foreign = waiting - p.prefilling
+            queued = p.prefill_tokens + (foreign * prompt_tokens if foreign > 0 else 0)
+            usage = p.kv_usage
+            if usage is None:
+                usage = 1.0
+            elif usage < 0.0 or usage > 1.0:
+                usage = 0.0 if usage < 0.0 else 1.0
+        prefix = w_prefix * own
+        queue = w_queue * queued
+        decode = w_decode * sharing * own
         kv = w_kv * usage
         # Not rounded: the answer's floats encode exactly, and rounding costs per pod.
-        append(CostTerms(usable, uncached, prefix, queue, kv, prefix + queue + kv))
+        append(CostTerms(usable, uncached, prefix, queue, decode, kv, prefix + queue + decode + kv))
     return out

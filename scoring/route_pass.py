@@ -32,9 +32,9 @@ from kvindex.scoring.targets import PENDING_WAITING, has_ranks
 R = TypeVar("R")
 
 #: ``row(pod, rank, role, matched_blocks, speculative_blocks, usable_blocks,
-#: uncached_blocks, load, running, waiting, kv_usage, in_flight, prefix_cost,
-#: queue_cost, kv_cost, cost, admitted, refused)``: one answer row (``/route``'s
-#: RouteCandidate, positionally).
+#: uncached_blocks, load, running, waiting, kv_usage, in_flight, queued_tokens,
+#: prefix_cost, queue_cost, decode_cost, kv_cost, cost, admitted, refused)``: one answer
+#: row (``/route``'s RouteCandidate, positionally).
 RowMaker = Callable[..., R]
 
 
@@ -68,14 +68,17 @@ def one_pass(
     weights, admission = router.weights, router.admission
     max_kv, max_waiting = admission.max_kv_usage, admission.max_waiting
     # route_cost.pod_costs's per-request constants
+    load_only = fallback is not None
     if prompt_tokens > 0:
         total_blocks = -(-prompt_tokens // block_size)
         cap = (prompt_tokens - 1) // block_size
+        per_token = 1.0 / prompt_tokens
     else:
         total_blocks = cap = 0
-    load_only = fallback is not None
-    w_prefix = 0.0 if load_only or not total_blocks else weights.prefix / total_blocks
-    w_queue, w_kv, unit = weights.queue, weights.kv, weights.queue_unit
+        per_token = 0.0
+    w_prefix = 0.0 if load_only else weights.prefix * per_token
+    w_queue = weights.queue * per_token
+    w_decode, w_kv = weights.decode * per_token, weights.kv
     rows: list[R] = []
     append = rows.append
     totals: list[float] = []
@@ -93,15 +96,19 @@ def one_pass(
             state, running = "known", load.running
             waiting, kv_usage, kv_max = load.waiting, load.kv_usage, load.kv_usage_max
         else:
-            state, running, kv_max = load.reason, None, None
+            state, kv_max = load.reason, None
             if state == "pending":
-                waiting, kv_usage = PENDING_WAITING, 0.0
+                running, waiting, kv_usage = 0, PENDING_WAITING, 0.0
             else:
-                waiting = kv_usage = None
+                running = waiting = kv_usage = None
         match = get_match(pod)
         extra = get_extra(pod, 0)
         flying_entry = get_flying(pod)
-        flying = flying_entry.requests if flying_entry is not None else 0
+        if flying_entry is None:
+            flying = prefilling = prefill_tokens = 0
+        else:
+            flying, prefilling = flying_entry.requests, flying_entry.prefilling
+            prefill_tokens = flying_entry.prefill_tokens
         if match is None:
             confirmed, weighted = 0, 0.0
         else:
@@ -112,16 +119,27 @@ def one_pass(
         usable = matched if matched < cap else cap
         hit = weighted * usable / matched if usable > 0 else 0.0
         uncached = total_blocks - hit if total_blocks > hit else 0.0
-        prefix = w_prefix * uncached
-        pending = flying + (unit if waiting is None else waiting)
-        queue = w_queue * pending / unit
-        usage = kv_usage
-        if usage is None:
+        own = prompt_tokens if load_only else prompt_tokens - hit * block_size
+        if waiting is None:
+            sharing = flying + 1
+            queued = prefill_tokens + prompt_tokens
             usage = 1.0
-        elif usage < 0.0 or usage > 1.0:
-            usage = 0.0 if usage < 0.0 else 1.0
+        else:
+            sharing = (running or 0) + waiting
+            if flying > sharing:
+                sharing = flying
+            foreign = waiting - prefilling
+            queued = prefill_tokens + (foreign * prompt_tokens if foreign > 0 else 0)
+            usage = kv_usage
+            if usage is None:
+                usage = 1.0
+            elif usage < 0.0 or usage > 1.0:
+                usage = 0.0 if usage < 0.0 else 1.0
+        prefix = w_prefix * own
+        queue = w_queue * queued
+        decode = w_decode * sharing * own
         kv = w_kv * usage
-        total = prefix + queue + kv
+        total = prefix + queue + decode + kv
         if (kv_max is not None and kv_max > max_kv) or (
             max_waiting and waiting is not None and waiting > max_waiting
         ):
@@ -131,13 +149,13 @@ def one_pass(
             admitted.append(i)
         totals.append(total)
         if load_only:
-            loads_terms.append(queue + kv)
+            loads_terms.append(queue + decode + kv)
         usables.append(usable)
         append(
             row(
                 pod, 0, "both", confirmed, extra, usable, uncached, state,
-                running, waiting, kv_usage, flying, prefix, queue, kv, total,
-                refused is None, refused,
+                running if state == "known" else None, waiting, kv_usage, flying,
+                prefill_tokens, prefix, queue, decode, kv, total, refused is None, refused,
             )
         )  # fmt: skip
     chosen, reason = router.choose(

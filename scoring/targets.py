@@ -8,8 +8,8 @@ load, the pod's cost is its best rank's, and the answer names that rank. A pod's
 are those its index entries, speculative entries or metrics page show; rank 0 always.
 
 A ``pending`` pod (to be scraped, its first scrape not tried yet:
-:mod:`kvindex.scoring.load`) is costed as a pod with one request waiting and an empty
-cache: no better than a known idle pod, but far from the "busy" an unknown pod is
+:mod:`kvindex.scoring.load`) is costed as a pod with one request waiting, none running
+and an empty cache: no better than a known idle pod, but far from the "busy" an unknown pod is
 costed as, so on a fresh cluster the first requests spread over the pods a gateway
 names instead of all going to the first pod kvindex heard from. Its in-flight routes
 count as for any pod, so a burst before the first scrape spreads too.
@@ -93,13 +93,15 @@ def build_targets(
             if not known:
                 kv_max = None
                 if load.reason == "pending":
-                    waiting, kv = PENDING_WAITING, 0.0
+                    running, waiting, kv = 0, PENDING_WAITING, 0.0
                 else:
-                    waiting = kv = None
+                    running = waiting = kv = None
             elif per_engine and (engine := load.engines.get(str(rank))) is not None:
-                waiting, kv, kv_max = engine.waiting, engine.kv_usage, engine.kv_usage
+                running, waiting = engine.running, engine.waiting
+                kv = kv_max = engine.kv_usage
             else:
-                waiting, kv, kv_max = load.waiting, load.kv_usage, load.kv_usage_max
+                running, waiting = load.running, load.waiting
+                kv, kv_max = load.kv_usage, load.kv_usage_max
             match = matches.get(member)
             extra = speculative.get(member, 0)
             flying = in_flight.get(member)
@@ -107,16 +109,22 @@ def build_targets(
                 confirmed, weighted = 0, 0.0
             else:
                 confirmed, weighted = match.matched_blocks, match.score
+            if flying is None:
+                flying = _IDLE
             inputs = PodInputs(
                 member,
                 confirmed + extra,
                 weighted + extra,
+                running,
                 waiting,
                 kv,
-                flying.requests if flying is not None else 0,
+                flying.requests,
+                flying.prefilling,
+                flying.prefill_tokens,
             )
             append(Target(pod, rank, inputs, kv_max, confirmed, extra, load))
     return out
 
 
 _RANK_0 = (0,)
+_IDLE = InFlight()

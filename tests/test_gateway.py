@@ -52,10 +52,13 @@ class Cluster:
     def pod(self, pod_id: str) -> FakeVllmPod:
         return next(p for p in self.pods if p.pod == pod_id)
 
-    def open_routes(self) -> dict[str, int]:
-        """kvindex's in-flight count per pod, read from a probe route (released)."""
+    def open_routes(self, prefills: bool = False) -> dict[str, int]:
+        """kvindex's in-flight count per pod (or, with ``prefills``, its prefill tokens
+        queued), read from a probe route (released)."""
         probe = self.index.route(model=MODEL, token_ids=[7] * 16, request_id="probe")
         self.index.done("probe")
+        if prefills:
+            return {c.pod: c.queued_tokens for c in probe.candidates if c.queued_tokens}
         return {c.pod: c.in_flight for c in probe.candidates if c.in_flight}
 
     def wait_released(self) -> None:
@@ -186,6 +189,8 @@ def test_a_client_that_leaves_mid_stream_stops_the_pod_and_releases_the_route(cl
         parts = r.iter_raw()
         next(parts), next(parts)
         assert cluster.open_routes() == {pod.pod: 1}
+        # The answer began: its prefill is no longer counted as queued on the pod.
+        assert cluster.open_routes(prefills=True) == {}
     eventually(lambda: pod.aborted == aborted + 1, "the pod seeing the client leave")
     cluster.wait_released()
 
@@ -298,6 +303,16 @@ def test_a_separate_gateway_routes_over_http(cluster) -> None:
         cluster.wait_released()
         # Alone, the gateway serves its own /metrics.
         assert metric(gateway.url, 'kvindex_gateway_requests_total{outcome="ok"}') == 2
+        # It reports the first token over HTTP too: mid-answer, no prefill is queued.
+        body = {"model": MODEL, "prompt": "Remote, long", "max_tokens": 2000, "stream": True}
+        with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=30) as r:
+            parts = r.iter_raw()
+            next(parts), next(parts)
+            eventually(
+                lambda: cluster.open_routes(prefills=True) == {}, "the first token reported"
+            )
+            assert sum(cluster.open_routes().values()) == 1
+        cluster.wait_released()
 
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -22,7 +22,7 @@ def test_the_route_operation_has_the_cost_model_and_an_example() -> None:
             route = client.get("/openapi.json").json()["paths"]["/route"]["post"]
     finally:
         service.stop()
-    assert "cost = 2 * uncached_fraction" in route["description"]
+    assert "cost = 2 * u/P + 1 * Q/P + 1 * R * u/P + 1 * kv_usage" in route["description"]
     assert "route_weights" in route["description"]
     body = route["requestBody"]["content"]["application/json"]
     assert body["example"] == ROUTE_REQUEST_EXAMPLE
@@ -34,14 +34,20 @@ def test_the_route_example_is_an_answer_the_cost_model_gives() -> None:
     msgspec.convert(ROUTE_REQUEST_EXAMPLE, RouteRequest)
     answer = msgspec.convert(ROUTE_RESPONSE_EXAMPLE, RouteResponse)
     assert answer.prompt_blocks == len(ROUTE_REQUEST_EXAMPLE["block_hashes"])
-    inputs = [  # GPU blocks: the tier-weighted count is the count
-        PodInputs(c.pod, c.matched_blocks, c.matched_blocks, c.waiting, c.kv_usage, c.in_flight)
+    inputs = [  # GPU blocks: the tier-weighted count is the count; nothing is waiting, so
+        # how many in-flight routes are still prefilling does not enter the cost
+        PodInputs(
+            c.pod, c.matched_blocks, c.matched_blocks, c.running, c.waiting, c.kv_usage,
+            c.in_flight, 0, c.queued_tokens,
+        )
         for c in answer.candidates
     ]
+    assert all(c.waiting == 0 for c in answer.candidates)
     terms = pod_costs(inputs, answer.prompt_tokens, answer.block_size, CostWeights())
     for row, cost in zip(answer.candidates, terms, strict=True):
         assert row.usable_blocks == cost.usable_blocks
         assert row.uncached_blocks == cost.uncached_blocks
-        assert (row.prefix_cost, row.queue_cost, row.kv_cost) == (cost.prefix, cost.queue, cost.kv)
+        got = (row.prefix_cost, row.queue_cost, row.decode_cost, row.kv_cost)
+        assert got == (cost.prefix, cost.queue, cost.decode, cost.kv)
         assert row.cost == cost.total
     assert answer.pod == min(answer.candidates, key=lambda c: c.cost).pod

@@ -127,6 +127,8 @@ def test_a_trailing_slash_is_served_like_the_path(service: Service) -> None:
     with TestClient(create_app(service, manage_lifecycle=False)) as client:
         got = client.post("/route/nope/done/", follow_redirects=False)
         assert got.status_code == 404 and got.json()["error"] == "unknown_route"
+        got = client.post("/route/nope/first-token", follow_redirects=False)
+        assert got.status_code == 404 and got.json()["error"] == "unknown_route"
         got = client.post(
             "/score/", json={"model": "m", "token_ids": [1, 2]}, follow_redirects=False
         )
@@ -142,6 +144,7 @@ def test_the_openapi_document_keeps_the_hot_operations(service: Service) -> None
     assert operations == {
         "/score": "score_score_post",
         "/route": "route_route_post",
+        "/route/{route_id}/first-token": "route_first_token_route__route_id__first_token_post",
         "/route/{route_id}/done": "route_done_route__route_id__done_post",
     }
     assert set(paths["/score"]["post"]["responses"]) == {

@@ -20,7 +20,7 @@ import pytest
 from kvindex.events.testing import wait_until
 from kvindex.scoring.inflight import InFlight, InFlightLedger
 from kvindex.scoring.load import LoadView, PodLoad, Unknown
-from kvindex.scoring.load_metrics import MetricsError, parse_engine_loads
+from kvindex.scoring.load_metrics import MetricsError, parse_engine_loads, parse_start_time
 
 METRICS = Path(__file__).parent / "fixtures" / "metrics"
 DP2 = (METRICS / "vllm-0.33-dp2-busy.txt").read_text()
@@ -139,7 +139,8 @@ def test_scrape_reports_each_pods_load_and_in_flight(servers) -> None:
     assert b.kv_usage == pytest.approx(0.5) and b.kv_usage_max == 0.75
     assert sorted(b.engines) == ["0", "1"] and b.in_flight == InFlight()
     assert (i.running, i.waiting, i.kv_usage) == (0, 0, 0.0)
-    assert i.in_flight == InFlight(1, 12)
+    assert i.in_flight == InFlight(1, 12, 1)
+    assert (b.started, i.started) == (1796122018.96, 1796122209.32)
 
 
 def test_a_pod_whose_last_good_scrape_is_old_is_unknown_not_idle(servers) -> None:
@@ -207,19 +208,50 @@ def test_background_scraping_follows_the_pods_and_forgets_removed_ones(servers) 
     assert view.snapshot([busy.pod])[busy.pod].reason == "not_scraped"
 
 
+def test_the_pods_process_start_time_is_read_from_its_page() -> None:
+    """vLLM 0.33 serves prometheus_client's default registry, process collector included
+    (the captured pages); a page without it, or with nonsense, gives None."""
+    assert parse_start_time(DP1_IDLE) == 1796122209.32
+    assert parse_start_time(DP2) == 1796122018.96
+    assert parse_start_time("process_start_time_seconds 12.5\n") == 12.5
+    bare = with_values(DP1_IDLE, "vllm:num_requests_running", "0", 1)
+    bare = "\n".join(line for line in bare.splitlines() if "process_start" not in line)
+    assert parse_start_time(bare) is None
+    assert parse_start_time("process_start_time_seconds NaN\n") is None
+    assert parse_start_time("process_start_time_seconds_total 3\n") is None
+
+
 def test_ledger_counts_until_done_or_ttl() -> None:
     clock = FakeClock()
     ledger = InFlightLedger(clock)
     ledger.begin("a", "r1", 10, ttl_s=2.0)
     ledger.begin("a", "r2", 5, ttl_s=2.0)
     ledger.begin("b", "r3", 7, ttl_s=30.0)
-    assert ledger.of("a") == InFlight(2, 15) and ledger.of("b") == InFlight(1, 7)
+    assert ledger.of("a") == InFlight(2, 15, 2) and ledger.of("b") == InFlight(1, 7, 1)
     assert ledger.done("r1") == "a" and ledger.done("r1") is None
-    assert ledger.of("a") == InFlight(1, 5)
+    assert ledger.of("a") == InFlight(1, 5, 1)
     clock.now += 2.0
     assert ledger.of("a") == InFlight() and ledger.expired_total == 1
     assert ledger.done("r2") is None  # expired: the gateway's late done is harmless
-    assert ledger.all() == {"b": InFlight(1, 7)} and len(ledger) == 1
+    assert ledger.all() == {"b": InFlight(1, 7, 1)} and len(ledger) == 1
+
+
+def test_ledger_releases_a_routes_prefill_at_its_first_token() -> None:
+    """Predicted prefill tokens count as queued until the first token; the request
+    itself counts until done. A second report, or one after done, changes nothing."""
+    clock = FakeClock()
+    ledger = InFlightLedger(clock)
+    ledger.begin("a", "r1", 10, ttl_s=5.0, prefill_tokens=4000)
+    ledger.begin("a", "r2", 3, ttl_s=5.0, prefill_tokens=50)
+    assert ledger.of("a") == InFlight(2, 13, 2, 4050)
+    assert ledger.first_token("r1") == "a" and ledger.first_token("r1") == "a"
+    assert ledger.of("a") == InFlight(2, 13, 1, 50)
+    assert ledger.done("r1") == "a"
+    assert ledger.of("a") == InFlight(1, 3, 1, 50)
+    assert ledger.done("r2") == "a" and ledger.first_token("r2") is None
+    ledger.begin("a", "r3", 3, ttl_s=1.0, prefill_tokens=70)
+    clock.now += 1.0  # expiry releases the prefill share too
+    assert ledger.of("a") == InFlight() and ledger.first_token("r3") is None
 
 
 def test_ledger_moves_a_retried_route_and_ignores_its_old_expiry() -> None:
@@ -228,9 +260,9 @@ def test_ledger_moves_a_retried_route_and_ignores_its_old_expiry() -> None:
     ledger.begin("a", "r1", 4, ttl_s=1.0)
     clock.now += 0.5
     ledger.begin("b", "r1", 4, ttl_s=1.0)  # retried on another pod
-    assert ledger.all() == {"b": InFlight(1, 4)}
+    assert ledger.all() == {"b": InFlight(1, 4, 1)}
     clock.now += 0.6  # the first begin's deadline passed; the route lives on
-    assert ledger.all() == {"b": InFlight(1, 4)} and ledger.expired_total == 0
+    assert ledger.all() == {"b": InFlight(1, 4, 1)} and ledger.expired_total == 0
     clock.now += 0.5
     assert ledger.all() == {} and ledger.expired_total == 1
 
@@ -241,6 +273,8 @@ def test_ledger_refuses_nonsense() -> None:
         ledger.begin("a", "r", 1, ttl_s=0)
     with pytest.raises(ValueError):
         ledger.begin("a", "r", -1, ttl_s=1)
+    with pytest.raises(ValueError):
+        ledger.begin("a", "r", 1, ttl_s=1, prefill_tokens=-1)
 
 
 def test_ledger_stays_consistent_under_concurrent_use() -> None:
@@ -263,7 +297,7 @@ def test_ledger_stays_consistent_under_concurrent_use() -> None:
     counts = ledger.all()
     assert sum(c.requests for c in counts.values()) == 8 * 1000 == len(ledger)
     # odd i are left open: i % 4 == 1 on pod1, i % 4 == 3 on pod3, 500 each per worker
-    assert counts == {"pod1": InFlight(4000, 12000), "pod3": InFlight(4000, 12000)}
+    assert counts == {"pod1": InFlight(4000, 12000, 4000), "pod3": InFlight(4000, 12000, 4000)}
 
 
 def test_named_pods_are_pending_then_scraped_then_forgotten_when_no_longer_named(

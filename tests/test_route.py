@@ -144,8 +144,9 @@ def test_prefix_wins_at_equal_load(cluster: Cluster) -> None:
     by_pod = {c["pod"]: c for c in body["candidates"]}
     assert set(by_pod) == {cluster.a, cluster.b, cluster.c}
     assert by_pod[cluster.a]["matched_blocks"] == 16 and by_pod[cluster.b]["matched_blocks"] == 0
-    assert by_pod[cluster.a]["prefix_cost"] == pytest.approx(1.0)
+    assert by_pod[cluster.a]["prefix_cost"] == pytest.approx(1.0)  # half the prompt, weight 2
     assert by_pod[cluster.b]["prefix_cost"] == pytest.approx(2.0)
+    assert by_pod[cluster.a]["decode_cost"] == by_pod[cluster.a]["queue_cost"] == 0.0
     assert all(c["load"] == "known" and c["admitted"] for c in body["candidates"])
     assert cluster.done("eq-1").json() == {"route_id": "eq-1", "pod": cluster.a}
     assert cluster.done("eq-1").status_code == 404
@@ -182,6 +183,57 @@ def test_in_flight_routes_spread_a_burst_until_done(cluster: Cluster) -> None:
     after = cluster.route(COLD, request_id="burst-after").json()
     assert {c["in_flight"] for c in after["candidates"]} == {0}
     cluster.done("burst-after")
+
+
+def test_a_routes_prefill_counts_as_queued_until_its_first_token(cluster: Cluster) -> None:
+    cluster.set_pages()
+    first = cluster.route(COLD, request_id="ft-1", pods=[cluster.b]).json()
+    assert first["pod"] == cluster.b
+
+    def row() -> dict:
+        answer = cluster.route(COLD, request_id="ft-peek", pods=[cluster.b]).json()
+        cluster.done("ft-peek")
+        return answer["candidates"][0]
+
+    queued = row()
+    assert (queued["in_flight"], queued["queued_tokens"]) == (1, len(COLD))
+    assert queued["queue_cost"] == pytest.approx(1.0) and queued["decode_cost"] == 1.0
+    answer = httpx.post(f"{cluster.url}/route/ft-1/first-token", timeout=5)
+    assert answer.json() == {"route_id": "ft-1", "pod": cluster.b}
+    decoding = row()  # still a request on the pod, its prefill no longer queued
+    assert (decoding["in_flight"], decoding["queued_tokens"], decoding["queue_cost"]) == (1, 0, 0)
+    assert cluster.done("ft-1").status_code == 200
+    assert httpx.post(f"{cluster.url}/route/ft-1/first-token", timeout=5).status_code == 404
+
+
+def test_a_pod_restarted_since_its_last_events_is_not_credited_its_old_cache(
+    cluster: Cluster,
+) -> None:
+    """Pod A's page says its server started after the last KV-event batch the index
+    applied from it (``process_start_time_seconds`` of the captured page, moved): its
+    engine restarted and has not published since, so its index entries are the old
+    engine's, ignored with a warning. Its next batch (stamped after the start) makes
+    them count again."""
+    cluster.set_pages()
+    captured = "process_start_time_seconds 1.79612220932e+09"
+    assert captured in page()
+    started = time.time() + 5.0  # the pod's clock: after its last batch's timestamp
+
+    def row_of_a() -> dict:
+        answer = cluster.route(request_id="rs-probe").json()
+        cluster.done("rs-probe")
+        return next(c for c in answer["candidates"] if c["pod"] == cluster.a), answer
+
+    assert row_of_a()[0]["matched_blocks"] == 16
+    cluster.metrics[0].page = page().replace(captured, f"process_start_time_seconds {started}")
+    eventually(lambda: row_of_a()[0]["matched_blocks"] == 0, "A's old entries ignored")
+    warnings = row_of_a()[1]["warnings"]
+    assert any(cluster.a in w and "restarted" in w for w in warnings), warnings
+    cluster.pubs[0].publish(
+        [BlockStored(KEYS[16:18], KEYS[15], TOKENS[16 * 16 : 18 * 16], 16)], ts=started + 1.0
+    )
+    eventually(lambda: row_of_a()[0]["matched_blocks"] == 18, "A heard from since its start")
+    cluster.set_pages()
 
 
 def test_no_admissible_pod_is_429_with_retry_after(cluster: Cluster) -> None:

@@ -13,8 +13,21 @@ BS = 16
 W = CostWeights()
 
 
-def pod(name: str, matched: int = 0, waiting: int | None = 0, kv: float | None = 0.0, flying=0):
-    return PodInputs(name, matched, float(matched), waiting, kv, flying)
+def pod(
+    name: str,
+    matched: int = 0,
+    waiting: int | None = 0,
+    kv: float | None = 0.0,
+    flying: int = 0,
+    running: int | None = 0,
+    prefilling: int = 0,
+    queued: int = 0,
+) -> PodInputs:
+    if waiting is None:
+        running = None
+    return PodInputs(
+        name, matched, float(matched), running, waiting, kv, flying, prefilling, queued
+    )
 
 
 def test_reuse_is_capped_at_all_tokens_but_the_last_like_vllm() -> None:
@@ -24,40 +37,68 @@ def test_reuse_is_capped_at_all_tokens_but_the_last_like_vllm() -> None:
     assert usable_blocks(3, 0, BS) == 0
     full = pod_cost(pod("a", 32), 32 * BS, BS, W)
     assert full.usable_blocks == 31 and full.uncached_blocks == 1.0
-    assert full.prefix == pytest.approx(2.0 / 32)
+    assert full.prefix == pytest.approx(2 / 32)  # one block of 32 to compute, weight 2
 
 
 def test_cpu_tier_blocks_save_less_prefill_than_gpu_blocks() -> None:
-    gpu = PodInputs("g", 16, 16.0, 0, 0.0, 0)
-    cpu = PodInputs("c", 16, 16 * 0.8, 0, 0.0, 0)
+    gpu = PodInputs("g", 16, 16.0, 0, 0, 0.0, 0)
+    cpu = PodInputs("c", 16, 16 * 0.8, 0, 0, 0.0, 0)
     tokens = 32 * BS + 1
     assert pod_cost(gpu, tokens, BS, W).total < pod_cost(cpu, tokens, BS, W).total
 
 
-def test_terms_grow_with_queue_in_flight_and_kv_usage() -> None:
-    idle = pod_cost(pod("a"), 64, BS, W)
-    assert (idle.queue, idle.kv) == (0.0, 0.0)
-    assert pod_cost(pod("a", waiting=4), 64, BS, W).queue == pytest.approx(1.0)
-    assert pod_cost(pod("a", flying=4), 64, BS, W).queue == pytest.approx(1.0)
-    assert pod_cost(pod("a", waiting=2, flying=4), 64, BS, W).queue == pytest.approx(1.5)
+def test_terms_are_work_in_units_of_the_prompts_prefill() -> None:
+    tokens = 4 * BS
+    idle = pod_cost(pod("a"), tokens, BS, W)
+    assert (idle.prefix, idle.queue, idle.decode, idle.kv) == (2.0, 0.0, 0.0, 0.0)
+    # Queue: the ledger's predicted prefill tokens, and one prompt per waiting request
+    # the ledger does not account for (traffic kvindex did not route).
+    ours = pod("a", waiting=1, flying=1, prefilling=1, queued=2 * tokens)
+    assert pod_cost(ours, tokens, BS, W).queue == pytest.approx(2.0)
+    assert pod_cost(pod("a", waiting=3), tokens, BS, W).queue == pytest.approx(3.0)
+    # Decode: every request on the pod waits while this prompt's uncached tokens compute.
+    assert pod_cost(pod("a", running=3), tokens, BS, W).decode == pytest.approx(3.0)
+    assert pod_cost(pod("a", running=3, flying=5), tokens, BS, W).decode == pytest.approx(5.0)
+    half = pod_cost(pod("a", matched=2, running=3), tokens, BS, W)
+    assert (half.prefix, half.decode) == (pytest.approx(1.0), pytest.approx(1.5))
+    assert pod_cost(pod("a", kv=0.25), tokens, BS, W).kv == pytest.approx(0.25)
 
 
-def test_a_deep_queue_outweighs_a_full_prefix_hit() -> None:
-    """The queue term is unbounded: a prefix pod far busier than a cold idle one loses
-    (a saturating term let long shared prefixes pile onto one pod at any queue depth)."""
-    tokens = 32 * BS + 1
-    hot = PodInputs("hot", 32, 32.0, 9, 0.0, 0)  # the whole prompt cached, 9 waiting
-    cold = PodInputs("cold", 0, 0.0, 0, 0.0, 0)
-    assert pod_cost(hot, tokens, BS, W).total > pod_cost(cold, tokens, BS, W).total
-    busy = PodInputs("hot", 32, 32.0, 3, 0.0, 0)  # at a short queue the prefix still wins
-    assert pod_cost(busy, tokens, BS, W).total < pod_cost(cold, tokens, BS, W).total
-    assert pod_cost(pod("a", kv=0.25), 64, BS, W).kv == pytest.approx(0.25)
+def test_queued_work_counts_tokens_not_requests() -> None:
+    """Three 5,000-token prefills queued weigh far more than three 50-token turns."""
+    tokens = 3000
+    long_ones = pod("a", waiting=3, flying=3, prefilling=3, queued=15_000)
+    short_ones = pod("b", waiting=3, flying=3, prefilling=3, queued=150)
+    decision = decide(Router(seed=0), [long_ones, short_ones], tokens=tokens)
+    assert decision.pod == "b"
+    costs = [c.terms.queue for c in decision.candidates]
+    assert costs == [pytest.approx(5.0), pytest.approx(0.05)]
+
+
+def test_a_shared_preamble_stops_drawing_new_sessions_to_a_busy_pod() -> None:
+    """An agent's 4,500-token preamble cached on one pod, a new task of 8,500 tokens:
+    the preamble pod wins while quiet, a cold pod once the decodes the task's 4,000-token
+    prefill would stall there (3 running) outweigh the 4,500 tokens it saves. A
+    session's next turn (1,700 uncached tokens of 10,200) stays with its cache until the
+    stall it causes there outweighs recomputing the whole prompt on an idle pod (10
+    running)."""
+    tokens, preamble = 8500, 4500 // BS
+    hot, cold = pod("hot", matched=preamble, running=2), pod("cold")
+    assert decide(Router(seed=0), [hot, cold], tokens=tokens).pod == "hot"
+    hot_busy = pod("hot", matched=preamble, running=3)
+    assert decide(Router(seed=0), [hot_busy, cold], tokens=tokens).pod == "cold"
+    turn, history = 10_200, 8_500 // BS
+    home = pod("home", matched=history, running=9)
+    assert decide(Router(seed=0), [home, pod("idle")], tokens=turn).pod == "home"
+    home = pod("home", matched=history, running=11)
+    assert decide(Router(seed=0), [home, pod("idle")], tokens=turn).pod == "idle"
 
 
 def test_unknown_load_is_never_idle_and_grows_with_in_flight() -> None:
     idle = pod_cost(pod("a"), 64, BS, W)
     unknown = pod_cost(pod("a", waiting=None, kv=None), 64, BS, W)
-    assert unknown.load == pytest.approx(2.0) and unknown.load > idle.load
+    # a full cache, one prompt queued and one request running that the prefill stalls
+    assert unknown.load == pytest.approx(3.0) and unknown.load > idle.load
     busier = pod_cost(pod("a", waiting=None, kv=None, flying=3), 64, BS, W)
     assert busier.load > unknown.load
 
@@ -66,7 +107,7 @@ def test_weights_are_validated() -> None:
     with pytest.raises(ValueError):
         CostWeights(prefix=-1)
     with pytest.raises(ValueError):
-        CostWeights(queue_unit=0)
+        CostWeights(decode=-0.5)
 
 
 def decide(router: Router, pods, tokens=32 * BS + 1, fallback=None, kv_max=None):
@@ -78,14 +119,14 @@ def test_prefix_wins_at_equal_load_and_load_wins_on_a_busy_prefix_pod() -> None:
     router = Router(seed=1)
     chosen = decide(router, [pod("a", matched=16), pod("b"), pod("c")])
     assert (chosen.pod, chosen.reason) == ("a", Reason.PREFIX)
-    busy = decide(router, [pod("a", matched=16, waiting=20, kv=0.8), pod("b"), pod("c", kv=0.1)])
+    busy = decide(router, [pod("a", matched=16, waiting=3, kv=0.8), pod("b"), pod("c", kv=0.1)])
     assert (busy.pod, busy.reason) == ("b", Reason.LOAD)
     assert [c.terms.usable_blocks for c in busy.candidates] == [16, 0, 0]
 
 
 def test_the_longest_match_among_busy_pods_is_still_a_prefix_decision() -> None:
-    # a's 8 extra blocks (a quarter of the prompt) outweigh its one waiting request
-    pods = [pod("a", matched=12, waiting=1), pod("b", matched=4)]
+    # a's 8 extra blocks (a quarter of the prompt) win between two equally busy pods
+    pods = [pod("a", matched=12, running=2), pod("b", matched=4, running=2)]
     decision = decide(Router(seed=0), pods)
     assert (decision.pod, decision.reason) == ("a", Reason.PREFIX)
 

@@ -155,12 +155,20 @@ def test_a_burst_before_the_events_lands_on_the_routed_pod(live) -> None:
     assert first["reason"] == "load"
     chosen = first["pod"]
     # Before the pod's events arrive, the next request with the prompt goes there too,
-    # and every following one: the speculative prefix outweighs the in-flight load.
+    # and every following one: it waits there for r1's queued prefill rather than
+    # compute the prompt elsewhere (the speculative prefix outweighs the queued work).
     for n in range(2, 6):
         answer = cluster.route(request_id=f"r{n}")
         assert (answer["pod"], answer["reason"]) == (chosen, "prefix")
         row = next(c for c in answer["candidates"] if c["pod"] == chosen)
         assert (row["matched_blocks"], row["speculative_blocks"]) == (0, 24)
+        # r1's whole prompt, then each copy's last partial block, queued as prefill
+        assert row["queued_tokens"] == len(TOKENS) + (n - 2) * (len(TOKENS) - 24 * 16)
+    # r1's first token is out: its prefill is no longer queued there.
+    assert cluster.client.post("/route/r1/first-token").status_code == 200
+    peek = cluster.route(request_id="r-peek")
+    row = next(c for c in peek["candidates"] if c["pod"] == chosen)
+    assert row["queued_tokens"] == 4 * (len(TOKENS) - 24 * 16)
     # /score shows the guess apart and never in the confirmed counts.
     scored = cluster.client.post("/score", json={"model": MODEL, "token_ids": TOKENS}).json()
     (row,) = [p for p in scored["pods"] if p["pod"] == chosen]
@@ -175,10 +183,10 @@ def test_a_burst_before_the_events_lands_on_the_routed_pod(live) -> None:
     row = next(p for p in scored["pods"] if p["pod"] == chosen)
     assert (row["matched_blocks"], row["speculative_blocks"]) == (24, 0)
     outcomes = cluster.service.speculative.outcomes()
-    assert outcomes["added"] == 5
+    assert outcomes["added"] == 6
     metrics = cluster.client.get("/metrics").text
-    assert 'kvindex_route_speculative_entries_total{event="added"} 5.0' in metrics
-    assert 'kvindex_route_decisions_total{reason="prefix"} 4.0' in metrics
+    assert 'kvindex_route_speculative_entries_total{event="added"} 6.0' in metrics
+    assert 'kvindex_route_decisions_total{reason="prefix"} 5.0' in metrics
 
 
 def test_speculative_entries_expire_after_their_ttl(live) -> None:

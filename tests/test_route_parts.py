@@ -111,7 +111,7 @@ def test_event_lag_counts_while_recent_and_per_pod() -> None:
 
 
 def inputs(name: str, matched: int = 0, waiting: int | None = 0, kv: float | None = 0.0):
-    return PodInputs(name, matched, float(matched), waiting, kv, 0)
+    return PodInputs(name, matched, float(matched), 0, waiting, kv, 0)
 
 
 def test_least_bad_chooses_the_cheapest_when_none_is_admitted() -> None:

@@ -37,7 +37,9 @@ def fleet(rng: random.Random, pods: list[str], prompt_blocks: int):
     speculative: dict[str, int] = {}
     in_flight: dict[str, InFlight] = {}
     for pod in pods:
-        flying = InFlight(rng.choice([0, 0, 1, 3]), rng.randrange(100))
+        requests = rng.choice([0, 0, 1, 3])
+        prefilling = rng.randrange(requests + 1)
+        flying = InFlight(requests, rng.randrange(100), prefilling, prefilling * 700)
         if flying.requests:
             in_flight[pod] = flying
         kind = rng.random()
@@ -79,7 +81,7 @@ def general(router: Router, pods, loads, matches, speculative, in_flight, tokens
 def test_one_pass_decides_and_answers_as_the_general_path(seed: int) -> None:
     rng = random.Random(seed)
     admission = Admission(max_kv_usage=0.95, max_waiting=rng.choice([0, 10]))
-    weights = CostWeights(*rng.choice([(2.0, 1.0, 1.0, 4.0), (0.0, 1.0, 0.5, 2.0)]))
+    weights = CostWeights(*rng.choice([(1.0, 1.0, 1.0, 1.0), (0.0, 1.0, 0.5, 2.0)]))
     least_bad = seed % 2 == 1
     fast = Router(weights, admission, seed=seed, least_bad=least_bad)
     slow = Router(weights, admission, seed=seed, least_bad=least_bad)

@@ -114,3 +114,18 @@ def test_the_readmes_flag_table_states_the_trees_defaults() -> None:
             assert default == str(value), (flag, default, value)
         checked += 1
     assert checked >= 30
+
+
+def test_load_staleness_is_three_intervals_unless_set() -> None:
+    service = Service(from_flags(load_interval=0.5))
+    try:
+        assert service.load.stale_after_s == 1.5
+    finally:
+        service.stop()
+    service = Service(from_flags(load_interval=0.5, load_stale_after=20.0))
+    try:
+        assert service.load.stale_after_s == 20.0
+    finally:
+        service.stop()
+    with pytest.raises(ConfigError, match="--load-stale-after"):
+        Service(from_flags(load_stale_after=-1.0))

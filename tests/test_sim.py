@@ -19,8 +19,9 @@ from bench.sim.cluster import Cluster, ClusterSpec
 from bench.sim.costs import CostModel
 from bench.sim.faults import FaultSpec
 from bench.sim.lag import LagModel
+from bench.sim.metrics import PodMetricsServers, ScrapeClock
 from bench.sim.pod import Job, SimPod
-from bench.sim.policies import PrefixHash
+from bench.sim.policies import LeastLoaded, PrefixHash
 from bench.sim.pool import BlockPool, PoolBusy
 from bench.sim.runner import RunSpec, run
 from bench.sim.service import IndexClient, KvindexProcess
@@ -35,6 +36,7 @@ from bench.sim.workloads import (
 from kvindex.events.testing import wait_until
 from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
+from kvindex.scoring.load import LoadView
 
 BS = 4  # small blocks keep the pool tests readable
 
@@ -204,15 +206,73 @@ def test_approximate_forgets_tails_before_heads() -> None:
     assert blocks.scores([7, 8]) == [2]
 
 
+def sim_pods(n: int = 4) -> list[SimPod]:
+    return [SimPod(f"127.0.0.1:{8001 + i}", i, BlockPool(64, BS), CostModel()) for i in range(n)]
+
+
 def test_prefix_hash_keeps_a_prefix_on_one_pod_until_it_is_overloaded() -> None:
-    pods = [SimPod(f"127.0.0.1:{8001 + i}", i, BlockPool(64, BS), CostModel()) for i in range(4)]
+    pods = sim_pods()
+    scrapes = ScrapeClock(pods, 0.05)
     policy = PrefixHash(4, blocks=2)
     k = keyed(list(range(40)), [1])
-    home = policy.choose(k, pods)
-    assert all(policy.choose(k, pods) == home for _ in range(5))
+    scrapes.advance(0.0)
+    home = policy.choose(k, scrapes.views)
+    for t in range(1, 6):  # one request per scrape tick, each done before the next
+        scrapes.advance(t * 0.05)
+        assert policy.choose(k, scrapes.views) == home
     for j in range(6):  # the home pod is now far above its share
         pods[home].waiting.append(Job(keyed(list(range(j, j + 4)), [1], rid=10 + j), 0.0, home))
-    assert policy.choose(k, pods) != home
+    scrapes.advance(0.3)
+    assert policy.choose(k, scrapes.views) != home
+
+
+def test_policies_see_load_as_of_the_last_scrape_tick_plus_what_they_sent() -> None:
+    """A queue that grew after the tick is invisible until the next one; what a replica
+    sent itself since the tick counts at once."""
+    pods = sim_pods(2)
+    scrapes = ScrapeClock(pods, 0.05)
+    assert scrapes.advance(0.01) and scrapes.tick == 0
+    for j in range(3):
+        pods[0].waiting.append(Job(keyed(list(range(j, j + 4)), [1], rid=10 + j), 0.0, 0))
+    assert not scrapes.advance(0.049)  # same tick: the queue is not seen yet
+    assert [v.load for v in scrapes.views] == [0, 0]
+    policy = LeastLoaded()
+    first = policy.choose(keyed([1, 2, 3, 4, 5], [1]), scrapes.views)
+    second = policy.choose(keyed([1, 2, 3, 4, 5], [1], rid=1), scrapes.views)
+    assert {first, second} == {0, 1}  # its own first route counted against that pod
+    assert scrapes.advance(0.05) and scrapes.tick == 1
+    assert [v.load for v in scrapes.views] == [3, 0] and scrapes.views[0].saturated
+    assert policy.choose(keyed([1, 2, 3, 4, 5], [1], rid=2), scrapes.views) == 1
+
+
+@pytest.mark.timeout(30)
+def test_kvindex_scrapes_exactly_the_tick_the_pods_serve() -> None:
+    """kvindex's load scraper (the real one, over HTTP) reads each pod's /metrics page;
+    once ``wait_scraped`` returns, kvindex holds the current tick's gauges, including a
+    restart's new process start time."""
+    pods = sim_pods(2)
+    scrapes = ScrapeClock(pods, 0.05)
+    servers = PodMetricsServers(pods, "m", hold_s=0.2)
+    view = LoadView(interval_s=0.005, timeout_s=5.0, stale_after_s=60.0)
+    view.set_pods([p.pod_id for p in pods])
+    try:
+        view.start()
+        scrapes.advance(0.0)
+        servers.publish(scrapes)
+        assert servers.wait_scraped(10.0)
+        loads = view.snapshot([p.pod_id for p in pods])
+        assert [loads[p.pod_id].waiting for p in pods] == [0, 0]  # type: ignore[union-attr]
+        pods[1].waiting.append(Job(keyed([1, 2, 3, 4, 5], [1]), 0.0, 1))
+        pods[0].restart(0.07)
+        scrapes.advance(0.07)
+        servers.publish(scrapes)
+        assert servers.wait_scraped(10.0)
+        loads = view.snapshot([p.pod_id for p in pods])
+        assert [loads[p.pod_id].waiting for p in pods] == [0, 1]  # type: ignore[union-attr]
+        assert servers.timeouts == 0
+    finally:
+        view.stop()
+        servers.close()
 
 
 def test_lag_keeps_a_pods_batches_in_order() -> None:

@@ -204,7 +204,9 @@ class Gateway:
                 metrics.upstream_error("broken")
             self.routes.done(route_id)
 
-        return RelayedResponse(opened.answer, extra, finish)
+        return RelayedResponse(
+            opened.answer, extra, finish, lambda: self.routes.first_token(route_id)
+        )
 
     async def models(self) -> Response:
         """Every model the known pods serve, each listed once (first pod's entry)."""

@@ -1,7 +1,7 @@
 """Where the gateway's decisions come from: the index in the same process
 (``kvindex serve --gateway``) or a kvindex over HTTP (``kvindex gateway --index URL``).
 
-Both answer the same three questions and fail the same way, so the proxy never knows
+Both answer the same questions and fail the same way, so the proxy never knows
 which it talks to: :class:`RouteRefused` carries the status, code and detail the index
 gave (and ``Retry-After`` for ``no_capacity``), whatever the transport.
 """
@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Histogram
 
 from kvindex.api.client import ApiError, AsyncClient, KvindexClientError, NoCapacity
 from kvindex.api.errors import status_of
 from kvindex.api.route import NoCapacity as Full
-from kvindex.api.route import decide_route, release_route, route_inputs
+from kvindex.api.route import decide_route, release_prefill, release_route, route_inputs
 from kvindex.api.schemas import RouteRequest, RouteResponse
 from kvindex.events.errors import KvindexError, NotFound
 
@@ -39,6 +40,11 @@ class RouteRefused(Exception):
 class RouteSource(Protocol):
     async def route(self, request: RouteRequest) -> RouteResponse:
         """The decision, entered in the in-flight ledger; RouteRefused otherwise."""
+        ...
+
+    def first_token(self, route_id: str) -> None:
+        """The answer began (its first token): the request's prefill no longer counts as
+        queued on its pod. Without waiting, never raises, like ``done``."""
         ...
 
     def done(self, route_id: str) -> None:
@@ -72,6 +78,10 @@ class LocalRoutes:
         except KvindexError as exc:
             raise RouteRefused(status_of(exc), exc.code, exc.detail) from None
 
+    def first_token(self, route_id: str) -> None:
+        with contextlib.suppress(NotFound):  # released already, or past its TTL
+            release_prefill(self.service, route_id)
+
     def done(self, route_id: str) -> None:
         with contextlib.suppress(NotFound):  # released already, or past its TTL
             release_route(self.service, route_id)  # P/D: the prefill pod's share too
@@ -103,17 +113,25 @@ class RemoteRoutes:
         except KvindexClientError as exc:  # unreachable, or not a kvindex answer
             raise RouteRefused(503, "index_unreachable", str(exc)) from None
 
+    def first_token(self, route_id: str) -> None:
+        """In the background, as ``done`` (a lost report only delays the release of the
+        request's prefill share to ``done``)."""
+        self._background(self.client.first_token(route_id))
+
     def done(self, route_id: str) -> None:
         """Sent in the background: the server answers a kept-alive connection's next
         request only once this one's handler returns, so waiting here would add a round
         trip to the index to the client's next request."""
-        task = asyncio.create_task(self._release(route_id))
+        self._background(self.client.done(route_id))
+
+    def _background(self, call: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(self._release(call))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 
-    async def _release(self, route_id: str) -> None:
+    async def _release(self, call: Coroutine[Any, Any, Any]) -> None:
         with contextlib.suppress(KvindexClientError):  # else it expires after --route-ttl
-            await self.client.done(route_id)
+            await call
 
     async def pods(self) -> list[str]:
         try:
@@ -147,6 +165,9 @@ class TimedRoutes:
             return await self.routes.route(request)
         finally:
             self.seconds.observe(time.perf_counter() - started)
+
+    def first_token(self, route_id: str) -> None:
+        self.routes.first_token(route_id)
 
     def done(self, route_id: str) -> None:
         self.routes.done(route_id)

@@ -179,14 +179,16 @@ def _rank_header(
 
 class RelayedResponse(Response):
     """An ASGI response relaying ``upstream`` unchanged; ``release`` runs once at the end,
-    with how the relay ended. (A Starlette ``Response`` only so that FastAPI hands it to
-    the server as it is.)"""
+    with how the relay ended, and ``first_byte`` at the first body byte of an answer
+    relayed piece by piece (a streamed one). (A Starlette ``Response`` only so that
+    FastAPI hands it to the server as it is.)"""
 
     def __init__(
         self,
         upstream: PodResponse,
         extra_headers: list[Header],
         release: Callable[[Outcome], None],
+        first_byte: Callable[[], None] | None = None,
     ) -> None:
         self.upstream = upstream
         self.status_code = upstream.status
@@ -198,6 +200,7 @@ class RelayedResponse(Response):
         ]
         self.relayed_headers += extra_headers
         self.release = release
+        self.first_byte = first_byte
         self.outcome = Outcome.OK if 200 <= upstream.status < 300 else Outcome.POD_ERROR
         self._client_left = False
 
@@ -234,7 +237,13 @@ class RelayedResponse(Response):
         try:
             await send(start)
             ended = False
+            first_byte = self.first_byte
             async for chunk in self.upstream.iter_body():
+                if first_byte is not None and chunk:
+                    # vLLM streams its first event once the first token is sampled: the
+                    # prefill is over (the status line came earlier, before any work).
+                    first_byte()
+                    first_byte = None
                 ended = self.upstream.whole  # the last piece: end the answer with it
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
             if not ended:

@@ -30,6 +30,7 @@ from bench.sim.cluster import ClusterSpec
 from bench.sim.costs import CostModel
 from bench.sim.faults import FaultSpec
 from bench.sim.lag import LagModel
+from bench.sim.metrics import DEFAULT_SCRAPE_S
 from bench.sim.plan import Cell, PlanSpec, cells
 from bench.sim.policies import POLICY_NAMES, PickRule, parse_policy, uses_index
 from bench.sim.progress import progress
@@ -40,6 +41,7 @@ from bench.sim.scenarios import SPECS, Scenario, by_name, load_study, loaded, sc
 from bench.sim.service import KvindexProcess
 from bench.sim.workloads import PreparedWorkload, WorkloadSpec, prepare, spec_fields, workload_stats
 from kvindex.indexer.keys import BlockHasher, HashConfig
+from kvindex.scoring.route_cost import CostWeights
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "out"
 DEFAULT_LOADS = "0.25,0.5,0.75,1,1.25,1.5,2,3"
@@ -92,6 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--overload-margin", type=int, default=PickRule().margin)
     r.add_argument("--approx-ratio", type=float, default=1.0, help="LRU size / pod blocks")
     r.add_argument("--vllm-version", default="0.33", help="event wire layout")
+    r.add_argument(
+        "--scrape-ms",
+        type=float,
+        default=DEFAULT_SCRAPE_S * 1e3,
+        help="virtual ms between scrapes of pod load, for every policy (llm-d's default)",
+    )
+    r.add_argument(
+        "--route-weights",
+        type=_weights,
+        help="kvindex-route's cost weights, e.g. prefix=1,queue=1,decode=0,kv=1 "
+        "(default: kvindex's)",
+    )
     r.add_argument("--max-probes", type=int, default=500, help="agreement probes (0 = all)")
     for kind, spec in SPECS.items():
         group = p.add_argument_group(f"{kind} workload ({spec.help})")
@@ -104,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
                 help=f"default {default} (scenarios may set their own)",
             )
     return p
+
+
+def _weights(text: str) -> dict[str, float]:
+    try:
+        pairs = [item.split("=", 1) for item in text.split(",") if item]
+        weights = {name.strip(): float(value) for name, value in pairs}
+        CostWeights(**weights)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"bad weights {text!r}: {exc}") from None
+    return weights
 
 
 def _yes_no(text: str) -> bool:
@@ -262,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                 vllm_version=args.vllm_version,
                 max_probes=(min(args.max_probes, 100) if args.quick else args.max_probes) or None,
                 load=cell.load,
+                scrape_s=args.scrape_ms / 1e3,
+                route_weights=args.route_weights,
             )
             results[cell] = done[same] = run(workloads.get(n, cell), spec, bar, service=service)
     meta = _meta(args, argv, time.perf_counter() - started, lag, slo)
@@ -335,6 +361,8 @@ def _meta(
         "overload_margin": args.overload_margin,
         "approx_ratio": args.approx_ratio,
         "vllm_version": args.vllm_version,
+        "scrape_ms": args.scrape_ms,
+        "route_weights": args.route_weights,
         "wall_s": round(wall_s, 1),
     }
 

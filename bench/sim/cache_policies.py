@@ -8,9 +8,11 @@
 * ``llm-d[:R]`` - llm-d's default scheduling profile: the approximate prefix-cache
   scorer (matched blocks / prompt blocks, the same LRU as ``approximate``), the queue
   scorer ((max - waiting) / (max - min) over the pods) and the KV-cache utilisation
-  scorer (1 - KV usage), weighted 2 : 1 : 1; the highest total wins, ties at random.
+  scorer (1 - KV usage), weighted 2 : 1 : 1, its load as of the last scrape (llm-d's
+  endpoint picker scrapes every 50 ms); the highest total wins, ties at random.
 * ``dynamo`` - Dynamo's KV router cost (``KvScheduler``, overlap weight 1, temperature
-  0): overlap x uncached prefill blocks (its own and those of requests this replica
+  0), which reads no scrape (Dynamo's router tracks its own active sequences):
+  overlap x uncached prefill blocks (its own and those of requests this replica
   sent that have not produced a token yet) + active blocks (requests this replica sent
   that are not done, plus this one's prompt); the lowest wins, ties at random. Overlap
   comes from KV events, as Dynamo's indexer does: here the real kvindex's ``/score``.
@@ -29,8 +31,9 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from bench.sim.pod import Job, SimPod
-from bench.sim.policies import PickRule, Policy
+from bench.sim.metrics import ScrapedPod
+from bench.sim.pod import Job
+from bench.sim.policies import PickRule, Policy, SentSinceScrape
 from bench.sim.service import IndexClient
 from bench.sim.workloads import KeyedRequest
 
@@ -41,12 +44,13 @@ class CacheAware(Policy):
     def __init__(self, rule: PickRule) -> None:
         self.rule = rule
         self._turn = 0
+        self._since = SentSinceScrape()
         self.spills = 0  # decisions where the best-scoring pod was not chosen
 
-    def scores(self, k: KeyedRequest, pods: Sequence[SimPod]) -> list[int]:
+    def scores(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> list[int]:
         raise NotImplementedError
 
-    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+    def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         choice = self.pick(k, self.scores(k, pods), pods)
         self.routed(k, choice)
         return choice
@@ -54,11 +58,11 @@ class CacheAware(Policy):
     def routed(self, k: KeyedRequest, choice: int) -> None:
         """Hook for policies that learn from their own decisions."""
 
-    def pick(self, k: KeyedRequest, scores: Sequence[int], pods: Sequence[SimPod]) -> int:
+    def pick(self, k: KeyedRequest, scores: Sequence[int], pods: Sequence[ScrapedPod]) -> int:
         n = len(pods)
         size = pods[0].pool.block_size
         prompt_blocks = k.prompt_blocks
-        loads = [p.load for p in pods]
+        loads = self._since.loads(pods)
         ceiling = min(loads) + self.rule.margin
         allowed = [i for i in range(n) if not pods[i].saturated and loads[i] <= ceiling]
         allowed = allowed or list(range(n))
@@ -72,7 +76,7 @@ class CacheAware(Policy):
         best = min(allowed, key=price)
         if scores[best] < max(scores):
             self.spills += 1
-        return best
+        return self._since.sent(best)
 
 
 class RoutedBlocks:
@@ -109,7 +113,7 @@ class Approximate(CacheAware):
         super().__init__(rule)
         self.blocks = RoutedBlocks(pods, capacity_blocks)
 
-    def scores(self, k: KeyedRequest, pods: Sequence[SimPod]) -> list[int]:
+    def scores(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> list[int]:
         return self.blocks.scores(k.prompt_keys)
 
     def routed(self, k: KeyedRequest, choice: int) -> None:
@@ -126,7 +130,7 @@ class LlmD(Policy):
         self.blocks = RoutedBlocks(pods, capacity_blocks)
         self._rng = random.Random(seed)
 
-    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+    def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         keys = k.prompt_keys
         matched = self.blocks.scores(keys)
         waiting = [p.waiting_count for p in pods]
@@ -156,7 +160,7 @@ class Precise(CacheAware):
         self.pod_ids = list(pod_ids)
         self.stale = 0
 
-    def scores(self, k: KeyedRequest, pods: Sequence[SimPod]) -> list[int]:
+    def scores(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> list[int]:
         matched = self.client.score(self.model, k.request.prompt, self.pod_ids)
         out = [matched.get(pod_id, 0) for pod_id in self.pod_ids]
         keys = k.prompt_keys
@@ -168,7 +172,7 @@ class Precise(CacheAware):
 class GreedyPerfect(CacheAware):
     name = "greedy-perfect"
 
-    def scores(self, k: KeyedRequest, pods: Sequence[SimPod]) -> list[int]:
+    def scores(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> list[int]:
         keys = k.prompt_keys
         return [pod.pool.match(keys) for pod in pods]
 
@@ -189,7 +193,7 @@ class Dynamo(Policy):
         self._open: dict[int, tuple[int, int, int]] = {}  # rid -> (pod, prefill, blocks)
         self._rng = random.Random(seed)
 
-    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+    def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         size = pods[0].pool.block_size
         matched = self.client.score(self.model, k.request.prompt, self.pod_ids)
         prompt = len(k.request.prompt)
@@ -224,12 +228,13 @@ class Dynamo(Policy):
 
 
 class KvindexRoute(Policy):
-    """``POST /route`` on the real kvindex: its cost over the index's prefix match, its
-    in-flight ledger and speculative entries; ``POST /route/{id}/done`` when the request
-    completes. The simulated pods serve no ``/metrics``, so kvindex knows no pod's load
-    (each is costed alike as busy): its load signal here is its own ledger, which every
-    replica shares (one kvindex). A 429 (no pod admissible) falls back to least-loaded
-    and is counted."""
+    """``POST /route`` on the real kvindex: its cost over the index's prefix match, the
+    pods' load as kvindex scraped it from their ``/metrics`` pages (the same scrape tick
+    every policy reads: :mod:`bench.sim.metrics`), its in-flight ledger, which every
+    replica shares (one kvindex), and speculative entries; ``POST
+    /route/{id}/first-token`` at the request's first token (as a gateway sees its answer
+    begin) and ``POST /route/{id}/done`` when it completes. A 429 (no pod admissible)
+    falls back to least-loaded (by the scrape) and is counted."""
 
     name = "kvindex-route"
 
@@ -242,7 +247,7 @@ class KvindexRoute(Policy):
         self.refusals = 0
         self.reasons: dict[str, int] = {}
 
-    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+    def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         rid = f"{self._tag}-{k.request.rid}"
         answer = self.client.route(
             self.model, k.request.prompt, self.pod_ids, rid, len(k.request.output)
@@ -253,6 +258,9 @@ class KvindexRoute(Policy):
         pod, reason = answer
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
         return self._index[pod]
+
+    def first_token(self, job: Job) -> None:
+        self.client.route_first_token(f"{self._tag}-{job.keyed.request.rid}")
 
     def finished(self, job: Job) -> None:
         self.client.route_done(f"{self._tag}-{job.keyed.request.rid}")

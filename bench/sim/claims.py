@@ -229,6 +229,8 @@ def _agreement(results: Results) -> Claim:
             problems.append(f"{cell.label()}: {info['agreement']['mismatches'][:3]}")
         if info["sync_timeouts"]:
             problems.append(f"{cell.label()}: {info['sync_timeouts']} sync timeouts")
+        if info.get("scrape_timeouts"):
+            problems.append(f"{cell.label()}: {info['scrape_timeouts']} scrape waits timed out")
     if not checked:
         return Claim(name, None, "no run through kvindex")
     if problems:

@@ -147,11 +147,11 @@ class Cluster:
             return self.streams.wait_all(client, timeout_s)
         return self.streams.wait_for(client, keys, timeout_s)
 
-    def restart_pod(self, index: int) -> list:
-        """The pod's engine restarts: cache lost, seq back to 0, batches in flight lost.
-        Returns the requests that were on it."""
+    def restart_pod(self, index: int, now: float) -> list:
+        """The pod's engine restarts at ``now``: cache lost, seq back to 0, batches in
+        flight lost. Returns the requests that were on it."""
         pod = self.pods[index]
-        lost = pod.restart()
+        lost = pod.restart(now)
         self.restarts += 1
         self._pending[index].clear()
         if self.publishers:

@@ -26,6 +26,7 @@ priorities, ``long_prefill_token_threshold`` (0 by default).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -97,8 +98,12 @@ class SimPod:
         self.steps = 0
         self.busy_s = 0.0
         self.batched_tokens = 0
+        self.started_s = 0.0  # virtual time of the engine's last (re)start
+        #: ... on the engine's own clock, the one its event batches are stamped with
+        #: (EnginePublisher stamps time.time()): its /metrics process_start_time_seconds.
+        self.started_at = time.time()
 
-    # -- what a gateway scrapes (vLLM's /metrics) -----------------------------------
+    # -- vLLM's /metrics gauges (gateways read them as of a scrape: sim/metrics.py) --
 
     @property
     def load(self) -> int:
@@ -189,9 +194,10 @@ class SimPod:
             job.blocks = []
         return firsts, done
 
-    def restart(self) -> list[Job]:
-        """The engine restarts: every block and hash is lost; returns the requests that
-        were on the pod (the caller decides what happens to them)."""
+    def restart(self, now: float) -> list[Job]:
+        """The engine restarts at ``now``: every block and hash is lost; returns the
+        requests that were on the pod (the caller decides what happens to them)."""
+        self.started_s, self.started_at = now, time.time()
         lost = [*self.running, *self.waiting]
         self.running, self.waiting = [], deque()
         self.pool = BlockPool(self.pool.num_blocks, self.pool.block_size)

@@ -1,15 +1,18 @@
 """Routing policies: which pod gets the next request, and the registry that builds them.
 
 A policy is one gateway replica's router: it keeps its own state (turn counters, LRUs,
-predicted in-flight work), and the runner builds one instance per replica. Pods' live
-load (running, waiting, KV usage) is what every replica can scrape; cache knowledge is
-what distinguishes the policies.
+predicted in-flight work), and the runner builds one instance per replica. Pods' load
+(running, waiting, KV usage) is what every replica scrapes, as of the last scrape tick,
+the same for all (:mod:`bench.sim.metrics`); a replica also knows what it sent itself
+since that tick (:class:`SentSinceScrape`). Cache knowledge is what distinguishes the
+policies.
 
 Index-free baselines, here:
 
 * ``round-robin`` - the next pod in turn (per replica);
 * ``random`` - a seeded uniform choice;
-* ``least-loaded`` - fewest requests running + waiting;
+* ``least-loaded`` - fewest requests running + waiting (the scrape's, plus what this
+  replica sent since);
 * ``session-sticky`` - a hash of the session id (a conversation, a document, an agent
   task) picks the pod, as a gateway's consistent-hash affinity does;
 * ``prefix-hash[:N]`` - consistent hashing with bounded loads (Mirrokni, Thorup and
@@ -30,7 +33,8 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bench.sim.pod import Job, SimPod
+from bench.sim.metrics import ScrapedPod
+from bench.sim.pod import Job
 from bench.sim.service import IndexClient
 from bench.sim.workloads import KeyedRequest
 
@@ -40,7 +44,7 @@ class Policy:
 
     name: str = "policy"
 
-    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+    def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         raise NotImplementedError
 
     def first_token(self, job: Job) -> None:
@@ -50,13 +54,33 @@ class Policy:
         """A request this replica routed is complete (or was rejected)."""
 
 
+class SentSinceScrape:
+    """What one replica routed to each pod since the scrape its view comes from: a
+    gateway knows what it just sent, while the scrape shows it only from the next tick
+    on. ``loads`` is the scrape's requests plus those; ``sent`` counts a decision."""
+
+    def __init__(self) -> None:
+        self._tick = -1
+        self._sent: list[int] = []
+
+    def loads(self, pods: Sequence[ScrapedPod]) -> list[int]:
+        tick = pods[0].tick
+        if tick != self._tick:
+            self._tick, self._sent = tick, [0] * len(pods)
+        return [p.load + n for p, n in zip(pods, self._sent, strict=True)]
+
+    def sent(self, i: int) -> int:
+        self._sent[i] += 1
+        return i
+
+
 class RoundRobin(Policy):
     name = "round-robin"
 
     def __init__(self, start: int = 0) -> None:
         self._next = start
 
-    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+    def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         choice = self._next % len(pods)
         self._next += 1
         return choice
@@ -68,7 +92,7 @@ class RandomChoice(Policy):
     def __init__(self, seed: int) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+    def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         return self._rng.randrange(len(pods))
 
 
@@ -79,17 +103,19 @@ class LeastLoaded(Policy):
 
     def __init__(self) -> None:
         self._turn = 0
+        self._since = SentSinceScrape()
 
-    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+    def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         n = len(pods)
         self._turn += 1
-        return min(range(n), key=lambda i: (pods[i].load, (i - self._turn) % n))
+        loads = self._since.loads(pods)
+        return self._since.sent(min(range(n), key=lambda i: (loads[i], (i - self._turn) % n)))
 
 
 class SessionSticky(Policy):
     name = "session-sticky"
 
-    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+    def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         return zlib.crc32(str(k.request.session).encode()) % len(pods)
 
 
@@ -107,12 +133,14 @@ class PrefixHash(Policy):
         )
         self._points = [h for h, _ in ring]
         self._owners = [p for _, p in ring]
+        self._since = SentSinceScrape()
 
-    def choose(self, k: KeyedRequest, pods: Sequence[SimPod]) -> int:
+    def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         n = len(pods)
         keys = k.keys[: min(self.blocks, k.prompt_blocks)] or [k.request.rid]
         point = _h64(b"".join(key.to_bytes(8, "little") for key in keys))
-        total = sum(p.load for p in pods) + 1
+        loads = self._since.loads(pods)
+        total = sum(loads) + 1
         bound = max(1, -(-self.CAPACITY * total // n))
         start = bisect.bisect(self._points, point)
         seen = set()
@@ -121,9 +149,9 @@ class PrefixHash(Policy):
             if owner in seen:
                 continue
             seen.add(owner)
-            if pods[owner].load + 1 <= bound:
-                return owner
-        return min(range(n), key=lambda i: pods[i].load)
+            if loads[owner] + 1 <= bound:
+                return self._since.sent(owner)
+        return self._since.sent(min(range(n), key=lambda i: loads[i]))
 
 
 def _h64(data: bytes) -> int:
@@ -134,8 +162,9 @@ def _h64(data: bytes) -> int:
 class PickRule:
     """How the ``precise`` and ``greedy-perfect`` policies trade cache hits against load.
 
-    A pod is *overloaded* when it is saturated (a new request would wait for a batch
-    slot) or runs more than ``margin`` requests ahead of the least loaded pod; the
+    A pod is *overloaded* when it is saturated (at the last scrape a new request would
+    have waited for a batch slot) or runs more than ``margin`` requests ahead of the
+    least loaded pod (the scrape's requests plus what this replica sent since); the
     others are candidates (all pods, if none is). Each candidate is priced in prefill
     tokens: the prompt tokens it would compute (those beyond its cached prefix) plus
     ``load_tokens`` per request already running or waiting there - a router sees queue

@@ -125,9 +125,15 @@ def _index_note(r: RunResult) -> str | None:
         if i["stale_decisions"] is None
         else f", {i['stale_decisions']:,} decisions on a lagging index"
     )
+    scrapes = (
+        ""
+        if i.get("scrape_waits") is None
+        else f", {i['scrape_waits']:,} scrape ticks waited for "
+        f"({i['scrape_timeouts']} timed out)"
+    )
     return (
         f"{r.policy} via kvindex: {i['score_calls']:,} /score calls, {i['syncs']:,} syncs "
-        f"({i['sync_timeouts']} timed out){stale}; index "
+        f"({i['sync_timeouts']} timed out){stale}{scrapes}; index "
         f"{'agrees' if a['agrees'] else 'DISAGREES'} with the pods "
         f"({a['probed_chains']:,}/{a['chains']:,} chains probed)"
     )

@@ -4,7 +4,11 @@ The loop is discrete-event in virtual time: arrivals, pod step ends and faults a
 from a heap in time order (step ends first at equal times, so a finished request's
 blocks are free before the next decision). A pod with work schedules its next step as
 soon as the previous one ends (:mod:`bench.sim.pod`), so a ten-minute workload runs in
-seconds.
+seconds. Before each event the scrape clock takes the pods' gauges if a scrape tick
+passed (:mod:`bench.sim.metrics`): every policy reads load as of that tick, and
+kvindex scrapes the same tick from the pods' ``/metrics`` pages (before a kvindex-route
+decision the pods serve the tick's pages, and the decision waits until kvindex stored
+them).
 
 Each request goes to one gateway replica drawn at random (a session's requests may land
 on different replicas, as behind a plain load balancer), or, with the ``direct`` fault,
@@ -30,7 +34,7 @@ from bench.sim.cache_policies import CacheAware, KvindexRoute, Precise
 from bench.sim.cluster import Cluster, ClusterSpec
 from bench.sim.faults import FaultSpec
 from bench.sim.lag import LagModel
-from bench.sim.metrics import PodMetricsServers
+from bench.sim.metrics import DEFAULT_SCRAPE_S, PodMetricsServers, ScrapeClock
 from bench.sim.pod import Job, Step
 from bench.sim.policies import PickRule, Policy, PolicyContext, build_policy, uses_index
 from bench.sim.progress import SILENT, Progress
@@ -39,8 +43,13 @@ from bench.sim.service import IndexClient, KvindexProcess
 from bench.sim.workloads import KeyedRequest, PreparedWorkload
 
 _STEP, _FAULT, _ARRIVAL = 0, 1, 2
-#: kvindex's --load-interval for kvindex-route runs (wall-clock seconds between scrapes).
-ROUTE_SCRAPE_S = 0.1
+#: kvindex's scrape settings for kvindex-route runs, in wall-clock seconds: it scrapes
+#: again a few ms after storing a round (a page already served this tick is held until
+#: the next tick: sim/metrics.py), waits up to the hold for an answer, and never counts
+#: a pod's load stale because the simulation was busy elsewhere in wall time.
+ROUTE_SCRAPE_ARGS = (
+    "--load-interval", "0.005", "--load-timeout", "5", "--load-stale-after", "3600",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +70,9 @@ class RunSpec:
     #: Agreement check after a run through kvindex: most chains to probe (None = all).
     max_probes: int | None = 2000
     load: float = 1.0  # the offered-load factor the workload was built with (a label)
+    scrape_s: float = DEFAULT_SCRAPE_S  # virtual seconds between scrapes of pod load
+    #: /route's cost weights for kvindex-route runs (None: kvindex's defaults).
+    route_weights: dict[str, float] | None = None
 
 
 Inspect = Callable[[Cluster, IndexClient], None]
@@ -96,10 +108,19 @@ def run(
         if not uses_index(spec.policy):
             service = None
         elif service is None or routes:
-            # /route scrapes every pod it knows: a run of its own, scraping often.
-            extra = ("--load-interval", str(ROUTE_SCRAPE_S)) if routes else ()
+            # /route scrapes its pods: a kvindex of its own, told the run's pods from the
+            # start (--pod-role), so it scrapes them before the first request names them.
+            extra: tuple[str, ...] = ()
+            if routes:
+                roles = [f"--pod-role={pod}=both" for pod in spec.cluster.pod_ids()]
+                extra = (*ROUTE_SCRAPE_ARGS, *roles)
+            weights = spec.route_weights if routes else None
             service = stack.enter_context(
-                KvindexProcess(block_size=spec.cluster.block_size, extra_args=extra)
+                KvindexProcess(
+                    block_size=spec.cluster.block_size,
+                    extra_args=extra,
+                    settings={"scoring": {"route_weights": weights}} if weights else None,
+                )
             )
         if service is not None:
             client = IndexClient(service.url)
@@ -114,11 +135,10 @@ def run(
             seed=spec.seed,
         )
         stack.callback(cluster.close)
+        metrics = None
         if routes:
-            # /route names its candidate pods (``pods``), so kvindex scrapes them from the
-            # first request on and costs one it has not scraped yet as pending - no pod
-            # has to publish before it can be chosen.
-            stack.callback(PodMetricsServers(cluster.pods, spec.model).close)
+            metrics = PodMetricsServers(cluster.pods, spec.model)
+            stack.callback(metrics.close)
         policies = [
             build_policy(
                 spec.policy,
@@ -136,7 +156,7 @@ def run(
             for r in range(spec.replicas)
         ]
         try:
-            _Loop(prepared, cluster, policies, client, spec, result, progress).run()
+            _Loop(prepared, cluster, policies, client, spec, result, progress, metrics).run()
         except Exception as exc:
             if service is not None:
                 exc.add_note(f"kvindex log (last lines):\n{service.log_tail()}")
@@ -151,6 +171,9 @@ def run(
                     p.reasons for p in policies if isinstance(p, KvindexRoute)
                 ),
                 "route_refusals": sum(p.refusals for p in policies if isinstance(p, KvindexRoute)),
+                "scrape_waits": metrics.waits if metrics is not None else None,
+                "scrape_timeouts": metrics.timeouts if metrics is not None else None,
+                "scrape_wait_s": round(metrics.wait_s, 3) if metrics is not None else None,
                 "syncs": cluster.streams.syncs,
                 "syncs_skipped": cluster.streams.skipped,
                 "nudges": cluster.streams.nudges,
@@ -182,9 +205,13 @@ class _Loop:
         spec: RunSpec,
         result: RunResult,
         progress: Progress,
+        metrics: PodMetricsServers | None = None,
     ) -> None:
         self.prepared, self.cluster, self.policies = prepared, cluster, policies
         self.client, self.spec, self.result, self.progress = client, spec, result, progress
+        self.scrapes = ScrapeClock(cluster.pods, spec.scrape_s)
+        self.metrics = metrics  # the pods' /metrics pages kvindex scrapes (kvindex-route)
+        self.stored_tick = -1  # the last tick kvindex was seen to have stored
         self.heap: list[tuple[float, int, int, object]] = []
         self.order = itertools.count()
         self.rng = random.Random(spec.seed * 7919 + 17)
@@ -204,6 +231,7 @@ class _Loop:
     def run(self) -> None:
         while self.heap:
             t, kind, _, item = heapq.heappop(self.heap)
+            self.scrapes.advance(t)
             if kind == _STEP:
                 self.step_end(t, *item)  # type: ignore[misc]
             elif kind == _FAULT:
@@ -271,7 +299,13 @@ class _Loop:
             if self.client is not None:
                 self.cluster.release(now)
                 self.cluster.sync(self.client, spec.sync_timeout_s, k.prompt_keys)
-            choice = self.policies[replica].choose(k, pods)
+            if self.metrics is not None and self.stored_tick != self.scrapes.tick:
+                # Served only when a decision reads it: a tick nobody decides on costs
+                # kvindex no scrape (its view is the same at the next decision).
+                self.metrics.publish(self.scrapes)
+                self.metrics.wait_scraped(spec.sync_timeout_s)
+                self.stored_tick = self.scrapes.tick
+            choice = self.policies[replica].choose(k, self.scrapes.views)
             job = Job(k, arrival_s, choice, replica)
         if pods[job.pod].submit(job):
             self.kick(job.pod, now)
@@ -286,7 +320,7 @@ class _Loop:
         self.generation[i] += 1
         self.steps.pop(i, None)
         self.cluster.pods[i].busy = False
-        for job in self.cluster.restart_pod(i):
+        for job in self.cluster.restart_pod(i, now):
             if not job.direct:
                 self.policies[job.replica].finished(job)
             self.result.retried += 1

@@ -30,7 +30,8 @@ class KvindexProcess:
     """``kvindex serve`` on loopback: HTTP at :attr:`url`, SUB bound at :attr:`zmq_endpoint`.
 
     ``models`` are declared in a model config file, so the first requests of a run
-    (before any event) are answered with zero scores. Ports are picked free just before
+    (before any event) are answered with zero scores; ``settings`` adds sections to that
+    file (e.g. ``{"scoring": {"route_weights": {...}}}``). Ports are picked free just before
     the start; if another process takes one in between, the start is retried with new
     ports.
     """
@@ -41,15 +42,15 @@ class KvindexProcess:
         block_size: int = 16,
         models: Sequence[str] = ("sim-model",),
         extra_args: Sequence[str] = (),
+        settings: Mapping[str, Any] | None = None,
         startup_timeout_s: float = 30.0,
         attempts: int = 3,
     ) -> None:
         with tempfile.NamedTemporaryFile(
             "wb", prefix="kvindex-sim-models-", suffix=".json", delete=False
         ) as config:
-            config.write(
-                msgspec.json.encode({"models": {m: {"block_size": block_size} for m in models}})
-            )
+            tree = {"models": {m: {"block_size": block_size} for m in models}, **(settings or {})}
+            config.write(msgspec.json.encode(tree))
         self._config_path = config.name
         last_error = ""
         for _ in range(attempts):
@@ -106,7 +107,8 @@ class IndexClient:
     """What a gateway does with kvindex: score prompts, read pod state."""
 
     def __init__(self, url: str, timeout_s: float = 10.0) -> None:
-        self._http = httpx.Client(base_url=url, timeout=timeout_s)
+        # verify=False: plain HTTP on loopback; skips loading the CA bundle (~0.1 s CPU).
+        self._http = httpx.Client(base_url=url, timeout=timeout_s, verify=False)
         self._score_decoder = msgspec.json.Decoder(_ScoreAnswer)
         self._route_decoder = msgspec.json.Decoder(_RouteAnswer)
         self.score_calls = 0
@@ -150,6 +152,12 @@ class IndexClient:
         self.route_calls += 1
         answer = self._route_decoder.decode(response.content)
         return answer.pod, answer.reason
+
+    def route_first_token(self, rid: str) -> None:
+        """``POST /route/{id}/first-token``; an id kvindex no longer holds (404) is fine."""
+        response = self._http.post(f"/route/{rid}/first-token")
+        if response.status_code not in (200, 404):
+            raise ServiceError(f"/route/first-token answered {response.status_code}")
 
     def route_done(self, rid: str) -> None:
         """``POST /route/{id}/done``; an id kvindex no longer holds (404) is fine."""

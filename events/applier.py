@@ -134,9 +134,13 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery, InOrderRun
     def _run(self) -> None:
         try:
             while True:
-                if not self._ready:
-                    self._heap.idle()  # a burst applied: give its buffers back
-                got = self._inbox.wait(self._wait_timeout())
+                if self._ready:
+                    self._heap.busy()
+                    trim_in = None
+                else:  # a burst applied: give its buffers back after a moment
+                    trim_in = self._heap.idle()
+                timeout = self._wait_timeout()
+                got = self._inbox.wait(timeout if trim_in is None else min(timeout, trim_in))
                 if got is None:
                     break
                 commands, touched = got

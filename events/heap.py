@@ -8,10 +8,9 @@ While the applier catches up with a burst, its messages wait in libzmq's queues 
 inbox's lanes (tens of MB for a few seconds of a busy cluster). When they are applied
 their buffers are freed, but glibc keeps freed memory in its arenas for reuse, so the
 process's resident memory stays at the burst's high-water mark, and a container's
-memory limit counts it. When the applier has nothing left to do, :class:`HeapTrim`
-asks glibc (``malloc_trim``) to return its free pages if it holds more than
-``min_free`` bytes free, at most once per ``interval_s``. Elsewhere than glibc it does
-nothing.
+memory limit counts it. Once the applier has had nothing to do for a moment,
+:class:`HeapTrim` asks glibc (``malloc_trim``) to return its free pages if it holds more
+than ``min_free`` bytes free. Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations
@@ -89,24 +88,37 @@ def free_bytes() -> int | None:
 
 
 class HeapTrim:
-    """Call :meth:`idle` whenever the applier has nothing to do."""
+    """Tell it when the applier works (:meth:`busy`) and when it has nothing to do
+    (:meth:`idle`): once it has been idle ``quiet_s`` after some work, glibc's free memory
+    past ``min_free`` is given back (a pause between two batches of a burst is shorter,
+    and refilling the pages would cost more than keeping them)."""
 
     def __init__(
-        self, clock: Callable[[], float], min_free: int = 32 << 20, interval_s: float = 1.0
+        self, clock: Callable[[], float], min_free: int = 32 << 20, quiet_s: float = 0.2
     ) -> None:
         self._clock = clock
         self._min_free = min_free
-        self._interval = interval_s
-        self._next = 0.0
+        self._quiet = quiet_s
+        self._dirty = False  # work done since the last look
+        self._quiet_since: float | None = None
         self.trims = 0
 
-    def idle(self) -> None:
-        if _LIBC is None:
-            return
+    def busy(self) -> None:
+        self._dirty = True
+        self._quiet_since = None
+
+    def idle(self) -> float | None:
+        """Seconds until it wants :meth:`idle` called again (None: no need)."""
+        if not self._dirty or _LIBC is None:
+            return None
         now = self._clock()
-        if now < self._next:
-            return
-        self._next = now + self._interval
+        if self._quiet_since is None:
+            self._quiet_since = now
+        left = self._quiet_since + self._quiet - now
+        if left > 0:
+            return left
+        self._dirty = False
         if _LIBC.mallinfo2().fordblks >= self._min_free:
             _LIBC.malloc_trim(0)
             self.trims += 1
+        return None

@@ -966,7 +966,188 @@ done:
     return result;
 }
 
+/* One member's slots, as a relayout finds them. */
+typedef struct {
+    uint32_t *slots;
+    Py_ssize_t n, cap;
+} SlotList;
+
+static int slot_push(SlotList *l, uint32_t slot) {
+    if (l->n == l->cap) {
+        Py_ssize_t cap = l->cap ? 2 * l->cap : 64;
+        uint32_t *grown = PyMem_RawRealloc(l->slots, (size_t)cap * sizeof(uint32_t));
+        if (grown == NULL) return -1;
+        l->slots = grown, l->cap = cap;
+    }
+    l->slots[l->n++] = slot;
+    return 0;
+}
+
+/* relayout(old_keys, old_masks, new_keys, new_masks, width, old_stamps, new_stamps,
+ *          seed, shift, limit, old_zero_slot, new_zero_slot)
+ *     -> (live, worst, zero_used, [(member, slots bytes), ...]) or None
+ *
+ * A rebuild in one pass over the old table (indexer/memory_table.py plan_rebuild):
+ * every live slot (a bit in any tier's masks: old_masks is a tuple of the allocated
+ * tiers' flat masks, `width` words a slot, new_masks the same tiers in the new table)
+ * has its key placed in new_keys (all zeros) at the first empty slot from its home
+ * there (key 0, in old_zero_slot, goes to new_zero_slot), and its mask rows and stamp
+ * moved along. Also each member's slots in the new table (its reverse record, rebuilt
+ * exact). None when a key would land more than `limit` slots from home: the caller
+ * tries a bigger table. No temporary arrays: the numpy path gathers the live keys,
+ * fills a slot map and remaps every record through it. */
+static PyObject *probe_relayout(PyObject *self, PyObject *args) {
+    PyObject *old_keys_o, *old_masks_o, *new_keys_o, *new_masks_o, *old_stamps_o, *new_stamps_o;
+    unsigned long long seed;
+    unsigned int shift;
+    Py_ssize_t width, limit, old_zero, new_zero;
+    if (!PyArg_ParseTuple(args, "OOOOnOOKInnn", &old_keys_o, &old_masks_o, &new_keys_o,
+                          &new_masks_o, &width, &old_stamps_o, &new_stamps_o, &seed, &shift,
+                          &limit, &old_zero, &new_zero)) {
+        return NULL;
+    }
+    if (!PyTuple_Check(old_masks_o) || !PyTuple_Check(new_masks_o) ||
+        PyTuple_GET_SIZE(old_masks_o) != PyTuple_GET_SIZE(new_masks_o) ||
+        PyTuple_GET_SIZE(old_masks_o) < 1 || PyTuple_GET_SIZE(old_masks_o) > 3 || width < 1 ||
+        (old_stamps_o == Py_None) != (new_stamps_o == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "relayout: one to three tiers' masks, old and new");
+        return NULL;
+    }
+    Py_ssize_t tiers = PyTuple_GET_SIZE(old_masks_o), members = 64 * width;
+    Buf old_keys = {0}, new_keys = {0}, old_stamps = {0}, new_stamps = {0};
+    Buf old_masks[3], new_masks[3];
+    memset(old_masks, 0, sizeof(old_masks));
+    memset(new_masks, 0, sizeof(new_masks));
+    SlotList *lists = NULL;
+    PyObject *result = NULL;
+    if (get(old_keys_o, &old_keys, 8, 0, "old_keys") < 0 ||
+        get(new_keys_o, &new_keys, 8, 1, "new_keys") < 0 ||
+        (old_stamps_o != Py_None && (get(old_stamps_o, &old_stamps, 4, 0, "old_stamps") < 0 ||
+                                     get(new_stamps_o, &new_stamps, 4, 1, "new_stamps") < 0))) {
+        goto done;
+    }
+    Py_ssize_t old_size = old_keys.view.len / 8, new_size = new_keys.view.len / 8;
+    for (Py_ssize_t t = 0; t < tiers; t++) {
+        if (get(PyTuple_GET_ITEM(old_masks_o, t), &old_masks[t], 8, 0, "old_masks") < 0 ||
+            get(PyTuple_GET_ITEM(new_masks_o, t), &new_masks[t], 8, 1, "new_masks") < 0) {
+            goto done;
+        }
+        if (old_masks[t].view.len / 8 != old_size * width ||
+            new_masks[t].view.len / 8 != new_size * width) {
+            PyErr_SetString(PyExc_ValueError, "relayout: masks of the wrong size");
+            goto done;
+        }
+    }
+    if (old_stamps.held &&
+        (old_stamps.view.len / 4 != old_size || new_stamps.view.len / 4 != new_size)) {
+        PyErr_SetString(PyExc_ValueError, "relayout: stamps of the wrong size");
+        goto done;
+    }
+    if (old_zero < 0 || old_zero >= old_size || new_zero < 0 || new_zero >= new_size) {
+        PyErr_SetString(PyExc_ValueError, "relayout: zero slots out of range");
+        goto done;
+    }
+    lists = PyMem_RawCalloc((size_t)members, sizeof(SlotList));
+    if (lists == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const uint64_t *ok = old_keys.view.buf;
+    uint64_t *nk = new_keys.view.buf;
+    const uint32_t *os = old_stamps.held ? old_stamps.view.buf : NULL;
+    uint32_t *ns = new_stamps.held ? new_stamps.view.buf : NULL;
+    Py_ssize_t live = 0, worst = 0;
+    int zero_used = 0, status = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t s = 0; s < old_size && status == 0; s++) {
+        int any = 0;
+        for (Py_ssize_t t = 0; t < tiers && !any; t++) {
+            const uint64_t *row = (const uint64_t *)old_masks[t].view.buf + s * width;
+            for (Py_ssize_t w = 0; w < width; w++) {
+                if (row[w]) {
+                    any = 1;
+                    break;
+                }
+            }
+        }
+        if (!any) continue;
+        Py_ssize_t at;
+        if (s == old_zero) {
+            at = new_zero;
+            zero_used = 1;
+        } else {
+            uint64_t key = ok[s];
+            Py_ssize_t home = home_of(key, seed, shift);
+            at = home;
+            while (at < new_size && at - home <= limit && nk[at] != 0) at++;
+            if (at >= new_size || at - home > limit) {
+                status = -1;
+                break;
+            }
+            nk[at] = key;
+            if (at - home > worst) worst = at - home;
+        }
+        live++;
+        if (ns != NULL) ns[at] = os[s];
+        for (Py_ssize_t w = 0; w < width; w++) {
+            uint64_t held = 0;
+            for (Py_ssize_t t = 0; t < tiers; t++) {
+                uint64_t bits = ((const uint64_t *)old_masks[t].view.buf)[s * width + w];
+                ((uint64_t *)new_masks[t].view.buf)[at * width + w] = bits;
+                held |= bits;
+            }
+            while (held) {
+                int b = __builtin_ctzll(held);
+                held &= held - 1;
+                if (slot_push(&lists[w * 64 + b], (uint32_t)at) < 0) {
+                    status = -2;
+                    break;
+                }
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (status == -2) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (status == -1) {
+        result = Py_NewRef(Py_None); /* TableFull */
+        goto done;
+    }
+    PyObject *records = PyList_New(0);
+    if (records == NULL) goto done;
+    for (Py_ssize_t m = 0; m < members; m++) {
+        if (!lists[m].n) continue;
+        PyObject *item = Py_BuildValue("(ny#)", m, (const char *)lists[m].slots,
+                                       (Py_ssize_t)(lists[m].n * sizeof(uint32_t)));
+        if (item == NULL || PyList_Append(records, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(records);
+            goto done;
+        }
+        Py_DECREF(item);
+    }
+    result = Py_BuildValue("(nnON)", live, worst, zero_used ? Py_True : Py_False, records);
+done:
+    if (lists != NULL) {
+        for (Py_ssize_t m = 0; m < members; m++) PyMem_RawFree(lists[m].slots);
+        PyMem_RawFree(lists);
+    }
+    release(&old_keys);
+    release(&new_keys);
+    release(&old_stamps);
+    release(&new_stamps);
+    for (Py_ssize_t t = 0; t < 3; t++) {
+        release(&old_masks[t]);
+        release(&new_masks[t]);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"relayout", probe_relayout, METH_VARARGS,
+     "A rebuild in one pass: live slots re-placed, rows moved, records rebuilt."},
     {"store", probe_store, METH_VARARGS,
      "One member stores one copy of each key in one tier: slots, bits, counters."},
     {"move_rows", probe_move_rows, METH_VARARGS, "dst[dst_rows] = src[src_rows], row by row."},

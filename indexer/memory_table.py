@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvindex.indexer import compiled
 from kvindex.indexer.backend import TIERS, BackendError
 from kvindex.indexer.table_copies import (
     COPY_ENTRY_BYTES,
@@ -33,6 +34,7 @@ from kvindex.indexer.table_layout import (
     CHUNK_KEYS,
     DEAD_FRACTION,
     EVICT_FRACTION,
+    MAX_DISPLACEMENT,
     MIN_CAP,
     PAD,
     REBUILD_LOAD,
@@ -162,7 +164,12 @@ class BlockTable(_Probing, _Updates, _Copies, _Members, _Queries, _State):
         Only reads the table, so readers may keep reading it meanwhile; the writer must
         not change it before :meth:`install`. Raises BackendError when keys collide so
         badly that no sane size fits them.
+
+        Compiled (``probe.relayout``): one pass over the old table, no temporary arrays,
+        reverse records rebuilt exact.
         """
+        if compiled.probe is not None:
+            return self._plan_rebuild_compiled(cap)
         live = self.live_slots()
         keys = self.keys[live]
         tiers = tuple(m is not None for m in self.masks)
@@ -190,6 +197,50 @@ class BlockTable(_Probing, _Updates, _Copies, _Members, _Queries, _State):
             codes = np.fromiter(self.copies, np.int64, len(self.copies))
             slot, mid, tier = _code_fields(codes)
             moved_codes = _copy_codes(remap[slot], mid, 0)
+            out.copies = {
+                code | t: n
+                for code, t, n in zip(moved_codes, tier.tolist(), self.copies.values(), strict=True)
+            }
+        return out
+
+    def _plan_rebuild_compiled(self, cap: int) -> _Layout:
+        probe = compiled.probe
+        assert probe is not None
+        tiers = tuple(m is not None for m in self.masks)
+        old_masks = tuple(m for m in self.masks if m is not None)
+        while True:
+            if cap > 64 * max(self.n_live, MIN_CAP):
+                raise BackendError("block keys collide pathologically; the table cannot grow")
+            out = _empty_layout(cap, self.width, tiers, self.stamped)
+            done = probe.relayout(
+                self.keys,
+                old_masks,
+                out.keys,
+                tuple(m for m in out.masks if m is not None),
+                self.width,
+                self.stamps,
+                out.stamps,
+                int(self.seed),
+                int(_shift_for(cap)),
+                MAX_DISPLACEMENT,
+                self.zero_slot,
+                cap + PAD,
+            )
+            if done is not None:
+                break
+            cap *= 2
+        out.live, out.max_disp, out.zero_used, records = done
+        out.logs = {mid: _SlotLog(np.frombuffer(slots, np.uint32)) for mid, slots in records}
+        if self.copies:  # extra copies sit on live slots only: every one moves
+            codes = np.fromiter(self.copies, np.int64, len(self.copies))
+            slot, mid, tier = _code_fields(codes)
+            keys = self.keys[slot]
+            moved = np.empty(keys.size, np.intp)
+            probe.find(
+                out.keys, keys, int(self.seed), int(_shift_for(cap)), out.max_disp,
+                MAX_DISPLACEMENT, cap + PAD, moved, None,
+            )  # fmt: skip
+            moved_codes = _copy_codes(moved, mid, 0)
             out.copies = {
                 code | t: n
                 for code, t, n in zip(moved_codes, tier.tolist(), self.copies.values(), strict=True)

@@ -27,14 +27,57 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
-static PyObject *s_engines, *s_running, *s_waiting, *s_kv_usage, *s_kv_usage_max,
-    *s_started, *s_reason, *s_ts, *s_requests, *s_prefilling, *s_prefill_tokens,
-    *s_matched_blocks, *s_score, *s_known, *s_pending, *s_both;
+/* An attribute read by name, the way PyObject_GetAttr reads it, but for the slot of a
+ * msgspec Struct or slots dataclass (a member descriptor) straight from the object at
+ * the slot's offset, which is resolved once per type: the loop reads ~11 attributes per
+ * pod. Anything else (a property, a subclass overriding the name, an empty slot) goes
+ * through PyObject_GetAttr. */
+typedef struct {
+    const char *text;
+    PyObject *name;
+    PyTypeObject *type; /* the type the offset belongs to (a strong reference) */
+    Py_ssize_t offset;  /* -1: not a plain object slot on that type */
+} Field;
+
+#define FIELD(name_text) {.text = (name_text), .offset = -1}
+static Field f_engines = FIELD("engines"), f_running = FIELD("running"), f_waiting = FIELD("waiting"),
+             f_kv_usage = FIELD("kv_usage"), f_kv_usage_max = FIELD("kv_usage_max"),
+             f_started = FIELD("started"), f_reason = FIELD("reason"), f_ts = FIELD("ts"),
+             f_requests = FIELD("requests"), f_prefilling = FIELD("prefilling"),
+             f_prefill_tokens = FIELD("prefill_tokens"), f_matched_blocks = FIELD("matched_blocks"),
+             f_score = FIELD("score");
+static Field *const fields[] = {
+    &f_engines,  &f_running,     &f_waiting,        &f_kv_usage,       &f_kv_usage_max,
+    &f_started,  &f_reason,      &f_ts,             &f_requests,       &f_prefilling,
+    &f_prefill_tokens, &f_matched_blocks, &f_score,
+};
+static PyObject *s_known, *s_pending, *s_both;
+
+static PyObject *get(PyObject *obj, Field *f) {
+    PyTypeObject *type = Py_TYPE(obj);
+    if (type != f->type) {
+        f->offset = -1;
+        PyObject *descr = _PyType_Lookup(type, f->name); /* borrowed */
+        if (descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+            PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+            if (member->type == T_OBJECT_EX && !(member->flags & PY_AUDIT_READ))
+                f->offset = member->offset;
+        }
+        Py_INCREF(type);
+        Py_XSETREF(f->type, type);
+    }
+    if (f->offset >= 0) {
+        PyObject *value = *(PyObject **)((char *)obj + f->offset);
+        if (value != NULL) return Py_NewRef(value);
+    }
+    return PyObject_GetAttr(obj, f->name);
+}
 
 /* An attribute as a long long; -1 with an exception set on failure. */
-static int attr_ll(PyObject *obj, PyObject *name, long long *out) {
-    PyObject *v = PyObject_GetAttr(obj, name);
+static int attr_ll(PyObject *obj, Field *name, long long *out) {
+    PyObject *v = get(obj, name);
     if (v == NULL) return -1;
     *out = PyLong_AsLongLong(v);
     Py_DECREF(v);
@@ -88,7 +131,7 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         double started = 0.0;
         int have_started = 0;
         if (known) {
-            PyObject *engines = PyObject_GetAttr(load, s_engines);
+            PyObject *engines = get(load, &f_engines);
             if (engines == NULL) goto done;
             Py_ssize_t count = PyObject_Length(engines);
             Py_DECREF(engines);
@@ -98,12 +141,12 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
                 goto done;
             }
             state = Py_NewRef(s_known);
-            if (attr_ll(load, s_running, &running) < 0 || attr_ll(load, s_waiting, &waiting) < 0)
+            if (attr_ll(load, &f_running, &running) < 0 || attr_ll(load, &f_waiting, &waiting) < 0)
                 goto pod_failed;
-            kv_usage = PyObject_GetAttr(load, s_kv_usage);
-            kv_max = kv_usage ? PyObject_GetAttr(load, s_kv_usage_max) : NULL;
+            kv_usage = get(load, &f_kv_usage);
+            kv_max = kv_usage ? get(load, &f_kv_usage_max) : NULL;
             if (kv_max == NULL) goto pod_failed;
-            PyObject *start = PyObject_GetAttr(load, s_started);
+            PyObject *start = get(load, &f_started);
             if (start == NULL) goto pod_failed;
             if (start != Py_None) {
                 started = PyFloat_AsDouble(start);
@@ -112,7 +155,7 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
             Py_DECREF(start);
             if (have_started && started == -1.0 && PyErr_Occurred()) goto pod_failed;
         } else {
-            state = PyObject_GetAttr(load, s_reason);
+            state = get(load, &f_reason);
             if (state == NULL) goto done;
             kv_max = Py_NewRef(Py_None);
             int pending = PyUnicode_Check(state) && PyUnicode_Compare(state, s_pending) == 0;
@@ -141,7 +184,7 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
             PyObject *lag = PyDict_GetItemWithError(heard, pod);
             if (lag == NULL && PyErr_Occurred()) goto pod_failed;
             if (lag != NULL) {
-                PyObject *ts = PyObject_GetAttr(lag, s_ts);
+                PyObject *ts = get(lag, &f_ts);
                 if (ts == NULL) goto pod_failed;
                 if (ts != Py_None) {
                     double at = PyFloat_AsDouble(ts);
@@ -162,16 +205,16 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         PyObject *entry = PyDict_GetItemWithError(in_flight, pod);
         if (entry == NULL && PyErr_Occurred()) goto pod_failed;
         if (entry != NULL) {
-            if (attr_ll(entry, s_requests, &flying) < 0 ||
-                attr_ll(entry, s_prefilling, &prefilling) < 0 ||
-                attr_ll(entry, s_prefill_tokens, &prefill_tokens) < 0)
+            if (attr_ll(entry, &f_requests, &flying) < 0 ||
+                attr_ll(entry, &f_prefilling, &prefilling) < 0 ||
+                attr_ll(entry, &f_prefill_tokens, &prefill_tokens) < 0)
                 goto pod_failed;
         }
         long long confirmed = 0;
         double weighted = 0.0;
         if (match != NULL) {
-            if (attr_ll(match, s_matched_blocks, &confirmed) < 0) goto pod_failed;
-            PyObject *score = PyObject_GetAttr(match, s_score);
+            if (attr_ll(match, &f_matched_blocks, &confirmed) < 0) goto pod_failed;
+            PyObject *score = get(match, &f_score);
             if (score == NULL) goto pod_failed;
             weighted = PyFloat_AsDouble(score);
             Py_DECREF(score);
@@ -306,22 +349,13 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__route_pass(void) {
-    struct {
-        PyObject **slot;
-        const char *text;
-    } names[] = {
-        {&s_engines, "engines"},         {&s_running, "running"},
-        {&s_waiting, "waiting"},         {&s_kv_usage, "kv_usage"},
-        {&s_kv_usage_max, "kv_usage_max"}, {&s_started, "started"},
-        {&s_reason, "reason"},           {&s_ts, "ts"},
-        {&s_requests, "requests"},       {&s_prefilling, "prefilling"},
-        {&s_prefill_tokens, "prefill_tokens"}, {&s_matched_blocks, "matched_blocks"},
-        {&s_score, "score"},             {&s_known, "known"},
-        {&s_pending, "pending"},         {&s_both, "both"},
-    };
-    for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++) {
-        *names[k].slot = PyUnicode_InternFromString(names[k].text);
-        if (*names[k].slot == NULL) return NULL;
+    for (size_t k = 0; k < sizeof(fields) / sizeof(fields[0]); k++) {
+        fields[k]->name = PyUnicode_InternFromString(fields[k]->text);
+        if (fields[k]->name == NULL) return NULL;
     }
+    s_known = PyUnicode_InternFromString("known");
+    s_pending = PyUnicode_InternFromString("pending");
+    s_both = PyUnicode_InternFromString("both");
+    if (s_known == NULL || s_pending == NULL || s_both == NULL) return NULL;
     return PyModule_Create(&module);
 }

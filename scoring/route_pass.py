@@ -47,6 +47,12 @@ compiled = _compiled
 
 R = TypeVar("R")
 
+
+def implementation() -> str:
+    """``"compiled"`` or ``"python"``: which candidate loop ``/route`` runs."""
+    return "compiled" if compiled is not None else "python"
+
+
 #: ``row(pod, rank, role, matched_blocks, speculative_blocks, usable_blocks,
 #: uncached_blocks, load, running, waiting, kv_usage, in_flight, queued_tokens,
 #: prefix_cost, queue_cost, decode_cost, kv_cost, cost, admitted, refused)``: one answer

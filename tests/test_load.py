@@ -8,6 +8,7 @@ the three scheduler gauges, so names, labels, types and the ~900 other lines are
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -62,7 +63,9 @@ class MetricsServer:
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                # the scraper gave up on a slow page (its timeout): expected
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.wfile.write(body)
 
             def log_message(self, *args: object) -> None:
                 pass

@@ -1,6 +1,6 @@
 """Build hook for the compiled modules; everything else is in pyproject.toml.
 
-All five are optional: without a C compiler (or OpenSSL's headers, for the hash chain)
+All six are optional: without a C compiler (or OpenSSL's headers, for the hash chain)
 ``pip install`` still succeeds and kvindex runs the pure path, which gives identical
 answers (``kvindex --version`` says which runs):
 
@@ -14,7 +14,9 @@ answers (``kvindex --version`` says which runs):
 - ``kvindex.indexer._redis_lookup`` (indexer/_redis_lookup.c): the Redis lookup's
   client side (HMGET packing, reply reading, the walk; numpy and hiredis otherwise);
 - ``kvindex.api._json_tokens`` (api/_json_tokens.c): a JSON ``/score`` or ``/route``
-  body's ``token_ids`` read into uint32s (msgspec decodes the whole body otherwise).
+  body's ``token_ids`` read into uint32s (msgspec decodes the whole body otherwise);
+- ``kvindex.scoring._route_pass`` (scoring/_route_pass.c): ``/route``'s loop over the
+  candidate pods (scoring/route_pass.py runs it in Python otherwise).
 
 setuptools reads extension modules from setup.py on every version this project
 supports (its pyproject.toml form is still marked experimental).
@@ -60,6 +62,13 @@ setup(
                 "indexer/_redis_presence.h",
             ],
             extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "kvindex.scoring._route_pass",
+            sources=["scoring/_route_pass.c"],
+            # The loop's doubles must round as Python's do: no fused multiply-add.
+            extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),
         Extension(

@@ -113,15 +113,18 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
     view.speculative = annotate(view.result, service.speculative) if view.result else {}
     block_size = service.catalog.keying(req.model).hash.block_size
     loads, in_flight = service.load.snapshot(pods), service.load.ledger.all()
-    _drop_restarted(service, loads, view)
     roles = service.roles()
     if req.role is None and not disaggregated(roles, pods):
         done = one_pass(
             service.router, pods, view.matches, view.speculative, loads, in_flight,
             view.prompt_tokens, block_size, view.fallback, RouteCandidate,
+            service.event_lag.batches(),
         )  # fmt: skip
         if done is not None:
-            return _answer_pass(service, req, view, done, block_size)
+            for pod in done.dropped:
+                _ignore_restarted(view, pod, loads[pod])
+            return _answer_pass(service, req, view, pods, done, block_size)
+    _drop_restarted(service, loads, view)
     return _decide_targets(service, req, view, pods, loads, in_flight, roles, block_size)
 
 
@@ -147,34 +150,40 @@ def _drop_restarted(
         heard = last_ts(member)
         if heard is None or heard >= load.started:
             continue
-        matches.pop(member, None)
-        speculative.pop(member, None)
-        view.warnings.append(
-            f"pod {member}: restarted (process start {load.started:.0f}) and no KV events "
-            "since; its index entries are ignored"
-        )
+        _ignore_restarted(view, member, load)
+
+
+def _ignore_restarted(view: _IndexView, member: str, load: PodLoad | Unknown) -> None:
+    """``member`` restarted unheard: its index entries are left out, with a warning (the
+    one-pass path left them out of its decision already)."""
+    view.matches.pop(member, None)
+    view.speculative.pop(member, None)
+    started = load.started if type(load) is PodLoad else None
+    view.warnings.append(
+        f"pod {member}: restarted (process start {started or 0:.0f}) and no KV events "
+        "since; its index entries are ignored"
+    )
 
 
 def _answer_pass(
     service: Service,
     req: RouteRequest,
     view: _IndexView,
+    pods: list[str],
     done: Pass[RouteCandidate],
     block_size: int,
 ) -> RouteResponse:
     """The one-pass decision entered and answered: its rows are the candidates."""
     service.route_metrics.decided(done.reason)
     if done.chosen is None:
-        refused = "; ".join(f"{r.pod}: {r.refused}" for r in done.rows)
-        _no_capacity(service, refused)
-    chosen = done.rows[done.chosen]
+        _no_capacity(service, "; ".join(done.refused))
+    pod = pods[done.chosen]
     route_id = _enter(
-        service, req, view, chosen.pod, done.confirmed, view.prompt_tokens, block_size,
-        chosen.usable_blocks,
-    )  # fmt: skip
+        service, req, view, pod, done.confirmed, view.prompt_tokens, block_size, done.usable
+    )
     return RouteResponse(
         route_id=route_id,
-        pod=chosen.pod,
+        pod=pod,
         rank=0,
         reason=done.reason.value,
         model=req.model,

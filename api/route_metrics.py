@@ -55,7 +55,7 @@ class LoadCollector(Collector):
         self._view = view
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        from kvindex.scoring.load import Unknown
+        from kvindex.scoring.load import PodLoad, Unknown
 
         errors = CounterMetricFamily(
             "kvindex_load_scrape_errors",
@@ -81,8 +81,9 @@ class LoadCollector(Collector):
         )
         for pod, load in sorted(self._view.snapshot(self._view.pods).items()):
             known.add_metric([pod], 0.0 if isinstance(load, Unknown) else 1.0)
-            if load.age_s is not None:
-                age.add_metric([pod], load.age_s)
+            seconds = self._view.age(load) if isinstance(load, PodLoad) else load.age_s
+            if seconds is not None:
+                age.add_metric([pod], seconds)
         yield known
         yield age
         flying = GaugeMetricFamily(

@@ -141,6 +141,9 @@ def _serve_hop(argv: list[str]) -> int:
                 candidates=[],
             )
 
+        def first_token(self, route_id: str) -> None:  # RouteSource since 2026-12-02
+            return None
+
         def done(self, route_id: str) -> None:
             return None
 

@@ -53,6 +53,11 @@ class EventLag:
         lag = self._lags.get(member)
         return None if lag is None else lag.ts
 
+    def batches(self) -> dict[str, Lag]:
+        """Every member's last applied batch, the live dict (read it, never write it):
+        ``/route``'s compiled candidate loop reads each candidate's ``ts`` from it."""
+        return self._lags
+
     def forget(self, member: str) -> None:
         self._lags.pop(member, None)
 

@@ -55,8 +55,9 @@ class InFlightLedger:
         self._clock = clock
         self._lock = threading.Lock()
         self._routes: dict[str, _Route] = {}
-        # pod -> [requests, prompt_blocks, prefilling, prefill_tokens]
-        self._per_pod: dict[str, list[int]] = {}
+        # pod -> its counts, an immutable record replaced on every change: all() (per
+        # /route request, over every pod) copies the dict and builds nothing
+        self._per_pod: dict[str, InFlight] = {}
         self._expiry: dict[float, deque[tuple[float, str, int]]] = {}  # ttl -> FIFO
         self._serial = 0
         self.expired_total = 0  # routes released by their TTL, not by done()
@@ -81,11 +82,7 @@ class InFlightLedger:
             self._routes[route_id] = _Route(
                 pod, prompt_blocks, prefill_tokens, deadline, self._serial
             )
-            counts = self._per_pod.setdefault(pod, [0, 0, 0, 0])
-            counts[0] += 1
-            counts[1] += prompt_blocks
-            counts[2] += 1
-            counts[3] += prefill_tokens
+            self._count(pod, 1, prompt_blocks, 1, prefill_tokens)
             self._expiry.setdefault(ttl_s, deque()).append((deadline, route_id, self._serial))
 
     def first_token(self, route_id: str) -> str | None:
@@ -98,9 +95,7 @@ class InFlightLedger:
             if route is None:
                 return None
             if route.prefilling:
-                counts = self._per_pod[route.pod]
-                counts[2] -= 1
-                counts[3] -= route.prefill_tokens
+                self._count(route.pod, 0, 0, -1, -route.prefill_tokens)
                 route.prefilling, route.prefill_tokens = False, 0
             return route.pod
 
@@ -118,13 +113,12 @@ class InFlightLedger:
     def of(self, pod: str) -> InFlight:
         with self._lock:
             self._expire(self._clock())
-            counts = self._per_pod.get(pod)
-            return InFlight(*counts) if counts else InFlight()
+            return self._per_pod.get(pod) or InFlight()
 
     def all(self) -> dict[str, InFlight]:
         with self._lock:
             self._expire(self._clock())
-            return {pod: InFlight(*c) for pod, c in self._per_pod.items()}
+            return dict(self._per_pod)
 
     def __len__(self) -> int:
         with self._lock:
@@ -133,14 +127,25 @@ class InFlightLedger:
 
     def _release(self, route_id: str) -> None:
         route = self._routes.pop(route_id)
-        counts = self._per_pod[route.pod]
-        counts[0] -= 1
-        counts[1] -= route.prompt_blocks
-        if route.prefilling:
-            counts[2] -= 1
-            counts[3] -= route.prefill_tokens
-        if counts[0] == 0:
-            del self._per_pod[route.pod]
+        prefilling = 1 if route.prefilling else 0
+        self._count(
+            route.pod, -1, -route.prompt_blocks, -prefilling, -prefilling * route.prefill_tokens
+        )
+
+    def _count(
+        self, pod: str, requests: int, prompt_blocks: int, prefilling: int, prefill_tokens: int
+    ) -> None:
+        """Add to ``pod``'s counts; a pod with no request left is dropped."""
+        old = self._per_pod.get(pod)
+        if old is not None:
+            requests += old.requests
+            prompt_blocks += old.prompt_blocks
+            prefilling += old.prefilling
+            prefill_tokens += old.prefill_tokens
+        if requests == 0:
+            self._per_pod.pop(pod, None)
+        else:
+            self._per_pod[pod] = InFlight(requests, prompt_blocks, prefilling, prefill_tokens)
 
     def _expire(self, now: float) -> None:
         for ttl in list(self._expiry):

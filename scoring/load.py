@@ -9,7 +9,8 @@ Interface for the router (``/route``, issue 11)::
     loads = view.snapshot(candidate_pods)               # per request, no I/O
     for pod, load in loads.items():
         if isinstance(load, Unknown): ...               # never "idle": unknown
-        else: load.running, load.waiting, load.kv_usage, load.in_flight ...
+        else: load.running, load.waiting, load.kv_usage, view.age(load) ...
+    view.ledger.all()                                   # kvindex's own in-flight routes
     view.ledger.begin(pod, route_id, prompt_blocks, ttl_s=...)  # after choosing
     view.ledger.done(route_id)                                   # POST /route/{id}/done
     view.stop()
@@ -35,6 +36,8 @@ Interface for the router (``/route``, issue 11)::
   restarted and has not published since (its index entries are the old engine's).
 - The scraper thread is the only writer of scrape results; it publishes each pod's new
   immutable record by a single dict assignment, so ``snapshot`` takes no lock for them.
+  The record is the :class:`PodLoad` itself, built once per scrape: ``snapshot`` runs
+  per ``/route`` request over every candidate and only checks each one's age.
 
 Metrics (Prometheus counters for errors and staleness, gauges for in-flight) are left to
 the caller to wrap around ``scrape_errors()`` and ``snapshot``, as the index backends
@@ -56,7 +59,6 @@ from kvindex.scoring.inflight import InFlight, InFlightLedger
 from kvindex.scoring.load_metrics import (
     EngineLoad,
     MetricsError,
-    Totals,
     parse_engine_loads,
     parse_start_time,
     totals,
@@ -69,7 +71,8 @@ _MAX_ASKED = 16_384  # pods remembered from requests; beyond it, new names are n
 
 
 class PodLoad(msgspec.Struct, frozen=True, gc=False):
-    """A pod's load as of its last good scrape, plus kvindex's own in-flight count."""
+    """A pod's load as of its last good scrape (kvindex's own in-flight routes are the
+    ledger's: :meth:`InFlightLedger.all`)."""
 
     pod: str
     running: int
@@ -77,8 +80,9 @@ class PodLoad(msgspec.Struct, frozen=True, gc=False):
     kv_usage: float | None  # mean over engines, 0..1; None if the pod exports none
     kv_usage_max: float | None
     engines: Mapping[str, EngineLoad]
-    in_flight: InFlight
-    age_s: float  # since the scrape that produced these figures
+    #: When the scrape that produced these figures ended, on the view's clock
+    #: (:meth:`LoadView.age` says how long ago).
+    scraped_at: float
     #: ``process_start_time_seconds`` (unix seconds): when the pod's server started;
     #: None when its page has none.
     started: float | None = None
@@ -94,22 +98,11 @@ class Unknown(msgspec.Struct, frozen=True, gc=False):
     in_flight: InFlight
 
 
-@dataclass(frozen=True, slots=True)
-class _Scrape:
-    engines: Mapping[str, EngineLoad]
-    at: float
-    total: Totals  # over the engines, summed once per scrape rather than per request
-    started: float | None  # process_start_time_seconds
-
-
 @dataclass(slots=True)
 class _PodState:
-    good: _Scrape | None = None
+    good: PodLoad | None = None
     last_error: str | None = None
     failures_by_kind: dict[str, int] = field(default_factory=dict)
-
-
-_NOTHING = InFlight()
 
 
 def default_metrics_url(pod: str) -> str:
@@ -232,7 +225,7 @@ class LoadView:
             state = self._states.get(pod)
             if state is None:
                 state = self._states[pod] = _PodState()
-            if isinstance(result, _Scrape):
+            if isinstance(result, PodLoad):
                 state.good = result
                 state.last_error = None
             else:
@@ -244,37 +237,32 @@ class LoadView:
         """Each of ``pods`` as a PodLoad, or Unknown when its figures are missing or older
         than ``stale_after_s``. No I/O; safe from any thread."""
         now = self._clock()
-        in_flight = self.ledger.all()
+        stale_after = self.stale_after_s
         out: dict[str, PodLoad | Unknown] = {}
         states = self._states
         for pod in pods:
             state = states.get(pod)
-            flying = in_flight.get(pod, _NOTHING)
             good = state.good if state is not None else None
-            error = state.last_error if state is not None else None
-            if good is None:
-                # Never tried yet, but about to be: nothing known against it.
-                untried = state is None and (pod in self._asked or pod in self._pods)
-                reason = "pending" if untried else "not_scraped"
-                out[pod] = Unknown(pod, reason, error, None, flying)
-                continue
-            age = max(0.0, now - good.at)
-            if age > self.stale_after_s:
-                out[pod] = Unknown(pod, "stale", error, age, flying)
-                continue
-            total = good.total
-            out[pod] = PodLoad(
-                pod,
-                total.running,
-                total.waiting,
-                total.kv_usage,
-                total.kv_usage_max,
-                good.engines,
-                flying,
-                age,
-                good.started,
-            )
+            if good is not None and now - good.scraped_at <= stale_after:
+                out[pod] = good  # the usual case: the scrape's own record
+            else:
+                out[pod] = self._unknown(pod, state, good, now)
         return out
+
+    def age(self, load: PodLoad) -> float:
+        """Seconds since the scrape that produced ``load``."""
+        return max(0.0, self._clock() - load.scraped_at)
+
+    def _unknown(
+        self, pod: str, state: _PodState | None, good: PodLoad | None, now: float
+    ) -> Unknown:
+        error = state.last_error if state is not None else None
+        flying = self.ledger.of(pod)
+        if good is None:
+            # Never tried yet, but about to be: nothing known against it.
+            untried = state is None and (pod in self._asked or pod in self._pods)
+            return Unknown(pod, "pending" if untried else "not_scraped", error, None, flying)
+        return Unknown(pod, "stale", error, max(0.0, now - good.scraped_at), flying)
 
     def scrape_errors(self) -> dict[str, dict[str, int]]:
         """Failed scrapes per pod, by kind (connect, timeout, http_status, too_large,
@@ -310,7 +298,7 @@ class LoadView:
             )
         return self._client
 
-    def _fetch(self, client, pod: str) -> _Scrape | tuple[str, str]:
+    def _fetch(self, client, pod: str) -> PodLoad | tuple[str, str]:
         import httpx
 
         url = self._metrics_url(pod)
@@ -336,4 +324,14 @@ class LoadView:
             return ("connect", f"GET {url}: {type(exc).__name__}: {exc}")
         except MetricsError as exc:
             return ("bad_metrics", f"GET {url}: {exc}")
-        return _Scrape(engines, self._clock(), totals(engines), parse_start_time(text))
+        total = totals(engines)  # over the engines, once per scrape rather than per request
+        return PodLoad(
+            pod,
+            total.running,
+            total.waiting,
+            total.kv_usage,
+            total.kv_usage_max,
+            engines,
+            self._clock(),
+            parse_start_time(text),
+        )

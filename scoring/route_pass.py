@@ -15,6 +15,12 @@ term for term (the same float operations in the same order), admission is
 :meth:`~kvindex.scoring.router.Router.choose` itself, and a pod's inputs are what
 ``build_targets`` gives a rank-0 target. ``tests/test_route_pass.py`` checks both paths
 against each other over random fleets.
+
+The candidate loop itself is compiled (``scoring/_route_pass.c``: the Python loop cost
+~4 us per pod, more than ``/route``'s whole 0.2 ms budget over ``/score`` at 64 pods);
+:func:`_rows_python` is the same loop for builds without a compiler, and the tests run
+both. The loop also leaves out the index entries of a pod that restarted unheard, which
+the general path does beforehand (``api/route.py``'s ``_drop_restarted``).
 """
 
 from __future__ import annotations
@@ -23,13 +29,29 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvindex.scoring.event_lag import Lag
 from kvindex.scoring.inflight import InFlight
 from kvindex.scoring.load import PodLoad, Unknown
 from kvindex.scoring.router import Reason, Router
 from kvindex.scoring.scorer import PodScore
 from kvindex.scoring.targets import PENDING_WAITING, has_ranks
 
+try:
+    from kvindex.scoring import _route_pass as _compiled
+except ImportError:  # built without a compiler: the loop runs in Python
+    _compiled = None
+
+#: The compiled candidate loop (scoring/_route_pass.c), or None: the Python loop runs.
+#: Both give the same rows and decisions (tests/test_route_pass.py swaps them).
+compiled = _compiled
+
 R = TypeVar("R")
+
+
+def implementation() -> str:
+    """``"compiled"`` or ``"python"``: which candidate loop ``/route`` runs."""
+    return "compiled" if compiled is not None else "python"
+
 
 #: ``row(pod, rank, role, matched_blocks, speculative_blocks, usable_blocks,
 #: uncached_blocks, load, running, waiting, kv_usage, in_flight, queued_tokens,
@@ -46,6 +68,9 @@ class Pass(Generic[R]):
     reason: Reason
     rows: list[R]
     confirmed: int  # the chosen pod's confirmed prefix (its index match)
+    usable: int  # the chosen pod's usable prefix (blocks it need not prefill)
+    dropped: list[str]  # pods that restarted unheard: their index entries were ignored
+    refused: list[str]  # "pod: why" for each pod refused admission
 
 
 def one_pass(
@@ -59,14 +84,20 @@ def one_pass(
     block_size: int,
     fallback: Reason | None,
     row: RowMaker[R],
+    heard: Mapping[str, Lag] | None = None,
 ) -> Pass[R] | None:
     """The decision over ``pods`` (each one routing target, rank 0, role ``both``: no
     P/D) and their answer rows; None when a pod has data-parallel ranks (the general
-    path handles them)."""
+    path handles them).
+
+    ``heard`` (:meth:`kvindex.scoring.event_lag.EventLag.batches`): a pod whose server
+    started (``PodLoad.started``) after the engine timestamp of the last batch the index
+    applied from it restarted unheard; its match and speculative blocks are left out of
+    the decision and it is named in :attr:`Pass.dropped` (``api/route.py``'s
+    ``_drop_restarted`` says why, for the general path)."""
     if has_ranks(matches) or has_ranks(speculative):
         return None
     weights, admission = router.weights, router.admission
-    max_kv, max_waiting = admission.max_kv_usage, admission.max_waiting
     # route_cost.pod_costs's per-request constants
     load_only = fallback is not None
     if prompt_tokens > 0:
@@ -76,33 +107,80 @@ def one_pass(
     else:
         total_blocks = cap = 0
         per_token = 0.0
-    w_prefix = 0.0 if load_only else weights.prefix * per_token
-    w_queue = weights.queue * per_token
-    w_decode, w_kv = weights.decode * per_token, weights.kv
+    consts = (
+        load_only, prompt_tokens, block_size, total_blocks, cap,
+        0.0 if load_only else weights.prefix * per_token, weights.queue * per_token,
+        weights.decode * per_token, weights.kv,
+        float(admission.max_kv_usage), admission.max_waiting, PENDING_WAITING,
+    )  # fmt: skip
+    pods = pods if type(pods) is list else list(pods)
+    heard = {} if heard is None else heard
+    inputs = (pods, matches, speculative, loads, in_flight, heard)
+    if compiled is not None and all(type(m) is dict for m in inputs[1:]):
+        done = compiled.rows(*inputs, PodLoad, row, admission.refusal, consts)
+    else:
+        done = _rows_python(*inputs, row, admission.refusal, consts)
+    if done is None:
+        return None
+    rows, totals, loads_terms, usables, admitted, dropped, refused = done
+    chosen, reason = router.choose(pods, totals, loads_terms, usables, admitted, fallback)
+    if chosen is None:
+        return Pass(None, reason, rows, 0, 0, dropped, refused)
+    match = matches.get(pods[chosen])
+    confirmed = 0 if match is None or pods[chosen] in dropped else match.matched_blocks
+    return Pass(chosen, reason, rows, confirmed, usables[chosen], dropped, refused)
+
+
+def _rows_python(
+    pods: list[str],
+    matches: Mapping[str, PodScore],
+    speculative: Mapping[str, int],
+    loads: Mapping[str, PodLoad | Unknown],
+    in_flight: Mapping[str, InFlight],
+    heard: Mapping[str, Lag],
+    row: RowMaker[R],
+    refusal: Callable[[float | None, int | None], str | None],
+    consts: tuple,
+) -> tuple[list[R], list[float], list[float], list[int], list[int], list[str], list[str]] | None:
+    """The candidate loop (``scoring/_route_pass.c`` when compiled): each pod's cost
+    terms, admission and row; None when a pod has several engines."""
+    (
+        load_only, prompt_tokens, block_size, total_blocks, cap,
+        w_prefix, w_queue, w_decode, w_kv, max_kv, max_waiting, pending_waiting,
+    ) = consts  # fmt: skip
     rows: list[R] = []
     append = rows.append
     totals: list[float] = []
     loads_terms: list[float] = []  # only load-only decisions read them
     usables: list[int] = []
     admitted: list[int] = []
+    dropped: list[str] = []
+    refusals: list[str] = []
     get_match, get_extra, get_flying = matches.get, speculative.get, in_flight.get
     i = -1
     for pod in pods:
         i += 1
         load = loads[pod]
+        started = None
         if type(load) is PodLoad:
             if len(load.engines) > 1:  # one target per engine: the general path
                 return None
             state, running = "known", load.running
             waiting, kv_usage, kv_max = load.waiting, load.kv_usage, load.kv_usage_max
+            started = load.started
         else:
             state, kv_max = load.reason, None
             if state == "pending":
-                running, waiting, kv_usage = 0, PENDING_WAITING, 0.0
+                running, waiting, kv_usage = 0, pending_waiting, 0.0
             else:
                 running = waiting = kv_usage = None
         match = get_match(pod)
         extra = get_extra(pod, 0)
+        if started is not None and (match is not None or pod in speculative):
+            lag = heard.get(pod)
+            if lag is not None and lag.ts is not None and lag.ts < started:
+                dropped.append(pod)  # restarted unheard: its entries are the old engine's
+                match, extra = None, 0
         flying_entry = get_flying(pod)
         if flying_entry is None:
             flying = prefilling = prefill_tokens = 0
@@ -143,7 +221,8 @@ def one_pass(
         if (kv_max is not None and kv_max > max_kv) or (
             max_waiting and waiting is not None and waiting > max_waiting
         ):
-            refused = admission.refusal(kv_max, waiting)
+            refused = refusal(kv_max, waiting)
+            refusals.append(f"{pod}: {refused}")
         else:
             refused = None
             admitted.append(i)
@@ -158,15 +237,4 @@ def one_pass(
                 prefill_tokens, prefix, queue, decode, kv, total, refused is None, refused,
             )
         )  # fmt: skip
-    chosen, reason = router.choose(
-        pods if isinstance(pods, list) else list(pods),
-        totals,
-        loads_terms,
-        usables,
-        admitted,
-        fallback,
-    )
-    if chosen is None:
-        return Pass(None, reason, rows, 0)
-    match = get_match(pods[chosen])
-    return Pass(chosen, reason, rows, 0 if match is None else match.matched_blocks)
+    return rows, totals, loads_terms, usables, admitted, dropped, refusals

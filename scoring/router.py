@@ -146,9 +146,14 @@ class Router:
                 (i for i in admitted if loads[i] <= best + _EPSILON), key=pods.__getitem__
             )
             return tied[next(self._turn) % len(tied)], fallback
-        best = min([totals[i] for i in admitted])
-        tied = [i for i in admitted if totals[i] <= best + _EPSILON]
+        if len(admitted) == len(totals):  # every pod admitted (the usual case): no indirection
+            limit = min(totals) + _EPSILON
+            tied = [i for i, total in enumerate(totals) if total <= limit]
+            longest = max(usable)
+        else:
+            limit = min([totals[i] for i in admitted]) + _EPSILON
+            tied = [i for i in admitted if totals[i] <= limit]
+            longest = max([usable[i] for i in admitted])
         chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-        longest = max([usable[i] for i in admitted])
         mine = usable[chosen]
         return chosen, Reason.PREFIX if mine > 0 and mine == longest else Reason.LOAD

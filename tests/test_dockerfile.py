@@ -256,5 +256,5 @@ def test_the_dockerfile_commands_build_install_and_start(stages, tmp_path: Path)
             # the build stage's image has gcc and libssl-dev: every extension builds
             assert (
                 "(compiled table, compiled hashing, compiled payloads, compiled receive, "
-                "compiled token_ids)" in version
+                "compiled token_ids, compiled route loop)" in version
             ), version

@@ -8,6 +8,7 @@ the three scheduler gauges, so names, labels, types and the ~900 other lines are
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -62,7 +63,9 @@ class MetricsServer:
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                # the scraper gave up on a slow page (its timeout): expected
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.wfile.write(body)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -137,9 +140,9 @@ def test_scrape_reports_each_pods_load_and_in_flight(servers) -> None:
     assert isinstance(b, PodLoad) and isinstance(i, PodLoad)
     assert (b.running, b.waiting) == (8, 2)
     assert b.kv_usage == pytest.approx(0.5) and b.kv_usage_max == 0.75
-    assert sorted(b.engines) == ["0", "1"] and b.in_flight == InFlight()
+    assert sorted(b.engines) == ["0", "1"]
     assert (i.running, i.waiting, i.kv_usage) == (0, 0, 0.0)
-    assert i.in_flight == InFlight(1, 12, 1)
+    assert view.ledger.all() == {idle.pod: InFlight(1, 12, 1)}
     assert (b.started, i.started) == (1796122018.96, 1796122209.32)
 
 
@@ -155,7 +158,7 @@ def test_a_pod_whose_last_good_scrape_is_old_is_unknown_not_idle(servers) -> Non
         view.scrape_once()
         clock.now += 2.0  # a failed round: the last good figures are still fresh enough
         still = view.snapshot([busy.pod])[busy.pod]
-        assert isinstance(still, PodLoad) and still.age_s == 2.0
+        assert isinstance(still, PodLoad) and view.age(still) == 2.0
         clock.now += 1.5
         view.scrape_once()
         stale = view.snapshot([busy.pod])[busy.pod]

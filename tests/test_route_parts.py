@@ -131,7 +131,7 @@ def pod_load(pod: str, engines: dict[str, EngineLoad]) -> PodLoad:
     waiting = sum(e.waiting for e in engines.values())
     usage = [e.kv_usage for e in engines.values() if e.kv_usage is not None]
     mean = sum(usage) / len(usage) if usage else None
-    return PodLoad(pod, 0, waiting, mean, max(usage, default=None), engines, InFlight(), 0.1)
+    return PodLoad(pod, 0, waiting, mean, max(usage, default=None), engines, 0.1)
 
 
 def test_each_data_parallel_rank_is_costed_on_its_own_prefix_and_load() -> None:

@@ -7,7 +7,11 @@ tie broken differently, or drawn from the RNG a different number of times, shows
 a later decision too. The fleets mix every load state (known, pending, not scraped,
 stale), KV usage past the admission limit, long queues, tier-weighted matches,
 speculative blocks, in-flight routes, tiny prompts, load-only fallbacks and least-bad
-routing; fleets with data-parallel ranks must be left to the general path.
+routing, and pods that restarted unheard (their server started after the last batch
+the index applied from them: the one-pass loop leaves their entries out, the general
+path is given them already left out, as ``api/route.py`` does). Fleets with
+data-parallel ranks must be left to the general path. The candidate loop runs both
+compiled (``scoring/_route_pass.c``) and in Python.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import pytest
 
 from kvindex.api.route import _candidates_of
 from kvindex.api.schemas import RouteCandidate
+from kvindex.scoring import route_pass
+from kvindex.scoring.event_lag import Lag
 from kvindex.scoring.inflight import InFlight
 from kvindex.scoring.load import PodLoad, Unknown
 from kvindex.scoring.load_metrics import EngineLoad
@@ -30,12 +36,27 @@ from kvindex.scoring.targets import build_targets
 BS = 16
 
 
+LOOPS = ["compiled", "python"]
+
+
+@pytest.fixture(params=LOOPS)
+def loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The candidate loop under test: the compiled one, or the Python one."""
+    if request.param == "python":
+        monkeypatch.setattr(route_pass, "compiled", None)
+    elif route_pass.compiled is None:
+        pytest.skip("scoring/_route_pass.c was not built (no C compiler)")
+    return request.param
+
+
 def fleet(rng: random.Random, pods: list[str], prompt_blocks: int):
-    """Loads, matches, speculative blocks and in-flight routes for ``pods``."""
+    """Loads, matches, speculative blocks, in-flight routes and the index's last batch
+    per pod (its engine timestamp) for ``pods``."""
     loads: dict[str, PodLoad | Unknown] = {}
     matches: dict[str, PodScore] = {}
     speculative: dict[str, int] = {}
     in_flight: dict[str, InFlight] = {}
+    heard: dict[str, Lag] = {}
     for pod in pods:
         requests = rng.choice([0, 0, 1, 3])
         prefilling = rng.randrange(requests + 1)
@@ -48,7 +69,8 @@ def fleet(rng: random.Random, pods: list[str], prompt_blocks: int):
             waiting = rng.choice([0, 0, 2, 9, 40])
             engines = {"0": EngineLoad(1, waiting, kv)} if rng.random() < 0.5 else {}
             kv_max = None if kv is None else max(kv, rng.choice([kv, 0.97]))
-            loads[pod] = PodLoad(pod, rng.randrange(5), waiting, kv, kv_max, engines, flying, 0.2)
+            started = rng.choice([None, 1000.0])
+            loads[pod] = PodLoad(pod, rng.randrange(5), waiting, kv, kv_max, engines, 0.2, started)
         else:
             reason = rng.choice(["pending", "not_scraped", "stale"])
             loads[pod] = Unknown(pod, reason, None, None if reason == "pending" else 4.0, flying)
@@ -60,7 +82,25 @@ def fleet(rng: random.Random, pods: list[str], prompt_blocks: int):
             matches[pod] = PodScore(pod, n, n * BS, gpu, n - gpu, 0, score)
         if rng.random() < 0.2:
             speculative[pod] = rng.randrange(1, 20)
-    return loads, matches, speculative, in_flight
+        if rng.random() < 0.8:  # before the server started (restarted unheard) or after
+            heard[pod] = Lag(0.01, 5.0, rng.choice([None, 990.0, 1000.0, 1010.0]))
+    return loads, matches, speculative, in_flight, heard
+
+
+def unheard(loads, heard, matches, speculative) -> set[str]:
+    """The pods that restarted unheard, left out of ``matches`` and ``speculative`` as
+    ``api/route.py`` leaves them out before the general path."""
+    out = set()
+    for pod, load in loads.items():
+        lag = heard.get(pod)
+        started = load.started if isinstance(load, PodLoad) else None
+        if started is None or lag is None or lag.ts is None or lag.ts >= started:
+            continue
+        if pod in matches or pod in speculative:
+            out.add(pod)
+            matches.pop(pod, None)
+            speculative.pop(pod, None)
+    return out
 
 
 def general(router: Router, pods, loads, matches, speculative, in_flight, tokens, fallback):
@@ -78,7 +118,7 @@ def general(router: Router, pods, loads, matches, speculative, in_flight, tokens
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_one_pass_decides_and_answers_as_the_general_path(seed: int) -> None:
+def test_one_pass_decides_and_answers_as_the_general_path(seed: int, loop: str) -> None:
     rng = random.Random(seed)
     admission = Admission(max_kv_usage=0.95, max_waiting=rng.choice([0, 10]))
     weights = CostWeights(*rng.choice([(1.0, 1.0, 1.0, 1.0), (0.0, 1.0, 0.5, 2.0)]))
@@ -86,38 +126,44 @@ def test_one_pass_decides_and_answers_as_the_general_path(seed: int) -> None:
     fast = Router(weights, admission, seed=seed, least_bad=least_bad)
     slow = Router(weights, admission, seed=seed, least_bad=least_bad)
     reasons = set()
+    restarted = 0
     for step in range(150):
         pods = [f"10.0.{step % 3}.{i}:8000" for i in range(rng.choice([1, 2, 7, 64]))]
         prompt_blocks = rng.choice([1, 4, 32, 512])
         tokens = prompt_blocks * BS + rng.choice([0, 1, -BS + 1])
-        loads, matches, speculative, in_flight = fleet(rng, pods, prompt_blocks)
+        loads, matches, speculative, in_flight, heard = fleet(rng, pods, prompt_blocks)
         if rng.random() < 0.3:  # equal pods: ties, broken by the RNG
-            loads = {p: PodLoad(p, 0, 0, 0.1, 0.1, {}, InFlight(), 0.1) for p in pods}
+            loads = {p: PodLoad(p, 0, 0, 0.1, 0.1, {}, 0.1) for p in pods}
             matches, speculative, in_flight = {}, {}, {}
         fallback = rng.choice([None, None, None, Reason.FALLBACK_STALE_INDEX])
-        want = general(slow, pods, loads, matches, speculative, in_flight, tokens, fallback)
         done = one_pass(
-            fast, pods, matches, speculative, loads, in_flight, tokens, BS, fallback,
-            RouteCandidate,
+            fast, pods, dict(matches), dict(speculative), loads, in_flight, tokens, BS,
+            fallback, RouteCandidate, heard,
         )  # fmt: skip
+        dropped = unheard(loads, heard, matches, speculative)
+        want = general(slow, pods, loads, matches, speculative, in_flight, tokens, fallback)
         assert done is not None
+        assert set(done.dropped) == dropped, f"step {step}"
         pod = None if done.chosen is None else pods[done.chosen]
         assert (pod, done.reason, done.rows) == want, f"step {step}"
         if done.chosen is not None:
             assert done.confirmed == (matches[pod].matched_blocks if pod in matches else 0)
+            assert done.usable == done.rows[done.chosen].usable_blocks
+        assert done.refused == [f"{r.pod}: {r.refused}" for r in done.rows if r.refused]
         reasons.add(done.reason)
+        restarted += len(dropped)
     assert Reason.PREFIX in reasons and Reason.LOAD in reasons  # both kinds were decided
+    assert restarted  # some pods restarted unheard
     assert (Reason.LEAST_BAD if least_bad else Reason.NO_CAPACITY) in reasons
 
 
-def test_pods_with_data_parallel_ranks_take_the_general_path() -> None:
+def test_pods_with_data_parallel_ranks_take_the_general_path(loop: str) -> None:
     router = Router(seed=1)
     pod = "10.0.0.1:8000"
-    idle = InFlight()
     two_engines = PodLoad(
-        pod, 0, 0, 0.1, 0.1, {"0": EngineLoad(0, 0, 0.1), "1": EngineLoad(0, 0, 0.1)}, idle, 0.1
+        pod, 0, 0, 0.1, 0.1, {"0": EngineLoad(0, 0, 0.1), "1": EngineLoad(0, 0, 0.1)}, 0.1
     )
-    one_engine = PodLoad(pod, 0, 0, 0.1, 0.1, {}, idle, 0.1)
+    one_engine = PodLoad(pod, 0, 0, 0.1, 0.1, {}, 0.1)
     rank = PodScore(f"{pod}/dp1", 3, 48, 3, 0, 0, 3.0)
     cases = [
         ({pod: two_engines}, {}, {}),  # ranks from the metrics page

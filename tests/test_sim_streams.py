@@ -63,7 +63,7 @@ def test_a_decision_waits_only_for_the_batches_that_touch_its_prompt() -> None:
 
             # Pod 0 restarts (seq back to 0) and caches c: a decision on b's prompt
             # must still wait for pod 0 in full, and then the index has dropped a.
-            cluster.restart_pod(0, 0.0)
+            cluster.restart_pod(0, 0.0, client)
             store(cluster, 0, c, 2.0)
             cluster.release(3.0)
             syncs = streams.syncs

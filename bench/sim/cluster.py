@@ -147,16 +147,18 @@ class Cluster:
             return self.streams.wait_all(client, timeout_s)
         return self.streams.wait_for(client, keys, timeout_s)
 
-    def restart_pod(self, index: int, now: float) -> list:
+    def restart_pod(self, index: int, now: float, client: IndexClient | None = None) -> list:
         """The pod's engine restarts at ``now``: cache lost, seq back to 0, batches in
-        flight lost. Returns the requests that were on it."""
+        flight lost. Returns the requests that were on it. ``client`` (runs that
+        publish) tells the restart count kvindex has before it (:mod:`bench.sim.streams`)."""
         pod = self.pods[index]
         lost = pod.restart(now)
         self.restarts += 1
         self._pending[index].clear()
         if self.publishers:
             self.publishers[index].restart()
-            self.streams.restarted(index)
+            restarts_seen = client.position(pod.pod_id)[1] if client is not None else 0
+            self.streams.restarted(index, restarts_seen)
         return lost
 
     def reset_pod(self, index: int, now: float = 0.0) -> bool:

@@ -320,7 +320,7 @@ class _Loop:
         self.generation[i] += 1
         self.steps.pop(i, None)
         self.cluster.pods[i].busy = False
-        for job in self.cluster.restart_pod(i, now):
+        for job in self.cluster.restart_pod(i, now, self.client):
             if not job.direct:
                 self.policies[job.replica].finished(job)
             self.result.retried += 1

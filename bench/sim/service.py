@@ -13,7 +13,7 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -193,12 +193,18 @@ class IndexClient:
 
     def applied_seq(self, pod: str) -> int:
         """The last seq the index applied from ``pod``'s rank 0 (-1: none yet)."""
+        return self.position(pod)[0]
+
+    def position(self, pod: str) -> tuple[int, int]:
+        """``(last applied seq of pod's rank 0, engine restarts seen)``; ``(-1, 0)``
+        before kvindex heard from the pod."""
         response = self._http.get(f"/index/pods/{pod}")
         if response.status_code == 404:
-            return -1
+            return -1, 0
         if response.status_code != 200:
             raise ServiceError(f"/index/pods/{pod} answered {response.status_code}")
-        return int(response.json()["last_seq"].get(pod, -1))
+        report = response.json()
+        return int(report["last_seq"].get(pod, -1)), int(report.get("restarts", 0))
 
     def event_errors(self) -> dict[str, float]:
         """``kvindex_event_errors_total`` from ``/metrics``, by reason (why kvindex skipped
@@ -219,17 +225,20 @@ class IndexClient:
         expected: Mapping[str, int],
         timeout_s: float = 10.0,
         *,
-        exact: Collection[str] = (),
+        restarted: Mapping[str, int] | None = None,
         seen: Callable[[str, int], None] | None = None,
     ) -> bool:
         """Wait until every member's applied seq reached ``expected``; False on timeout.
 
-        Members in ``exact`` must equal it: after an engine restart the seq starts again
-        at 0 while the index still reports the old, larger one until it applies the new
-        first batch. ``seen`` is told every applied seq read. The subscriber updates
-        ``last_seq`` after the sink applied the batch, so once it is reached, ``/score``
-        answers from an index holding every event up to it.
+        A member in ``restarted`` (engine restarted, seq started again at 0) maps to the
+        restart count kvindex must have reached: until it applies the new engine's first
+        batch it still reports the old life's seq, which may be larger *or equal* (old
+        seq 0, new seq 0), so its seq must equal the target and its restarts must have
+        reached the count. ``seen`` is told every applied seq read. The subscriber
+        updates ``last_seq`` after the sink applied the batch, so once it is reached,
+        ``/score`` answers from an index holding every event up to it.
         """
+        restarted = restarted or {}
         started = time.monotonic()
         deadline = started + timeout_s
         pause = 0.0002
@@ -238,10 +247,15 @@ class IndexClient:
         try:
             while True:
                 for member, seq in list(behind.items()):
-                    applied = self.applied_seq(member)
+                    if member in restarted:
+                        applied, restarts = self.position(member)
+                        done = applied == seq and restarts >= restarted[member]
+                    else:
+                        applied = self.applied_seq(member)
+                        done = applied >= seq
                     if seen is not None:
                         seen(member, applied)
-                    if applied == seq or (applied > seq and member not in exact):
+                    if done:
                         del behind[member]
                 if not behind:
                     return True

@@ -14,8 +14,9 @@ agreement check still ends each run with a full :meth:`IndexSync.wait_all`.
 
 A pod's seq numbers only grow within one engine life, so "applied >= the batch's seq"
 says the batch is in. After a restart the seq starts again at 0 while kvindex still
-reports the old one until it applies the new first batch, so a restarted pod is waited
-for in full (applied == its last seq, the old rule) until it has been seen caught up.
+reports the old one until it applies the new first batch - and the old one may equal
+the new (old seq 0, new seq 0). So a restarted pod is waited for in full until kvindex
+shows both the restart (its restart count) and the new life's last seq.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class IndexSync:
         self._open: list[deque[tuple[int, list[int] | None]]] = [deque() for _ in pod_ids]
         self._keys: list[dict[int, int]] = [{} for _ in pod_ids]  # key -> newest open seq
         self._clear: list[int] = [-1] * len(pod_ids)  # newest open seq with a clear
-        self._restarted: set[str] = set()
+        self._restarted: dict[str, int] = {}  # pod -> restart count kvindex must reach
         self._decisions = 0
         self.syncs = 0  # waits that found the index behind on a batch that mattered
         self.skipped = 0  # decisions that needed no wait although batches were open
@@ -72,15 +73,21 @@ class IndexSync:
             for key in keys:
                 touched[key] = seq
 
-    def restarted(self, i: int) -> None:
-        """Pod ``i``'s engine restarted: its seq starts again; wait for it in full."""
+    def restarted(self, i: int, restarts_seen: int) -> None:
+        """Pod ``i``'s engine restarted: its seq starts again; wait for it in full.
+
+        ``restarts_seen`` is kvindex's restart count for the pod now. kvindex counts a
+        restart when a new life's batch follows a life it heard from, so the count to
+        wait for grows by one per life that published; a pod restarting again before
+        kvindex confirmed the last restart keeps the count it was already owed."""
         pod = self.pod_ids[i]
+        published = 1 if pod in self.published else 0
+        self._restarted[pod] = self._restarted.get(pod, restarts_seen) + published
         self._open[i].clear()
         self._keys[i].clear()
         self._clear[i] = -1
         self._applied.pop(pod, None)
         self.published.pop(pod, None)  # nothing to wait for until its first new batch
-        self._restarted.add(pod)
 
     # -- waiting --------------------------------------------------------------------
 
@@ -131,12 +138,12 @@ class IndexSync:
         sends none. So after ``nudge_s`` the pods still behind publish an empty batch, as
         a busy engine soon would: kvindex then replays the missing seq."""
         self.syncs += 1
-        exact = {pod for pod in targets if pod in self._restarted}
+        exact = {pod: self._restarted[pod] for pod in targets if pod in self._restarted}
         waited = 0.0
         behind = dict(targets)
         while True:
             applied = client.wait_applied(
-                behind, min(nudge_s, timeout_s - waited), exact=exact, seen=self._seen
+                behind, min(nudge_s, timeout_s - waited), restarted=exact, seen=self._seen
             )
             if applied:
                 break
@@ -156,7 +163,7 @@ class IndexSync:
                     if pod in exact:
                         behind[pod] = seq
         for pod in exact:
-            self._restarted.discard(pod)
+            del self._restarted[pod]
             self._seen(pod, behind[pod])
         return True
 

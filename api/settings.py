@@ -243,8 +243,7 @@ class ScoringSettings(_Section):
     load_interval: Annotated[
         float,
         doc(
-            "/route: seconds between scrapes of every pod's vLLM /metrics "
-            "(see --load-stale-after)",
+            "/route: seconds between scrapes of every pod's vLLM /metrics (see --load-stale-after)",
             metavar="SECONDS",
         ),
     ] = 1.0

@@ -55,6 +55,5 @@ def describe() -> str:
     (:func:`kvindex.events.drain.implementation`), as ``--version`` and the startup line
     print them."""
     return (
-        f"{implementation()} table, {hashing()} hashing, {payloads()} payloads, "
-        f"{receive()} receive"
+        f"{implementation()} table, {hashing()} hashing, {payloads()} payloads, {receive()} receive"
     )

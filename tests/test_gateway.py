@@ -308,9 +308,7 @@ def test_a_separate_gateway_routes_over_http(cluster) -> None:
         with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=30) as r:
             parts = r.iter_raw()
             next(parts), next(parts)
-            eventually(
-                lambda: cluster.open_routes(prefills=True) == {}, "the first token reported"
-            )
+            eventually(lambda: cluster.open_routes(prefills=True) == {}, "the first token reported")
             assert sum(cluster.open_routes().values()) == 1
         cluster.wait_released()
 

@@ -37,8 +37,15 @@ def test_the_route_example_is_an_answer_the_cost_model_gives() -> None:
     inputs = [  # GPU blocks: the tier-weighted count is the count; nothing is waiting, so
         # how many in-flight routes are still prefilling does not enter the cost
         PodInputs(
-            c.pod, c.matched_blocks, c.matched_blocks, c.running, c.waiting, c.kv_usage,
-            c.in_flight, 0, c.queued_tokens,
+            c.pod,
+            c.matched_blocks,
+            c.matched_blocks,
+            c.running,
+            c.waiting,
+            c.kv_usage,
+            c.in_flight,
+            0,
+            c.queued_tokens,
         )
         for c in answer.candidates
     ]

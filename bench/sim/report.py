@@ -128,8 +128,7 @@ def _index_note(r: RunResult) -> str | None:
     scrapes = (
         ""
         if i.get("scrape_waits") is None
-        else f", {i['scrape_waits']:,} scrape ticks waited for "
-        f"({i['scrape_timeouts']} timed out)"
+        else f", {i['scrape_waits']:,} scrape ticks waited for ({i['scrape_timeouts']} timed out)"
     )
     return (
         f"{r.policy} via kvindex: {i['score_calls']:,} /score calls, {i['syncs']:,} syncs "

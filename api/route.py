@@ -121,8 +121,8 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
             service.event_lag.batches(),
         )  # fmt: skip
         if done is not None:
-            for pod in done.dropped:
-                _ignore_restarted(view, pod, loads[pod])
+            for pod in done.dropped:  # each a PodLoad with a start time (the loop's rule)
+                _ignore_restarted(view, pod, loads[pod].started)  # type: ignore[union-attr]
             return _answer_pass(service, req, view, pods, done, block_size)
     _drop_restarted(service, loads, view)
     return _decide_targets(service, req, view, pods, loads, in_flight, roles, block_size)
@@ -150,17 +150,17 @@ def _drop_restarted(
         heard = last_ts(member)
         if heard is None or heard >= load.started:
             continue
-        _ignore_restarted(view, member, load)
+        _ignore_restarted(view, member, load.started)
 
 
-def _ignore_restarted(view: _IndexView, member: str, load: PodLoad | Unknown) -> None:
-    """``member`` restarted unheard: its index entries are left out, with a warning (the
-    one-pass path left them out of its decision already)."""
+def _ignore_restarted(view: _IndexView, member: str, started: float) -> None:
+    """``member``'s server started at ``started`` and the index has not heard from it
+    since: its index entries are left out, with a warning (the one-pass path left them
+    out of its decision already)."""
     view.matches.pop(member, None)
     view.speculative.pop(member, None)
-    started = load.started if type(load) is PodLoad else None
     view.warnings.append(
-        f"pod {member}: restarted (process start {started or 0:.0f}) and no KV events "
+        f"pod {member}: restarted (process start {started:.0f}) and no KV events "
         "since; its index entries are ignored"
     )
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvindex.scoring.inflight import InFlight, InFlightLedger
+from kvindex.scoring.inflight import InFlightLedger
 from kvindex.scoring.load_metrics import (
     EngineLoad,
     MetricsError,
@@ -95,7 +95,6 @@ class Unknown(msgspec.Struct, frozen=True, gc=False):
     reason: str  # "pending" (first scrape not tried yet), "not_scraped" or "stale"
     last_error: str | None
     age_s: float | None  # since the last good scrape, None if there was none
-    in_flight: InFlight
 
 
 @dataclass(slots=True)
@@ -257,12 +256,11 @@ class LoadView:
         self, pod: str, state: _PodState | None, good: PodLoad | None, now: float
     ) -> Unknown:
         error = state.last_error if state is not None else None
-        flying = self.ledger.of(pod)
         if good is None:
             # Never tried yet, but about to be: nothing known against it.
             untried = state is None and (pod in self._asked or pod in self._pods)
-            return Unknown(pod, "pending" if untried else "not_scraped", error, None, flying)
-        return Unknown(pod, "stale", error, max(0.0, now - good.scraped_at), flying)
+            return Unknown(pod, "pending" if untried else "not_scraped", error, None)
+        return Unknown(pod, "stale", error, max(0.0, now - good.scraped_at))
 
     def scrape_errors(self) -> dict[str, dict[str, int]]:
         """Failed scrapes per pod, by kind (connect, timeout, http_status, too_large,

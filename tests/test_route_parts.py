@@ -137,7 +137,7 @@ def pod_load(pod: str, engines: dict[str, EngineLoad]) -> PodLoad:
 def test_each_data_parallel_rank_is_costed_on_its_own_prefix_and_load() -> None:
     loads = {
         "p:1": pod_load("p:1", {"0": EngineLoad(0, 9, 0.7), "1": EngineLoad(0, 0, 0.1)}),
-        "q:1": Unknown("q:1", "not_scraped", None, None, InFlight()),
+        "q:1": Unknown("q:1", "not_scraped", None, None),
     }
     matches = {"p:1/dp2": PodScore("p:1/dp2", 6, 96, 6, 0, 0, 6.0)}
     targets = build_targets(["p:1", "q:1"], matches, {"q:1": 3}, loads, {"p:1/dp1": InFlight(2)})

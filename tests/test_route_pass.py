@@ -73,7 +73,7 @@ def fleet(rng: random.Random, pods: list[str], prompt_blocks: int):
             loads[pod] = PodLoad(pod, rng.randrange(5), waiting, kv, kv_max, engines, 0.2, started)
         else:
             reason = rng.choice(["pending", "not_scraped", "stale"])
-            loads[pod] = Unknown(pod, reason, None, None if reason == "pending" else 4.0, flying)
+            loads[pod] = Unknown(pod, reason, None, None if reason == "pending" else 4.0)
         if rng.random() < 0.7:
             n = rng.choice([1, 5, prompt_blocks // 2, prompt_blocks, prompt_blocks + 3])
             n = max(1, n)

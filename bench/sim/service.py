@@ -247,12 +247,11 @@ class IndexClient:
         try:
             while True:
                 for member, seq in list(behind.items()):
-                    if member in restarted:
-                        applied, restarts = self.position(member)
-                        done = applied == seq and restarts >= restarted[member]
-                    else:
-                        applied = self.applied_seq(member)
-                        done = applied >= seq
+                    applied, restarts = self.position(member)
+                    owed = restarted.get(member)  # a restarted member: seq and restarts
+                    done = (
+                        (applied >= seq) if owed is None else (applied == seq and restarts >= owed)
+                    )
                     if seen is not None:
                         seen(member, applied)
                     if done:

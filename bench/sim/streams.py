@@ -138,12 +138,12 @@ class IndexSync:
         sends none. So after ``nudge_s`` the pods still behind publish an empty batch, as
         a busy engine soon would: kvindex then replays the missing seq."""
         self.syncs += 1
-        exact = {pod: self._restarted[pod] for pod in targets if pod in self._restarted}
+        restarted = {pod: self._restarted[pod] for pod in targets if pod in self._restarted}
         waited = 0.0
         behind = dict(targets)
         while True:
             applied = client.wait_applied(
-                behind, min(nudge_s, timeout_s - waited), restarted=exact, seen=self._seen
+                behind, min(nudge_s, timeout_s - waited), restarted=restarted, seen=self._seen
             )
             if applied:
                 break
@@ -154,15 +154,15 @@ class IndexSync:
                 self._check_streams(client, behind)
                 return False
             for pod in list(behind):
-                if self._applied.get(pod, -1) < behind[pod] or pod in exact:
+                if self._applied.get(pod, -1) < behind[pod] or pod in restarted:
                     self.nudges += 1
                     i = self._index[pod]
                     seq = self.publishers[i].publish([])
                     self.published[pod] = seq
                     self._open[i].append((seq, []))
-                    if pod in exact:
+                    if pod in restarted:
                         behind[pod] = seq
-        for pod in exact:
+        for pod in restarted:
             del self._restarted[pod]
             self._seen(pod, behind[pod])
         return True

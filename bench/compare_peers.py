@@ -8,10 +8,16 @@ sockets and is measured alone, the other idle, on the same bytes:
 
 * ZMQ -> visible ingest, blocks/s, at 1 and 8 events per message, fresh keys (no payload
   sent twice): from the first send until the last event of every publisher answers a
-  query (``/score`` / ``/query``, polled one at a time);
+  query (``/score`` / ``/query``, polled one at a time). A run lasts about a second, so
+  one run is noisy on a shared machine (single runs on one quiet machine gave kvindex
+  0.85-1.43x Dynamo's rate): each peer runs ``--rounds`` times (3) per size, fresh
+  batches every round, the peers taking turns and swapping who goes first each round,
+  and the figure is the median;
 * memory per (block, pod): RSS growth of the server over the second ingest run / its blocks
-  (the first burst has set the transient high-water), and over both runs, each read
-  once it settles after the run's events are visible (:func:`settled_rss`);
+  (the first burst has set the transient high-water), and over both runs of the first
+  round, each read once it settles after the run's events are visible
+  (:func:`settled_rss`); left out with ``--presize`` (kvindex's table is allocated
+  before the runs: its growth over them says nothing);
 * an 8,192-token prompt over 64 pods (pod i holds its first 8·(i+1) blocks): answers of
   both compared pod for pod on a sample of prompts; 1 client p50/p99; 16 clients req/s.
   Query prompts share a prefix of varying length with the filled prompt and end in
@@ -25,7 +31,8 @@ figure >= 1.2x Dynamo's); then the floors (pyzmq receive, msgspec decode, SHA-25
 Needs Dynamo's ``ai-dynamo-runtime`` in some Python (``--dynamo-python``; it pins
 pydantic <= 2.13.5, so a venv of its own keeps kvindex's environment intact).
 
-    python -m bench.compare_peers [--quick] [--only ingest] [--dynamo-python .dynvenv/bin/python]
+    python -m bench.compare_peers [--quick] [--only ingest] [--rounds 3] [--presize]
+                               [--dynamo-python .dynvenv/bin/python]
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import argparse
 import multiprocessing
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -153,6 +161,9 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=8192)
     parser.add_argument("--blocks", type=int, default=500_000, help="fresh blocks per ingest run")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="ingest runs per peer and size (median reported)"
+    )
     parser.add_argument("--requests", type=int, default=1000, help="1-client requests")
     parser.add_argument("--seconds", type=float, default=10.0, help="16-client run length")
     parser.add_argument("--clients", type=int, default=16)
@@ -163,6 +174,13 @@ def main() -> int:
         "--only",
         choices=("ingest",),
         help="ingest: only the ingest and memory figures (no prefix fill, no queries)",
+    )
+    parser.add_argument(
+        "--presize",
+        action="store_true",
+        help="kvindex serve --expected-blocks for every block the run sends: the index as a "
+        "cluster at steady state has it (sized to the pods' blocks), not grown from empty "
+        "(no memory figures then: the table is allocated before the runs)",
     )
     parser.add_argument("--dynamo-python", help="a Python with ai-dynamo-runtime installed")
     parser.add_argument(
@@ -185,6 +203,9 @@ def main() -> int:
         args.pods, args.prompt_tokens, args.blocks = 8, 2048, 64_000
         args.requests, args.seconds, args.prompts, args.check = 200, 3.0, 64, 16
     python = dynamo_python(args.dynamo_python)
+    if args.presize:
+        sent = 2 * args.blocks * args.rounds + args.prompt_tokens // BLOCK
+        args.kvindex_flag += ["--expected-blocks", str(sent)]
     ctx = zmq.Context()
     pubs = {"kvindex": Publishers(ctx, args.pods), "Dynamo": Publishers(ctx, args.pods)}
     peers: list[Peer] = []
@@ -205,8 +226,15 @@ def run(args, pubs: dict[str, Publishers], peers: list[Peer]) -> int:
     shared machine then hits both alike more than if one peer ran all its figures first."""
     rng = random.Random(1)
     prompt = [rng.randrange(150_000) for _ in range(args.prompt_tokens)]
-    print(f"encoding {2 * args.blocks:,} fresh blocks, {args.pods} publishers ...", flush=True)
-    runs = {n: fresh_batches(args.blocks, n, args.pods, seed=n) for n in (1, 8)}
+    fresh = 2 * args.blocks * args.rounds
+    print(f"encoding {fresh:,} fresh blocks, {args.pods} publishers ...", flush=True)
+    # Every round its own fresh batches (no payload is sent twice); round 0's are the
+    # ones the memory figures and the floors use.
+    rounds = [
+        {n: fresh_batches(args.blocks, n, args.pods, seed=n + 100 * r) for n in (1, 8)}
+        for r in range(args.rounds)
+    ]
+    runs = rounds[0]
     prompts = query_prompts(prompt, args.prompts, seed=2)
     for peer in peers:
         peer.wait_ready(60)
@@ -216,22 +244,29 @@ def run(args, pubs: dict[str, Publishers], peers: list[Peer]) -> int:
     clients = {peer.name: httpx.Client() for peer in peers}
     rss0 = {peer.name: rss_bytes(peer.process.pid) for peer in peers}
     stored = sum(b.blocks for b in runs.values())
-    for n, batches in runs.items():
-        for peer in peers:
-            r = ingest(peer, pubs[peer.name], batches, clients[peer.name], 300)
-            r["rss"] = settled_rss(peer.process.pid)
-            results[peer.name][f"ingest{n}"] = r
-            print(
-                f"  {peer.name:8} ingest {n}/msg: {r['blocks_per_s']:,.0f} blocks/s, "
-                f"{r['cpu_s']:.2f} CPU-s in {r['seconds']:.2f} s",
-                flush=True,
-            )
+    rss: dict[tuple[str, int], int] = {}
+    for r, batches_by_size in enumerate(rounds):
+        # The peers take turns, and swap who goes first every round: a burst of load
+        # from other work, or a machine warming up, falls on both alike.
+        order = peers if r % 2 == 0 else peers[::-1]
+        for n, batches in batches_by_size.items():
+            for peer in order:
+                got = ingest(peer, pubs[peer.name], batches, clients[peer.name], 300)
+                if r == 0:  # memory: round 0's growth, each run read once it settles
+                    rss[peer.name, n] = settled_rss(peer.process.pid)
+                results[peer.name].setdefault(f"ingest{n}", []).append(got)
+                print(
+                    f"  {peer.name:8} ingest {n}/msg, round {r + 1}: "
+                    f"{got['blocks_per_s']:,.0f} blocks/s, "
+                    f"{got['cpu_s']:.2f} CPU-s in {got['seconds']:.2f} s",
+                    flush=True,
+                )
     for peer in peers:
         r = results[peer.name]
         # The second run's growth: the first burst already set each server's transient
         # high-water (queued messages, allocator arenas), so this is closer to the index.
-        r["bytes_per_entry"] = (r["ingest8"]["rss"] - r["ingest1"]["rss"]) / runs[8].blocks
-        r["bytes_per_entry_all"] = (r["ingest8"]["rss"] - rss0[peer.name]) / stored
+        r["bytes_per_entry"] = (rss[peer.name, 8] - rss[peer.name, 1]) / runs[8].blocks
+        r["bytes_per_entry_all"] = (rss[peer.name, 8] - rss0[peer.name]) / stored
         if args.only == "ingest":
             continue
         fill(peer, pubs[peer.name], prompt, args.pods, clients[peer.name], 60)
@@ -272,14 +307,26 @@ def query_load(args, peer: Peer, bodies: list[bytes], count: int, seconds, path:
     return r
 
 
+def _wall(run: dict) -> float:
+    return run["blocks_per_s"]
+
+
+def _per_cpu(run: dict) -> float:
+    return run["blocks"] / max(run["cpu_s"], 0.01)
+
+
+def _median(runs: list[dict], figure) -> float:
+    """A figure's median over the rounds (ingest runs are short: one run is noisy)."""
+    return statistics.median(figure(run) for run in runs)
+
+
 def rows(args, k: dict, d: dict) -> list[tuple[str, float, float, bool, str]]:
     """(figure, kvindex, Dynamo, higher is better, format) for every compared figure."""
     out = []
     for n in (1, 8):
         a, b = k[f"ingest{n}"], d[f"ingest{n}"]
-        out.append((f"ingest {n} event(s)/msg, blocks/s", a["blocks_per_s"], b["blocks_per_s"]))
-        per_cpu = (a["blocks"] / max(a["cpu_s"], 0.01), b["blocks"] / max(b["cpu_s"], 0.01))
-        out.append(("  same, blocks per server CPU-s", *per_cpu))
+        out.append((f"ingest {n} event(s)/msg, blocks/s", _median(a, _wall), _median(b, _wall)))
+        out.append(("  same, blocks per server CPU-s", _median(a, _per_cpu), _median(b, _per_cpu)))
     table = [(name, ours, theirs, True, ",.0f") for name, ours, theirs in out]
     for mark, form in () if args.only == "ingest" else (("", "token_ids"), ("#", "by hash")):
         one, many = "one" + mark, "many" + mark
@@ -293,6 +340,8 @@ def rows(args, k: dict, d: dict) -> list[tuple[str, float, float, bool, str]]:
                 k[many]["server_us"], d[many]["server_us"], False, ".0f",
             ),
         ]  # fmt: skip
+    if args.presize:  # kvindex's table was allocated up front: RSS growth says nothing
+        return table
     for name, key in (
         ("memory per (block, pod), 2nd run, B", "bytes_per_entry"),
         ("  same, both runs (incl. 1st burst)", "bytes_per_entry_all"),
@@ -309,7 +358,8 @@ def report(args, results, answers, runs, prompt) -> int:
         same_hash = answers["kvindex#"] == answers["Dynamo#"] == answers["kvindex"]
     print(
         f"\n{args.prompt_tokens}-token prompt, {args.pods} pods, "
-        f"{args.blocks:,} fresh blocks per ingest run"
+        f"{args.blocks:,} fresh blocks per ingest run, median of {args.rounds} rounds"
+        + (", kvindex presized" if args.presize else ", kvindex's index grown from empty")
         + ("" if answers is None else f", queries by {args.generator}")
     )
     print(f"{'figure':40} {'kvindex':>12} {'Dynamo':>12} {'ratio':>7}  target >= {TARGET}x")

@@ -31,6 +31,7 @@ from kvindex.api import json_tokens
 from kvindex.api.app import create_app
 from kvindex.api.json_tokens import decode_prompt
 from kvindex.api.schemas import RouteRequest, ScoreRequest
+from kvindex.api.score_inputs import block_keys
 from kvindex.api.service import Service
 from kvindex.api.settings_load import from_flags
 from kvindex.api.testing import free_port
@@ -51,7 +52,11 @@ ITEM_SIZE = {"token_ids": 4, "block_hashes": 8}
 
 def outcome(kind: type[ScoreRequest], body: bytes, monkeypatch, compiled: bool) -> Any:
     """What decoding ``body`` gives: the request as builtins (arrays as lists), or the
-    error's kind, code and text; and whether the compiled reader took an array."""
+    error's kind, code and text; and whether the compiled reader took an array.
+
+    Block hashes are compared as the index keys they become (``block_keys``, what every
+    reader of the field calls): msgspec keeps a hex hash as its string, the compiled
+    reader as its low 64 bits, and a hash ``block_keys`` refuses is that error."""
     monkeypatch.setattr(json_tokens, "reader", json_tokens._compiled if compiled else None)
     try:
         req = decode_prompt(DECODERS[kind], body)
@@ -64,6 +69,11 @@ def outcome(kind: type[ScoreRequest], body: bytes, monkeypatch, compiled: bool) 
             assert items.itemsize == ITEM_SIZE[field] and not took
             setattr(req, field, items.tolist())
             took = True
+    if req.block_hashes is not None:
+        try:
+            req.block_hashes = block_keys(req.block_hashes)
+        except KvindexError as exc:
+            return ("error", type(exc).__name__, exc.code, exc.detail), took
     return ("ok", type(req).__name__, msgspec.to_builtins(req)), took
 
 
@@ -162,15 +172,39 @@ HASHES_TAKEN = [
     b'{"model":"m","block_hashes":[1],"token_ids":[1]}',  # token_ids read, hashes msgspec's
     b'{"model":"m","block_hashes":[1],"lora_name":"x"}',
     b'{"model":"m","block_hashes":[1],"pods":[]}',
+    # hex, as the schema's pattern takes it: the low 64 bits of 1 to 64 digits
+    b'{"model":"m","block_hashes":["ff"]}',
+    b'{"model":"m","block_hashes":[1,"0xFF", 2 ,"0Xab"]}',
+    b'{"model":"m","block_hashes":[ "0" , "0x0","ffffffffffffffff","FFFFFFFFFFFFFFFF" ]}',
+    b'{"model":"m","block_hashes":["10000000000000000","123456789abcdef0123456789ABCDEF"]}',
+    b'{"model":"m","block_hashes":["0x' + b"f" * 64 + b'","' + b"9" * 64 + b'"]}',
+    b'{"model":"m","block_hashes":["00000000000000000000000000000000000000000000001"]}',
 ]
 HASHES_DECLINED = [
     b'{"model":"m","block_hashes":[18446744073709551616]}',
     b'{"model":"m","block_hashes":[99999999999999999999]}',
     b'{"model":"m","block_hashes":[123456789012345678901]}',
     b'{"model":"m","block_hashes":[-1]}',
-    b'{"model":"m","block_hashes":["ff"]}',
-    b'{"model":"m","block_hashes":[1,"0xFF"]}',
     b'{"model":"m","block_hashes":["nothex"]}',
+    b'{"model":"m","block_hashes":["' + b"f" * 65 + b'"]}',
+    b'{"model":"m","block_hashes":["0x' + b"f" * 65 + b'"]}',
+    b'{"model":"m","block_hashes":["0x"]}',
+    b'{"model":"m","block_hashes":["0X"]}',
+    b'{"model":"m","block_hashes":[""]}',
+    b'{"model":"m","block_hashes":["x1"]}',
+    b'{"model":"m","block_hashes":["00x1"]}',
+    b'{"model":"m","block_hashes":["0x0x1"]}',
+    b'{"model":"m","block_hashes":["-1"]}',
+    b'{"model":"m","block_hashes":[" ff"]}',
+    b'{"model":"m","block_hashes":["ff "]}',
+    b'{"model":"m","block_hashes":["f\\u0066"]}',
+    b'{"model":"m","block_hashes":["ff\\n"]}',
+    b'{"model":"m","block_hashes":["ff\n"]}',
+    b'{"model":"m","block_hashes":["ff"',
+    b'{"model":"m","block_hashes":["ff]}',
+    b'{"model":"m","block_hashes":["ff",]}',
+    b'{"model":"m","block_hashes":["ff" "ee"]}',
+    b'{"model":"m","block_hashes":["\\u00660"]}',
     b'{"model":"m","block_hashes":[01]}',
     b'{"model":"m","block_hashes":[1.5]}',
     b'{"model":"m","block_hashes":[1],"block_hashes":[2]}',
@@ -268,6 +302,7 @@ block_hash = st.one_of(
     st.integers(0, 10**12),
     st.sampled_from([0, 10**19 - 1, 10**19, U64, U64 + 1, 10**20, -1, 2**70]),
 )
+HEX_HASH = r"(0[xX])?[0-9a-fA-F]{1,64}"  # the schema's pattern for a hex block hash
 json_scalar = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
     st.text(max_size=8),
@@ -290,6 +325,7 @@ FIELDS = {
     "block_hashes": st.one_of(
         st.lists(block_hash, max_size=40),
         st.lists(st.integers(0, U64) | st.text("0123456789abcdefxX", max_size=18), max_size=3),
+        st.lists(block_hash | st.from_regex(HEX_HASH, fullmatch=True), max_size=12),
         json_value,
     ),
     "prompt": st.text(max_size=20),
@@ -375,6 +411,29 @@ def test_generated_bodies_are_mostly_taken(monkeypatch) -> None:
         body = json.dumps(fields, indent=i % 3 or None).encode()
         taken += same(body, monkeypatch)
     assert taken == 200
+
+
+@needs_reader
+def test_hex_block_hashes_are_taken_as_their_low_64_bits(monkeypatch) -> None:
+    """Hex hashes (the other spelling engines' hashes travel in) take the compiled path
+    too, and give what ``block_keys`` makes of msgspec's strings."""
+    rng = random.Random(11)
+    for i in range(100):
+        hashes: list[int | str] = []
+        for _ in range(rng.randrange(1, 40)):
+            digits = "".join(
+                rng.choice("0123456789abcdefABCDEF") for _ in range(rng.randrange(1, 65))
+            )
+            hashes.append(
+                rng.choice(["", "0x", "0X"]) + digits
+                if rng.random() < 0.8
+                else rng.randrange(U64 + 1)
+            )
+        body = json.dumps({"model": "m", "block_hashes": hashes}, indent=i % 3 or None).encode()
+        assert same(body, monkeypatch)
+        _rest, items = json_tokens._compiled.split(body, "block_hashes")
+        want = [h if type(h) is int else int(h, 16) & U64 for h in hashes]
+        assert array(json_tokens.UINT64, items).tolist() == want
 
 
 # -- over HTTP -----------------------------------------------------------------------------

@@ -18,18 +18,31 @@ collection took 30-55 ms of CPU, 0.2 ms frozen; in ``kvindex serve`` under 270-2
 blocks/s of fresh-key ingest, where one comes every 10-30 s, 47-102 ms against 18-43 ms
 frozen (wall clock, load average 10-13). None of what is frozen becomes garbage while
 serving.
+
+The interpreter's switch interval drops from 5 ms to :data:`SWITCH_INTERVAL_S`. Requests
+are answered on the event loop's thread while other threads run Python: the load
+scraper's (httpx, 16 threads, every pod once a second), the event applier. A thread
+that holds the GIL keeps it until it blocks or the interval ends, so a request that
+arrives meanwhile waited up to 5 ms. Beside Dynamo (`bench/compare_peers.py`, 64 pods
+scraped, 3 runs each, 2026-12-02) one client's `/score` by hash had p99 0.32-0.67 ms
+with 5 ms, 0.17-0.26 ms with 0.5 ms, 0.17-0.21 ms with scraping off; in-process ingest
+(`bench_ingest.py`) showed no difference beyond its run-to-run spread.
 """
 
 from __future__ import annotations
 
 import gc
 import socket
+import sys
 from typing import Any
 
 import uvicorn
 
 from kvindex.api.header_deadline import header_deadline_protocol
 from kvindex.api.hot_lane import HotLane, lane_protocol
+
+#: How long a thread may hold the GIL while another waits for it (Python's default 5 ms).
+SWITCH_INTERVAL_S = 0.0005
 
 
 class ListenError(OSError):
@@ -84,6 +97,7 @@ def serve(
     """Serve ``app`` on an already bound socket until SIGINT/SIGTERM."""
     gc.collect()  # what startup left behind, then the rest is never walked again
     gc.freeze()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the loop waits at most this for the GIL
     server(
         app, header_timeout_s=header_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s, lane=lane
     ).run(sockets=[sock])

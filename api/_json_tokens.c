@@ -25,10 +25,9 @@
  * strings that the schema's pattern takes, without escapes, which become their low 64
  * bits as api/score_inputs.py's block_keys makes them (hex was the slow form: msgspec's
  * pattern check and a Python loop cost ~0.4 ms for 512 hashes). Being stricter than
- * msgspec only costs speed. Anything wrong
- * elsewhere in the body (a bad field, malformed JSON after the array) is still in the
- * rest, so msgspec rejects the rest and the caller decodes the whole body to give
- * msgspec's own error for it.
+ * msgspec only costs speed. Anything wrong elsewhere in the body (a bad field, malformed
+ * JSON after the array) is still in the rest, so msgspec rejects the rest and the caller
+ * decodes the whole body to give msgspec's own error for it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -16,8 +16,8 @@ array of plain non-negative integers up to 2**32 - 1 for token ids and 2**64 - 1
 hashes; for hashes also hex strings the schema's pattern takes, without escapes, read
 as their low 64 bits, which is what ``score_inputs.block_keys`` makes of msgspec's
 strings), and when msgspec refuses the rest, the whole body is decoded again by
-msgspec, so every error is msgspec's own for that body. Without the
-compiled reader every body is decoded whole by msgspec: the same answers and errors
+msgspec, so every error is msgspec's own for that body. Without the compiled reader
+every body is decoded whole by msgspec: the same answers and errors
 (``tests/test_json_tokens.py`` runs both), the arrays then lists.
 """
 

@@ -1,0 +1,314 @@
+"""One serving worker of ``kvindex serve --processes N`` (:mod:`kvindex.api.workers` says
+why and how they fit together), started by the primary as
+
+    python -m kvindex.api.worker DIRECTORY HOST:PORT CHANNEL_FD
+
+It answers ``POST /score`` from the shared tables with the primary's own code (a
+:class:`~kvindex.api.service.Service` over a
+:class:`~kvindex.indexer.shared_index.SharedIndexReader`, never started: no streams, no
+scraping) and relays everything else to the primary over its Unix socket. A ``/score``
+is relayed too while speculative entries live (only the primary has them) or when the
+shared structure stayed busy (``SharedIndexBusy``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import msgspec
+
+from kvindex.api.asgi import ClientLeft, Receive, Scope, Send, receive_body, send_json
+from kvindex.api.config import Settings
+from kvindex.api.errors import error_body
+from kvindex.api.hot_lane import HotLane
+from kvindex.api.hot_path import Answer, HotPath, HotRoutes, Posted, Route
+from kvindex.api.limits import RequestLimits
+from kvindex.api.logs import setup_logging
+from kvindex.api.server import bind, serve
+from kvindex.api.service import Service
+from kvindex.api.workers import Facts, frame
+from kvindex.indexer.shared_index import (
+    FACTS_VERSION,
+    SPECULATIVE_UNTIL,
+    SharedIndexBusy,
+    SharedIndexReader,
+)
+from kvindex.scoring.scorer import ScoreResult
+
+log = logging.getLogger("kvindex.worker")
+
+#: How often a worker sends the primary what it answered (for /metrics).
+REPORT_INTERVAL_S = 0.25
+# Response headers the relay does not copy: the lane and uvicorn write their own.
+_OWN_HEADERS = frozenset(
+    {b"content-type", b"content-length", b"date", b"server", b"connection", b"transfer-encoding"}
+)
+_HOP_HEADERS = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-connection"}
+)
+
+
+class ScoreReports:
+    """A worker's stand-in for :class:`~kvindex.api.metrics.ScoreMetrics`: what it
+    answered, kept as records the primary counts (:meth:`take` empties it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: list[tuple[Any, ...]] = []
+
+    def score_done(self, result: ScoreResult, seconds: float, warned: bool = False) -> None:
+        record = ("score", result.model, result.prompt_blocks, result.best_matched_blocks)
+        with self._lock:
+            self._records.append((*record, seconds, warned))
+
+    def score_rejected(self, code: str) -> None:
+        with self._lock:
+            self._records.append(("rejected", code))
+
+    def refused(self, is_score: bool, code: str) -> None:
+        with self._lock:
+            self._records.append(("refused", is_score, code))
+
+    def take(self) -> list[tuple[Any, ...]]:
+        with self._lock:
+            records, self._records = self._records, []
+        return records
+
+
+class SharedFacts:
+    """The primary's published facts (models, warnings, hybrid layouts), reread when the
+    control file's version moves; stands in for the pod directory's ``warnings``."""
+
+    def __init__(self, directory: str, reader: SharedIndexReader, service: Service) -> None:
+        self._path = os.path.join(directory, "facts")
+        self._words = reader.control.words
+        self._service = service
+        self._version = -1
+        self.facts = Facts([], {}, {})
+
+    def refresh(self) -> None:
+        version = int(self._words[FACTS_VERSION])
+        if version == self._version:
+            return
+        try:
+            with open(self._path, "rb") as src:
+                self.facts = msgspec.msgpack.decode(src.read(), type=Facts)
+        except (FileNotFoundError, msgspec.DecodeError):
+            return  # being replaced: the next request reads it
+        self._version = version
+        layouts = self._service.ingestor.layouts
+        for model, groups in self.facts.layouts.items():
+            for group, (kind, window, block_size) in groups.items():
+                layouts.learn(model, group, kind, window, block_size)
+
+    def warnings(self, model: str, pods: Any = None) -> list[str]:
+        found = self.facts.warnings.get(model, [])
+        return [text for pod, text in found if pods is None or pod in pods]
+
+
+class WorkerService(Service):
+    """A Service over the shared index that only scores: it never starts (no streams,
+    no scraping), and the models it knows are the primary's."""
+
+    def __init__(self, settings: Settings, directory: str) -> None:
+        reader = SharedIndexReader(directory)
+        super().__init__(settings, backend=reader)
+        self.reader = reader
+        self.facts = SharedFacts(directory, reader, self)
+        self.directory = self.facts  # type: ignore[assignment]  # /score reads warnings only
+        self.metrics = ScoreReports()  # type: ignore[assignment]
+
+    def _models(self, max_age_s: float = 1.0) -> frozenset[str]:
+        self.facts.refresh()
+        return frozenset(self.facts.facts.models) | frozenset(self.reader.models())
+
+
+class Relay:
+    """Requests handed to the primary over its Unix socket: ``/score`` bodies
+    (:meth:`score`) and, as an ASGI app, everything this worker does not answer."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=socket_path),
+            base_url="http://kvindex",
+            timeout=httpx.Timeout(None, connect=5.0),
+        )
+
+    async def score(self, posted: Posted) -> Answer:
+        url = posted.path + ("?" + posted.query.decode("latin-1") if posted.query else "")
+        try:
+            reply = await self.client.post(
+                url, content=posted.body, headers={"content-type": posted.media}
+            )
+        except httpx.HTTPError as exc:
+            return 503, _unreachable(exc), []
+        headers = [(k, v) for k, v in reply.headers.raw if k.lower() not in _OWN_HEADERS]
+        return reply.status_code, reply.content, headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan: nothing to start
+            if scope["type"] == "lifespan":
+                await _lifespan(receive, send)
+            return
+        try:
+            body = await receive_body(receive)
+        except ClientLeft:
+            return
+        headers = [
+            (k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _HOP_HEADERS
+        ]
+        request = self.client.build_request(
+            scope["method"],
+            httpx.URL(path=scope["path"], query=scope.get("query_string", b"")),
+            headers=headers,
+            content=body,
+        )
+        try:
+            reply = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            await send_json(send, 503, _unreachable(exc))
+            return
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": reply.status_code,
+                    "headers": [
+                        (k, v)
+                        for k, v in reply.headers.raw
+                        if k.decode("latin-1").lower() not in _HOP_HEADERS
+                        and k.lower() not in (b"date", b"server")
+                    ],
+                }
+            )
+            async for chunk in reply.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await reply.aclose()
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def _unreachable(exc: Exception) -> bytes:
+    return error_body("primary_unavailable", f"the kvindex primary process did not answer: {exc}")
+
+
+class WorkerRoutes(HotRoutes):
+    """``/score`` only, answered here unless only the primary can answer it."""
+
+    def __init__(
+        self, service: WorkerService, on_refusal: Callable[[str, str], None], relay: Relay
+    ) -> None:
+        super().__init__(service, on_refusal)
+        self.inline = True
+        self._relay = relay
+        self._route = Route(self._score, self._relayed)
+        self._until = service.reader.control.floats[SPECULATIVE_UNTIL : SPECULATIVE_UNTIL + 1]
+
+    def match(self, path: str) -> tuple[Route, str] | None:
+        return (self._route, "") if path in ("/score", "/score/") else None
+
+    def answer(self, route: Route, posted: Posted) -> Answer | None:  # type: ignore[override]
+        """The answer, or None when the primary must give it (:meth:`answer_async`)."""
+        if time.monotonic() < self._until[0]:
+            return None
+        try:
+            return route.inline(posted)
+        except SharedIndexBusy:
+            return None
+        except Exception as exc:
+            return self.failed(exc, posted.path)
+
+    async def _relayed(self, posted: Posted) -> Answer:
+        return await self._relay.score(posted)
+
+
+def _worker_settings(directory: str) -> Settings:
+    """The primary's settings, less its event sources, discovery and snapshots."""
+    with open(os.path.join(directory, "settings.json"), "rb") as src:
+        settings = msgspec.json.decode(src.read(), type=Settings)
+    replace = msgspec.structs.replace
+    return replace(
+        settings,
+        events=replace(settings.events, zmq_connect=[], zmq_bind=[]),
+        k8s=replace(settings.k8s, namespace=[]),
+        index=replace(settings.index, snapshot=None),
+    )
+
+
+def _report(channel: socket.socket, reports: ScoreReports, directory: str) -> None:
+    """Send what was answered every REPORT_INTERVAL_S; stop this process when the
+    primary's end closes (it went away; killed, it could not remove the shared
+    directory itself)."""
+    while True:
+        readable, _, _ = select.select([channel], [], [], REPORT_INTERVAL_S)
+        gone = bool(readable) and not channel.recv(4096)
+        records = reports.take()
+        try:
+            if records:
+                channel.sendall(frame(msgspec.msgpack.encode(records)))
+        except OSError:
+            gone = True
+        if gone:
+            shutil.rmtree(directory, ignore_errors=True)  # what is mapped stays readable
+            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+            return
+
+
+def main(argv: list[str]) -> int:
+    directory, listen, channel_fd = argv
+    settings = _worker_settings(directory)
+    setup_logging(settings.log.format, settings.log.level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request
+    service = WorkerService(settings, directory)
+    relay = Relay(os.path.join(directory, "primary.sock"))
+
+    def refused_at(path: str, code: str) -> None:
+        service.metrics.refused(path == "/score", code)
+
+    routes = WorkerRoutes(service, refused_at, relay)
+    http = settings.http
+    limits = RequestLimits(
+        HotPath(routes, relay),
+        max_body_bytes=http.max_body_bytes,
+        body_timeout_s=http.body_timeout,
+        max_in_flight=http.max_in_flight,
+        on_refusal=refused_at,
+    )
+    host, _, port = listen.rpartition(":")
+    sock = bind(host.strip("[]"), int(port), reuse_port=True)
+    channel = socket.socket(fileno=int(channel_fd))
+    reports: ScoreReports = service.metrics  # type: ignore[assignment]
+    threading.Thread(target=_report, args=(channel, reports, directory), daemon=True).start()
+    serve(
+        limits,
+        sock,
+        header_timeout_s=http.header_timeout,
+        keep_alive_timeout_s=http.keep_alive_timeout,
+        lane=HotLane(routes, limits),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

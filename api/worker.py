@@ -94,19 +94,19 @@ class SharedFacts:
         self._path = os.path.join(directory, "facts")
         self._words = reader.control.words
         self._service = service
-        self._version = -1
+        self.version = -1
         self.facts = Facts([], {}, {})
 
     def refresh(self) -> None:
         version = int(self._words[FACTS_VERSION])
-        if version == self._version:
+        if version == self.version:
             return
         try:
             with open(self._path, "rb") as src:
                 self.facts = msgspec.msgpack.decode(src.read(), type=Facts)
         except (FileNotFoundError, msgspec.DecodeError):
             return  # being replaced: the next request reads it
-        self._version = version
+        self.version = version
         layouts = self._service.ingestor.layouts
         for model, groups in self.facts.layouts.items():
             for group, (kind, window, block_size) in groups.items():
@@ -128,10 +128,18 @@ class WorkerService(Service):
         self.facts = SharedFacts(directory, reader, self)
         self.directory = self.facts  # type: ignore[assignment]  # /score reads warnings only
         self.metrics = ScoreReports()  # type: ignore[assignment]
+        self._models_key: tuple[int, int] = (-1, -1)
+        self._worker_models: frozenset[str] = frozenset()
 
     def _models(self, max_age_s: float = 1.0) -> frozenset[str]:
+        """The primary's known models and the shared tables' (a new model's table can
+        come before the facts that name it), recomputed when either changes."""
         self.facts.refresh()
-        return frozenset(self.facts.facts.models) | frozenset(self.reader.models())
+        key = (self.facts.version, self.reader.control.generation())
+        if key != self._models_key:
+            found = frozenset(self.facts.facts.models) | frozenset(self.reader.models())
+            self._models_key, self._worker_models = key, found
+        return self._worker_models
 
 
 class Relay:

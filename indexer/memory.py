@@ -13,7 +13,7 @@ import contextlib
 import heapq
 import secrets
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from kvindex.indexer.backend import (
 from kvindex.indexer.memory_answer import longest, member_bits, member_mask
 from kvindex.indexer.memory_ids import _MemberIds
 from kvindex.indexer.memory_plan import NO_KEYS, Clear, Group, plan
+from kvindex.indexer.memory_sharing import _Sharing
 from kvindex.indexer.memory_table import (
     DEAD_FRACTION,
     EVICT_FRACTION,
@@ -47,13 +48,12 @@ from kvindex.indexer.memory_table import (
     Zeros,
     as_keys,
 )
-from kvindex.indexer.shared_index import Structure, table_ref
 
 if TYPE_CHECKING:
     from kvindex.indexer.shared_index import SharedIndexWriter
 
 
-class MemoryBackend(_MemberIds):
+class MemoryBackend(_MemberIds, _Sharing):
     """The block index in this process's memory (see the module docstring for layout).
 
     Batching: ``apply`` gathers the STORE/REMOVE changes of a call, across members, into
@@ -141,44 +141,6 @@ class MemoryBackend(_MemberIds):
 
     #: Lookups are walks in memory: /score runs them on the event loop (api/offload.py).
     never_waits = True
-
-    # -- sharing with other processes ----------------------------------------------------
-
-    def share(self, observer: SharedIndexWriter) -> None:
-        """Keep every table's keys and masks where ``observer.arrays`` allocates them
-        (shared memory), and tell ``observer`` of every structural change from now on
-        (:mod:`kvindex.indexer.shared_index` explains the protocol)."""
-        with self._writer, self._step, self._lock:
-            self._zeros = observer.arrays.zeros
-            for table in self._tables.values():
-                table.use_storage(self._zeros)
-            self._observer = observer
-            observer.begin()
-            observer.end(self)
-
-    @contextlib.contextmanager
-    def _structural(self) -> Iterator[None]:
-        """The read lock, for a structural change (writer only), published to the
-        processes reading the tables from shared memory."""
-        with self._lock:
-            observer = self._observer
-            if observer is None:
-                yield
-                return
-            observer.begin()
-            try:
-                yield
-            finally:
-                observer.end(self)
-
-    def structure(self, name_of: Callable[[np.ndarray], str]) -> Structure:
-        """What a shared-memory reader needs besides the arrays (read lock held)."""
-        return Structure(
-            self._seed,
-            self._width,
-            list(self._names),
-            {model: table_ref(t, name_of) for model, t in self._tables.items()},
-        )
 
     # -- writes ------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ shared structure stayed busy (``SharedIndexBusy``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import select
@@ -187,24 +188,41 @@ class Relay:
         except httpx.HTTPError as exc:
             await send_json(send, 503, _unreachable(exc))
             return
+        # A client that leaves mid-answer (a stream it stopped reading) must reach the
+        # primary as its own connection closing, or the primary's gateway never tells
+        # the pod to stop: watch for the disconnect while relaying.
+        relaying = asyncio.ensure_future(self._relay_answer(reply, send))
+        left = asyncio.ensure_future(_disconnected(receive))
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": reply.status_code,
-                    "headers": [
-                        (k, v)
-                        for k, v in reply.headers.raw
-                        if k.decode("latin-1").lower() not in _HOP_HEADERS
-                        and k.lower() not in (b"date", b"server")
-                    ],
-                }
-            )
-            async for chunk in reply.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
+            await asyncio.wait((relaying, left), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (relaying, left):
+                task.cancel()
+            await asyncio.gather(relaying, left, return_exceptions=True)
             await reply.aclose()
+
+    async def _relay_answer(self, reply: httpx.Response, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": reply.status_code,
+                "headers": [
+                    (k, v)
+                    for k, v in reply.headers.raw
+                    if k.decode("latin-1").lower() not in _HOP_HEADERS
+                    and k.lower() not in (b"date", b"server")
+                ],
+            }
+        )
+        async for chunk in reply.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client has gone (the body was read before: nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

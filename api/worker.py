@@ -13,7 +13,6 @@ shared structure stayed busy (``SharedIndexBusy``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import select
@@ -26,16 +25,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import msgspec
 
-from kvindex.api.asgi import ClientLeft, Receive, Scope, Send, receive_body, send_json
 from kvindex.api.config import Settings
-from kvindex.api.errors import error_body
 from kvindex.api.hot_lane import HotLane
 from kvindex.api.hot_path import Answer, HotPath, HotRoutes, Posted, Route
 from kvindex.api.limits import RequestLimits
 from kvindex.api.logs import setup_logging
+from kvindex.api.relay import Relay
 from kvindex.api.server import bind, serve
 from kvindex.api.service import Service
 from kvindex.api.workers import Facts, frame
@@ -51,13 +48,6 @@ log = logging.getLogger("kvindex.worker")
 
 #: How often a worker sends the primary what it answered (for /metrics).
 REPORT_INTERVAL_S = 0.25
-# Response headers the relay does not copy: the lane and uvicorn write their own.
-_OWN_HEADERS = frozenset(
-    {b"content-type", b"content-length", b"date", b"server", b"connection", b"transfer-encoding"}
-)
-_HOP_HEADERS = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-connection"}
-)
 
 
 class ScoreReports:
@@ -143,104 +133,10 @@ class WorkerService(Service):
         return self._worker_models
 
 
-class Relay:
-    """Requests handed to the primary over its Unix socket: ``/score`` bodies
-    (:meth:`score`) and, as an ASGI app, everything this worker does not answer."""
-
-    def __init__(self, socket_path: str) -> None:
-        self.client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=socket_path),
-            base_url="http://kvindex",
-            timeout=httpx.Timeout(None, connect=5.0),
-        )
-
-    async def score(self, posted: Posted) -> Answer:
-        url = posted.path + ("?" + posted.query.decode("latin-1") if posted.query else "")
-        try:
-            reply = await self.client.post(
-                url, content=posted.body, headers={"content-type": posted.media}
-            )
-        except httpx.HTTPError as exc:
-            return 503, _unreachable(exc), []
-        headers = [(k, v) for k, v in reply.headers.raw if k.lower() not in _OWN_HEADERS]
-        return reply.status_code, reply.content, headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":  # lifespan: nothing to start
-            if scope["type"] == "lifespan":
-                await _lifespan(receive, send)
-            return
-        try:
-            body = await receive_body(receive)
-        except ClientLeft:
-            return
-        headers = [
-            (k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _HOP_HEADERS
-        ]
-        request = self.client.build_request(
-            scope["method"],
-            httpx.URL(path=scope["path"], query=scope.get("query_string", b"")),
-            headers=headers,
-            content=body,
-        )
-        try:
-            reply = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            await send_json(send, 503, _unreachable(exc))
-            return
-        # A client that leaves mid-answer (a stream it stopped reading) must reach the
-        # primary as its own connection closing, or the primary's gateway never tells
-        # the pod to stop: watch for the disconnect while relaying.
-        relaying = asyncio.ensure_future(self._relay_answer(reply, send))
-        left = asyncio.ensure_future(_disconnected(receive))
-        try:
-            await asyncio.wait((relaying, left), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (relaying, left):
-                task.cancel()
-            await asyncio.gather(relaying, left, return_exceptions=True)
-            await reply.aclose()
-
-    async def _relay_answer(self, reply: httpx.Response, send: Send) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": reply.status_code,
-                "headers": [
-                    (k, v)
-                    for k, v in reply.headers.raw
-                    if k.decode("latin-1").lower() not in _HOP_HEADERS
-                    and k.lower() not in (b"date", b"server")
-                ],
-            }
-        )
-        async for chunk in reply.aiter_raw():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Returns when the client has gone (the body was read before: nothing else comes)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-def _unreachable(exc: Exception) -> bytes:
-    return error_body("primary_unavailable", f"the kvindex primary process did not answer: {exc}")
-
-
 class WorkerRoutes(HotRoutes):
-    """``/score`` only, answered here unless only the primary can answer it."""
+    """The lane's paths in a worker: ``/score`` answered here unless only the primary can
+    answer it; ``/route`` and its ``done`` and ``first-token`` passed on to the primary
+    from the lane (cheaper than the ASGI relay, and these are a gateway's hot path)."""
 
     def __init__(
         self, service: WorkerService, on_refusal: Callable[[str, str], None], relay: Relay
@@ -248,11 +144,17 @@ class WorkerRoutes(HotRoutes):
         super().__init__(service, on_refusal)
         self.inline = True
         self._relay = relay
-        self._route = Route(self._score, self._relayed)
+        self._scored = self._exact["/score"]
+        self._here = Route(self._score, self._relayed)
+        self._passed_on = Route(_not_here, self._relayed)
         self._until = service.reader.control.floats[SPECULATIVE_UNTIL : SPECULATIVE_UNTIL + 1]
 
     def match(self, path: str) -> tuple[Route, str] | None:
-        return (self._route, "") if path in ("/score", "/score/") else None
+        found = super().match(path)
+        if found is None:
+            return None
+        route, argument = found
+        return (self._here if route is self._scored else self._passed_on), argument
 
     def answer(self, route: Route, posted: Posted) -> Answer | None:  # type: ignore[override]
         """The answer, or None when the primary must give it (:meth:`answer_async`)."""
@@ -266,7 +168,12 @@ class WorkerRoutes(HotRoutes):
             return self.failed(exc, posted.path)
 
     async def _relayed(self, posted: Posted) -> Answer:
-        return await self._relay.score(posted)
+        return await self._relay.post(posted)
+
+
+def _not_here(posted: Posted) -> None:
+    """The inline answer of a path only the primary answers: none (it is relayed)."""
+    return None
 
 
 def _worker_settings(directory: str) -> Settings:
@@ -305,7 +212,6 @@ def main(argv: list[str]) -> int:
     directory, listen, channel_fd = argv
     settings = _worker_settings(directory)
     setup_logging(settings.log.format, settings.log.level)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request
     service = WorkerService(settings, directory)
     relay = Relay(os.path.join(directory, "primary.sock"))
 

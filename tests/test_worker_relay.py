@@ -1,4 +1,4 @@
-"""A serving worker's relay (``api/worker.py`` ``Relay``) against a real server on a Unix
+"""A serving worker's relay (``api/relay.py``) against a real server on a Unix
 socket: streamed answers pass chunk by chunk, headers and status as sent, and a client
 that leaves mid-stream closes the relay's own connection, so the server sees it leave
 (the gateway's signal to stop the pod's request)."""
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from kvindex.api.worker import Relay
+from kvindex.api.relay import Relay
 
 
 class StreamingUpstream:
@@ -102,7 +102,7 @@ def test_a_streamed_answer_is_relayed_chunk_by_chunk_with_its_status_and_headers
             sent.append(message)
 
         await asyncio.wait_for(relay(_scope("/v1/completions", b"x=1"), receive, send), 30)
-        await relay.client.aclose()
+        relay.primary.close()
 
     asyncio.run(main())
     assert app.seen == [("POST", "/v1/completions", b"x=1", b'{"a": 1}')]
@@ -141,7 +141,7 @@ def test_a_client_that_leaves_mid_stream_makes_the_relay_leave_too(
                     gone.set()  # the client stops reading and closes
 
         await asyncio.wait_for(relay(_scope("/v1/completions"), receive, send), 30)
-        await relay.client.aclose()
+        relay.primary.close()
 
     asyncio.run(main())
     assert app.left.wait(10), "the upstream never saw the relay's connection close"
@@ -162,7 +162,7 @@ def test_an_unreachable_primary_is_a_503_in_kvindex_shape(tmp_path: Path) -> Non
             sent.append(message)
 
         await relay(_scope("/index/pods"), receive, send)
-        await relay.client.aclose()
+        relay.primary.close()
 
     asyncio.run(main())
     assert sent[0]["status"] == 503

@@ -47,6 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.api.logs import setup_logging
     from kvindex.api.server import ListenError, bind, serve
     from kvindex.api.service import Service
+    from kvindex.api.workers import ServingWorkers, check_processes
 
     if args.admin_token is not None:
         raise ConfigError(
@@ -60,10 +61,9 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("%s is not a kvindex setting; ignored (kvindex serve --help lists them)", name)
     check_limits(settings)
     host, port = split_listen(settings.http.listen)
-    service = Service(settings)
     processes = settings.http.processes
-    if processes < 1:
-        raise ConfigError(f"--processes {processes}: must be at least 1")
+    check_processes(processes, settings.index.backend)
+    service = Service(settings)
     try:
         sock = bind(host, port, reuse_port=processes > 1)
     except ListenError as exc:
@@ -73,8 +73,6 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         service.start()  # before serving: a ZMQ port in use is one line, not a traceback
         if processes > 1:  # the index into shared memory, then the workers on the port
-            from kvindex.api.workers import ServingWorkers
-
             workers = ServingWorkers(service, processes, f"{host}:{port}")
             sockets.append(workers.unix_socket())
     except BaseException:

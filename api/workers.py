@@ -62,6 +62,17 @@ class Facts(msgspec.Struct, frozen=True):
     layouts: dict[str, dict[int, tuple[str, int | None, int]]]  # model -> group -> spec
 
 
+def check_processes(processes: int, backend: str) -> None:
+    """``--processes`` and ``--backend`` together, before anything starts (ConfigError)."""
+    if processes < 1:
+        raise ConfigError(f"--processes {processes}: must be at least 1")
+    if processes > 1 and backend != "memory":
+        raise ConfigError(
+            "--processes above 1 needs the memory backend: with Redis, run more "
+            "replicas instead (they share the index already)"
+        )
+
+
 def read_frames(buffer: bytearray) -> list[bytes]:
     """Whole length-prefixed frames from the front of ``buffer`` (removed from it)."""
     frames = []
@@ -93,10 +104,7 @@ class ServingWorkers:
 
     def __init__(self, service: Service, count: int, listen: str) -> None:
         if not isinstance(service.backend, MemoryBackend):
-            raise ConfigError(
-                "--processes above 1 needs the memory backend: with Redis, run more "
-                "replicas instead (they share the index already)"
-            )
+            raise TypeError("serving workers share a memory backend (check_processes first)")
         self.service = service
         self.listen = listen
         self.writer = SharedIndexWriter(service.backend)

@@ -22,7 +22,15 @@ from typing import Any
 
 import httptools
 
-from kvindex.api.asgi import ClientLeft, Receive, Scope, Send, receive_body, send_json
+from kvindex.api.asgi import (
+    ClientLeft,
+    Receive,
+    Scope,
+    Send,
+    answer_lifespan,
+    receive_body,
+    send_json,
+)
 from kvindex.api.errors import error_body
 from kvindex.api.hot_path import Answer, Posted
 
@@ -191,7 +199,7 @@ class Relay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             if scope["type"] == "lifespan":  # nothing to start or stop
-                await _lifespan(receive, send)
+                await answer_lifespan(receive, send)
             return
         try:
             body = await receive_body(receive)
@@ -252,16 +260,6 @@ async def _disconnected(receive: Receive) -> None:
     """Returns when the client has gone (its body was read: nothing else comes)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 def _unreachable(exc: Exception) -> bytes:

@@ -220,13 +220,7 @@ def main(argv: list[str]) -> int:
 
     routes = WorkerRoutes(service, refused_at, relay)
     http = settings.http
-    limits = RequestLimits(
-        HotPath(routes, relay),
-        max_body_bytes=http.max_body_bytes,
-        body_timeout_s=http.body_timeout,
-        max_in_flight=http.max_in_flight,
-        on_refusal=refused_at,
-    )
+    limits = RequestLimits.of(HotPath(routes, relay), http, refused_at)
     host, _, port = listen.rpartition(":")
     sock = bind(host.strip("[]"), int(port), reuse_port=True)
     channel = socket.socket(fileno=int(channel_fd))

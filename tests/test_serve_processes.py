@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 import random
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from kvindex.api.testing import ServeProcess, free_port
+from kvindex.api.testing import ServeProcess, eventually, free_port
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 
@@ -25,18 +24,6 @@ pytestmark = pytest.mark.slow
 
 MODEL = "acme/chat-7b"
 REQUESTS = 40  # each on its own connection: the kernel spreads them over both processes
-
-
-def eventually(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def children(pid: int) -> list[int]:

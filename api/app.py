@@ -247,15 +247,8 @@ def create_http(service: Service, *, manage_lifecycle: bool = True) -> Http:
     def refused_at(path: str, code: str) -> None:
         service.metrics.refused(path == "/score", code)
 
-    limits = service.settings.http
     routes = HotRoutes(service, refused_at)
-    limited = RequestLimits(
-        HotPath(routes, app),
-        max_body_bytes=limits.max_body_bytes,
-        body_timeout_s=limits.body_timeout,
-        max_in_flight=limits.max_in_flight,
-        on_refusal=refused_at,
-    )
+    limited = RequestLimits.of(HotPath(routes, app), service.settings.http, refused_at)
     return Http(limited, HotLane(routes, limited))
 
 

@@ -54,3 +54,14 @@ async def send_json(send: Send, status: int, body: bytes, headers: Headers = ())
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+async def answer_lifespan(receive: Receive, send: Send) -> None:
+    """The lifespan of an app with nothing to start or stop: both steps complete at once."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

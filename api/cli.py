@@ -13,6 +13,7 @@ import difflib
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
@@ -46,6 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.api.logs import setup_logging
     from kvindex.api.server import ListenError, bind, serve
     from kvindex.api.service import Service
+    from kvindex.api.workers import ServingWorkers, check_processes
 
     if args.admin_token is not None:
         raise ConfigError(
@@ -59,13 +61,20 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("%s is not a kvindex setting; ignored (kvindex serve --help lists them)", name)
     check_limits(settings)
     host, port = split_listen(settings.http.listen)
+    processes = settings.http.processes
+    check_processes(processes, settings.index.backend)
     service = Service(settings)
     try:
-        sock = bind(host, port)
+        sock = bind(host, port, reuse_port=processes > 1)
     except ListenError as exc:
         raise ConfigError(f"--listen {settings.http.listen}: {exc}") from None
+    workers = None
+    sockets = [sock]
     try:
         service.start()  # before serving: a ZMQ port in use is one line, not a traceback
+        if processes > 1:  # the index into shared memory, then the workers on the port
+            workers = ServingWorkers(service, processes, f"{host}:{port}")
+            sockets.append(workers.unix_socket())
     except BaseException:
         sock.close()
         raise
@@ -77,14 +86,28 @@ def _serve(args: argparse.Namespace) -> int:
         app = GatewayApp(Gateway.in_process(service), settings, inner=app)
     # The app's lifespan stops the service (final snapshot, leases released). The lane
     # answers /score and /route from the protocol (api/hot_lane.py).
-    serve(
-        app,
-        sock,
-        header_timeout_s=settings.http.header_timeout,
-        keep_alive_timeout_s=settings.http.keep_alive_timeout,
-        lane=http.lane,
-    )
+    if workers is not None:
+        # uvicorn ends a SIGTERM's graceful shutdown by raising the signal again, which
+        # with the default action kills the process before `finally`: as an exception
+        # instead, the workers are stopped and the shared memory removed first.
+        signal.signal(signal.SIGTERM, _exit_cleanly)
+        workers.start()
+    try:
+        serve(
+            app,
+            sockets,
+            header_timeout_s=settings.http.header_timeout,
+            keep_alive_timeout_s=settings.http.keep_alive_timeout,
+            lane=http.lane,
+        )
+    finally:
+        if workers is not None:
+            workers.stop()
     return 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 # `kvindex gateway` takes these settings of the tree (the rest are the index's).

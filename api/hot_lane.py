@@ -240,9 +240,9 @@ class HotLaneProtocol(HeaderDeadlineProtocol):
         routes = self.lane.routes
         if req.answer is not None:
             self._send(req, req.answer)
-        elif routes.inline:
-            self._send(req, routes.answer(req.route, req.posted()))
-        else:
+        elif routes.inline and (answer := routes.answer(req.route, req.posted())) is not None:
+            self._send(req, answer)
+        else:  # awaited: not inline, or passed on (None: a serving worker's relay)
             self._task = task = self.loop.create_task(self._awaited(req))
             self.tasks.add(task)  # uvicorn's graceful shutdown waits for these
             task.add_done_callback(self.tasks.discard)

@@ -238,10 +238,10 @@ class HotPath:
             except Exception as exc:  # 415, or the limits' 413 and 408 while it streams
                 status, body, headers = routes.failed(exc, path)
             else:
-                if routes.inline:
-                    status, body, headers = routes.answer(route, posted)
-                else:
-                    status, body, headers = await routes.answer_async(route, posted)
+                answer = routes.answer(route, posted) if routes.inline else None
+                if answer is None:  # not inline, or passed on (a serving worker's relay)
+                    answer = await routes.answer_async(route, posted)
+                status, body, headers = answer
         await send_json(send, status, body, headers)
 
 

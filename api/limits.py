@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from kvindex.api.asgi import ASGIApp, Message, Receive, Scope, Send, send_json
 from kvindex.api.errors import error_body, status_of
 from kvindex.events.errors import KvindexError, RequestTimeout, TooLarge, TooManyRequests
+
+if TYPE_CHECKING:
+    from kvindex.api.settings import HttpSettings
 
 CLOSE = [(b"connection", b"close")]  # a refusal before the body: the body is not read
 _EXEMPT = frozenset({"/healthz", "/readyz", "/metrics", "/health"})  # /health: the gateway's
@@ -46,6 +50,22 @@ class RequestLimits:
         self.max_in_flight = max_in_flight
         self.on_refusal = on_refusal
         self.in_flight = 0
+
+    @classmethod
+    def of(
+        cls,
+        app: ASGIApp,
+        http: HttpSettings,
+        on_refusal: Callable[[str, str], None] = lambda path, code: None,
+    ) -> RequestLimits:
+        """``app`` under the limits ``http`` (the settings' section) names."""
+        return cls(
+            app,
+            max_body_bytes=http.max_body_bytes,
+            body_timeout_s=http.body_timeout,
+            max_in_flight=http.max_in_flight,
+            on_refusal=on_refusal,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -97,18 +97,26 @@ class ScoreMetrics:
         self._by_model: dict[str, tuple[Counter, Counter]] = {}
 
     def score_done(self, result: ScoreResult, seconds: float, warned: bool = False) -> None:
+        self.count_score(
+            result.model, result.prompt_blocks, result.best_matched_blocks, seconds, warned
+        )
+
+    def count_score(
+        self, model: str, prompt_blocks: int, matched_blocks: int, seconds: float, warned: bool
+    ) -> None:
+        """One answered /score (also as a serving worker reported it, api/workers.py)."""
         self._ok.inc()
         if warned:
             self.warned.inc()
         self.seconds.observe(seconds)
-        children = self._by_model.get(result.model)
+        children = self._by_model.get(model)
         if children is None:
-            children = self._by_model[result.model] = (
-                self.prompt_blocks.labels(result.model),
-                self.matched_blocks.labels(result.model),
+            children = self._by_model[model] = (
+                self.prompt_blocks.labels(model),
+                self.matched_blocks.labels(model),
             )
-        children[0].inc(result.prompt_blocks)
-        children[1].inc(result.best_matched_blocks)
+        children[0].inc(prompt_blocks)
+        children[1].inc(matched_blocks)
 
     def score_rejected(self, code: str) -> None:
         self.requests.labels(code).inc()

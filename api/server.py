@@ -49,12 +49,16 @@ class ListenError(OSError):
     """The HTTP address cannot be bound (in use, not local, no permission)."""
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, or ListenError saying why not."""
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """The listening socket, or ListenError saying why not. With ``reuse_port``, other
+    processes may listen on the same address too (``--processes``: the kernel spreads
+    the connections over them)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError as exc:
@@ -88,16 +92,16 @@ def server(
 
 def serve(
     app: Any,
-    sock: socket.socket,
+    sock: socket.socket | list[socket.socket],
     *,
     header_timeout_s: float,
     keep_alive_timeout_s: float,
     lane: HotLane | None = None,
 ) -> None:
-    """Serve ``app`` on an already bound socket until SIGINT/SIGTERM."""
+    """Serve ``app`` on already bound sockets until SIGINT/SIGTERM."""
     gc.collect()  # what startup left behind, then the rest is never walked again
     gc.freeze()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the loop waits at most this for the GIL
     server(
         app, header_timeout_s=header_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s, lane=lane
-    ).run(sockets=[sock])
+    ).run(sockets=sock if isinstance(sock, list) else [sock])

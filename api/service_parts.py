@@ -85,7 +85,7 @@ def make_index_work(settings: Settings, backend: IndexBackend) -> IndexWork:
         if value <= 0:
             raise ConfigError(f"{flag} {value}: must be positive")
     return IndexWork(
-        inline=isinstance(backend, MemoryBackend),
+        inline=getattr(backend, "never_waits", False),
         deadline_s=index.backend_deadline,
         max_in_flight=index.backend_max_in_flight,
     )

@@ -65,6 +65,13 @@ class HttpSettings(_Section):
     ] = 5.0
     max_prompt_tokens: Annotated[int, doc("largest prompt /score accepts, in tokens")] = 262_144
     max_prompt_chars: Annotated[int, doc("largest text prompt /score accepts")] = 4_000_000
+    processes: Annotated[
+        int,
+        doc(
+            "serving processes on the listen address: past 1, the others answer /score from "
+            "the memory backend's index in shared memory (/dev/shm) and pass the rest on"
+        ),
+    ] = 1
 
 
 class LogSettings(_Section):

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -119,3 +119,17 @@ class ServeProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def eventually(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    """Poll ``check`` every 50 ms until it holds (HTTP errors count as not yet), or fail
+    with "timed out waiting for ``what``" after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

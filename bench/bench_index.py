@@ -32,6 +32,7 @@ import numpy as np
 
 from kvindex.indexer.backend import Change, Op, Tier
 from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.shared_index import SharedIndexReader, SharedIndexWriter
 
 MODEL = "bench-model"
 TIERED = "bench-model-tiered"
@@ -158,6 +159,24 @@ def bench_lookup(args: argparse.Namespace) -> None:
     for name, batch in (("during writes", churning), ("during fresh-key ingest", fresh)):
         line, applied = lookups_beside_writer(cases[0][1], backend.apply, batch, args)
         print(f"  {'list, ' + name:<30} {line}   (writer: {applied / 1e6:.2f} M blocks/s)")
+
+    # A serving worker's lookup (kvindex serve --processes): the same walk over the
+    # tables in shared memory, with the structure's generation read before and after.
+    # Read here from this process (the walk is the same from another); beside the writer
+    # it also shares this process's GIL, which a worker does not.
+    writer = SharedIndexWriter(backend)
+    try:
+        reader = SharedIndexReader(writer.directory)
+        assert reader.lookup(MODEL, chain_list) == backend.lookup(MODEL, chain_list)
+        (line,) = latencies([lambda: reader.lookup(MODEL, chain_list)], args.lookups)
+        print(f"  {'list, shared-memory reader':<30} {line}")
+        line, applied = lookups_beside_writer(
+            lambda: reader.lookup(MODEL, chain_list), backend.apply, fresh, args
+        )
+        rate = f"{applied / 1e6:.2f} M blocks/s"
+        print(f"  {'  same, during fresh-key ingest':<30} {line}   (writer: {rate}, same GIL)")
+    finally:
+        writer.close()
 
 
 def lookups_beside_writer(

@@ -21,6 +21,7 @@ adds at most 0.2 ms at p50; the verdict is printed (PASS / FAIL) and is the exit
     python bench/bench_score.py --route-only        # only /route vs /score
     python bench/bench_score.py --forms-only        # only the prompt forms (issue 13)
     python bench/bench_score.py --forms-only --generator wrk   # the forms, wrk's load
+    python bench/bench_score.py --forms-only --processes 2    # with a serving worker
 
 ``--forms-only`` (and every full run) scores the repeated prompt in each of /score's
 forms: JSON ``token_ids``, JSON ``block_hashes`` (ints, and hex strings), and a binary
@@ -351,6 +352,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--backend", default="memory")
     parser.add_argument(
+        "--processes", type=int, default=1, help="kvindex serve --processes (memory backend)"
+    )
+    parser.add_argument(
         "--route-only", action="store_true", help="only the /route vs /score comparison"
     )
     parser.add_argument("--pairs", type=int, default=2000, help="/route vs /score requests")
@@ -374,6 +378,7 @@ def main() -> None:
         "--zmq-bind", f"tcp://127.0.0.1:{zport}",
         "--backend", args.backend,
         "--log-level", "warning",
+        "--processes", str(args.processes),
         env={**os.environ, "KVINDEX_REDIS_PREFIX": f"bench-score-{os.getpid()}"},
     )  # fmt: skip
     http, url = server.port, server.url

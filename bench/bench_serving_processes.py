@@ -1,23 +1,24 @@
-"""Would serving queries from more than one process win on 2 cores? An upper bound.
+"""Serving queries from more than one process on 2 cores: ``kvindex serve --processes 2``
+beside one process, beside Dynamo, and beside the upper bound it was built against.
 
-Issue 13 asks to evaluate SO_REUSEPORT serving workers reading one shared-memory index
-written by one ingest process, and to adopt it if it wins on 2 cores with the load
-generator on the same machine. Before building that, this measures what it could win
-at most: two complete ``kvindex serve`` replicas, each its own index from the same
-events, share the 16 clients (8 connections each, as the kernel's SO_REUSEPORT spreads
-them), against one ``kvindex serve`` with all 16, and Dynamo's indexer with all 16.
+Issue 13 asks for SO_REUSEPORT serving workers reading one shared-memory index written
+by one ingest process, adopted if they win on 2 cores with the load generator on the
+same machine. Four arms, each with all 16 clients from one generator process:
 
-Why it is an upper bound: a worker reading a shared index does the same work per query
-as a replica (parse, hash, walk, answer, write); what a real design adds (finding the
-shared table, reading it under a writer's updates) can only cost more. Each replica here
-also ingests every event, which a shared index would do once; the queries run after the
-fill, when no events flow, so that cost is not in the figures either.
+* ``kvindex, 1 process``: ``kvindex serve``;
+* ``kvindex --processes 2``: the primary and one serving worker over the shared index
+  (``api/workers.py``), the kernel spreading the 16 connections over both;
+* ``2 replicas (bound)``: two complete ``kvindex serve`` replicas, each its own index
+  from the same events, 8 clients each: what serving workers could win at most (a
+  worker does a replica's work per query, plus reading a table another process writes);
+  the queries run after the fill, so neither pays for ingest here;
+* ``Dynamo``: Dynamo's indexer (its threads use both cores).
 
 Set-up as ``compare_peers.py``'s query figures: 64 loopback publishers per server, pod i
 holding the first 8·(i+1) blocks of an 8,192-token prompt, a pool of 256 query prompts
 sharing a prefix of random length with it, the same load generator
-(``bench_score.py``'s asyncio client, one process per server). The arms run in rounds of
-``--seconds``, in ABBA order, twice; the medians are printed with each round's figure.
+(``bench_score.py``'s asyncio client). The arms run in rounds of ``--seconds``, in ABBA
+order, twice; the medians are printed with each round's figure.
 
     python -m bench.bench_serving_processes [--seconds 4] [--dynamo-python PATH]
 """
@@ -45,8 +46,8 @@ CLIENTS = 16
 
 
 def _load(servers: list[Peer], prompts: list[list[int]], by_hash: bool, seconds: float):
-    """16 clients split evenly over ``servers``, each share from its own generator
-    process, all at once; the figures over every request."""
+    """16 clients split evenly over ``servers`` (one: all 16), each share from its own
+    generator process, all at once; the figures over every request."""
     runs: list[tuple[list[float], float, float] | None] = [None] * len(servers)
 
     def one(i: int, peer: Peer) -> None:
@@ -73,12 +74,13 @@ def main() -> int:
     prompt = [rng.randrange(150_000) for _ in range(PROMPT_TOKENS)]
     prompts = query_prompts(prompt, 256, seed=2)
     ctx = zmq.Context()
-    names = ("one", "replica-a", "replica-b", "Dynamo")
+    names = ("one", "workers", "replica-a", "replica-b", "Dynamo")
     pubs = {name: Publishers(ctx, PODS) for name in names}
     peers: dict[str, Peer] = {}
     try:
-        for name in names[:3]:
-            peers[name] = KvindexPeer(pubs[name].endpoints, [])
+        for name in names[:4]:
+            flags = ["--processes", "2"] if name == "workers" else []
+            peers[name] = KvindexPeer(pubs[name].endpoints, flags)
         peers["Dynamo"] = DynamoPeer(python, pubs["Dynamo"].endpoints, None)
         for name in names:
             peers[name].wait_ready(60)
@@ -87,7 +89,8 @@ def main() -> int:
                 fill(peers[name], pubs[name], prompt, PODS, client, 60)
         arms = {
             "kvindex, 1 process": [peers["one"]],
-            "kvindex, 2 processes": [peers["replica-a"], peers["replica-b"]],
+            "kvindex --processes 2": [peers["workers"]],
+            "2 replicas (bound)": [peers["replica-a"], peers["replica-b"]],
             "Dynamo": [peers["Dynamo"]],
         }
         print(

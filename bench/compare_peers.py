@@ -13,8 +13,9 @@ sockets and is measured alone, the other idle, on the same bytes:
   0.85-1.43x Dynamo's rate): each peer runs ``--rounds`` times (3) per size, fresh
   batches every round, the peers taking turns and swapping who goes first each round,
   and the figure is the median;
-* memory per (block, pod): RSS growth of the server over the second ingest run / its blocks
-  (the first burst has set the transient high-water), and over both runs of the first
+* memory per (block, pod): resident growth (PSS over the server's processes) over the
+  second ingest run / its blocks (the first burst has set the transient high-water), and
+  over both runs of the first
   round, each read once it settles after the run's events are visible
   (:func:`settled_rss`); left out with ``--presize`` (kvindex's table is allocated
   before the runs: its growth over them says nothing);
@@ -32,7 +33,11 @@ Needs Dynamo's ``ai-dynamo-runtime`` in some Python (``--dynamo-python``; it pin
 pydantic <= 2.13.5, so a venv of its own keeps kvindex's environment intact).
 
     python -m bench.compare_peers [--quick] [--only ingest] [--rounds 3] [--presize]
-                               [--dynamo-python .dynvenv/bin/python]
+                               [--processes 2] [--dynamo-python .dynvenv/bin/python]
+
+``--processes 2`` runs ``kvindex serve --processes 2`` (serving workers over the index in
+shared memory); memory is read as the processes' proportional set sizes, so the shared
+index counts once.
 """
 
 from __future__ import annotations
@@ -182,6 +187,12 @@ def main() -> int:
         "cluster at steady state has it (sized to the pods' blocks), not grown from empty "
         "(no memory figures then: the table is allocated before the runs)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="kvindex serve --processes: serving processes (Dynamo's indexer uses threads)",
+    )
     parser.add_argument("--dynamo-python", help="a Python with ai-dynamo-runtime installed")
     parser.add_argument(
         "--dynamo-threads", type=int, help="dynamo.indexer --threads (default: its own)"
@@ -206,6 +217,8 @@ def main() -> int:
     if args.presize:
         sent = 2 * args.blocks * args.rounds + args.prompt_tokens // BLOCK
         args.kvindex_flag += ["--expected-blocks", str(sent)]
+    if args.processes > 1:
+        args.kvindex_flag += ["--processes", str(args.processes)]
     ctx = zmq.Context()
     pubs = {"kvindex": Publishers(ctx, args.pods), "Dynamo": Publishers(ctx, args.pods)}
     peers: list[Peer] = []
@@ -360,6 +373,7 @@ def report(args, results, answers, runs, prompt) -> int:
         f"\n{args.prompt_tokens}-token prompt, {args.pods} pods, "
         f"{args.blocks:,} fresh blocks per ingest run, median of {args.rounds} rounds"
         + (", kvindex presized" if args.presize else ", kvindex's index grown from empty")
+        + (f", kvindex --processes {args.processes}" if args.processes > 1 else "")
         + ("" if answers is None else f", queries by {args.generator}")
     )
     print(f"{'figure':40} {'kvindex':>12} {'Dynamo':>12} {'ratio':>7}  target >= {TARGET}x")

@@ -14,7 +14,7 @@ import heapq
 import secrets
 import threading
 from collections.abc import Collection, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from kvindex.indexer.backend import (
 from kvindex.indexer.memory_answer import longest, member_bits, member_mask
 from kvindex.indexer.memory_ids import _MemberIds
 from kvindex.indexer.memory_plan import NO_KEYS, Clear, Group, plan
+from kvindex.indexer.memory_sharing import _Sharing
 from kvindex.indexer.memory_table import (
     DEAD_FRACTION,
     EVICT_FRACTION,
@@ -44,11 +45,15 @@ from kvindex.indexer.memory_table import (
     Slots,
     TableFull,
     U64s,
+    Zeros,
     as_keys,
 )
 
+if TYPE_CHECKING:
+    from kvindex.indexer.shared_index import SharedIndexWriter
 
-class MemoryBackend(_MemberIds):
+
+class MemoryBackend(_MemberIds, _Sharing):
     """The block index in this process's memory (see the module docstring for layout).
 
     Batching: ``apply`` gathers the STORE/REMOVE changes of a call, across members, into
@@ -131,6 +136,11 @@ class MemoryBackend(_MemberIds):
         self._width = 1
         self._tick = 0
         self._evictions = 0
+        self._zeros: Zeros = np.zeros  # where tables allocate keys and masks
+        self._observer: SharedIndexWriter | None = None  # told of structural changes
+
+    #: Lookups are walks in memory: /score runs them on the event loop (api/offload.py).
+    never_waits = True
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -182,18 +192,24 @@ class MemoryBackend(_MemberIds):
             table = self._tables.get(model)
             op = group.op_codes()
             if table is None and not (isinstance(op, int) and op == REMOVE):
-                # a new, empty table: one dict store, readers see it whole or not at all
-                table = self._tables[model] = BlockTable(
+                table = BlockTable(
                     self._width,
                     seed=self._seed,
                     stamped=self._capacity is not None,
                     cap=self._initial_cap,
+                    zeros=self._zeros,
                 )
+                with self._structural():  # one dict store: seen whole or not at all
+                    self._tables[model] = table
             if table is not None:
                 keys, mid, op = self._member_ids(group, op, touched)
                 try:
                     if keys.size:
                         table.update(tier, keys, mid, op, self._tick)
+                        if table.reshaped:  # a tier's first masks
+                            table.reshaped = False
+                            with self._structural():
+                                pass
                 except NeedRoom as room:
                     return table, table.cap_for(table.n_live + room.need)
                 except TableFull:
@@ -204,7 +220,7 @@ class MemoryBackend(_MemberIds):
     def _rebuild(self, table: BlockTable, cap: int) -> None:
         """Rebuild ``table`` (writer only): built without the locks, swapped in with both."""
         layout = table.plan_rebuild(cap)
-        with self._step, self._lock:
+        with self._step, self._structural():
             table.install(layout)
 
     def _member_ids(
@@ -250,7 +266,7 @@ class MemoryBackend(_MemberIds):
             empty = [model for model, table in tables.items() if not table.n_live]
             idle = [mid for mid in touched if not any(t.held[mid] for t in tables.values())]
             if empty or idle:  # structural: readers wait for this
-                with self._lock:
+                with self._structural():
                     for model in empty:
                         del tables[model]
                     released = [self._release(mid) for mid in idle]
@@ -349,8 +365,11 @@ class MemoryBackend(_MemberIds):
             if table.width != width or int(table.seed) != int(state["seed"]) & WORD:
                 raise ValueError(f"table of model {model!r} does not match the index")
             tables[str(model)] = table
+        if self._zeros is not np.zeros:  # shared with other processes
+            for table in tables.values():
+                table.use_storage(self._zeros)
         with self._writer:
-            with self._step, self._lock:
+            with self._step, self._structural():
                 self._seed = int(state["seed"]) & WORD
                 self._tables = tables
                 self._names = list(names)
@@ -477,7 +496,7 @@ class MemoryBackend(_MemberIds):
 
     def close(self) -> None:
         """Drop all data; the backend stays usable (as an empty index)."""
-        with self._writer, self._step, self._lock:
+        with self._writer, self._step, self._structural():
             self._tables.clear()
             self._ids.clear()
             self._names.clear()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import heapq
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from kvindex.indexer.backend import BackendError
 from kvindex.indexer.memory_table import MAX_MEMBERS, BlockTable
@@ -25,6 +27,7 @@ class _MemberIds:
     _width: int
     _tables: dict[str, BlockTable]
     _lock: threading.Lock
+    _structural: Callable[[], AbstractContextManager[None]]
 
     def _intern(self, member: str) -> int:
         """``member``'s id, given one when it has none (takes the read lock then: a
@@ -32,7 +35,7 @@ class _MemberIds:
         mid = self._ids.get(member)
         if mid is not None:
             return mid
-        with self._lock:
+        with self._structural():
             if self._free_ids:
                 mid = heapq.heappop(self._free_ids)  # lowest first keeps the masks narrow
                 self._names[mid] = member

@@ -45,6 +45,7 @@ from kvindex.indexer.table_layout import (
     Slots,
     TableFull,
     U64s,
+    Zeros,
     _empty_layout,
     _home,
     _Layout,
@@ -104,8 +105,11 @@ class BlockTable(_Probing, _Updates, _Copies, _Members, _Queries, _State):
     reverse record, a ``uint32`` array) and ``copies`` (a dict of ints).
     """
 
-    def __init__(self, width: int, *, seed: int, stamped: bool, cap: int = MIN_CAP) -> None:
-        """An empty table of ``cap`` slots (a power of two, at least ``MIN_CAP``)."""
+    def __init__(
+        self, width: int, *, seed: int, stamped: bool, cap: int = MIN_CAP, zeros: Zeros = np.zeros
+    ) -> None:
+        """An empty table of ``cap`` slots (a power of two, at least ``MIN_CAP``), its keys
+        and masks allocated by ``zeros``."""
         if cap < MIN_CAP or cap & (cap - 1):
             raise ValueError(f"table capacity must be a power of two >= {MIN_CAP}, got {cap}")
         self.width = width
@@ -114,9 +118,29 @@ class BlockTable(_Probing, _Updates, _Copies, _Members, _Queries, _State):
         self.counts = np.zeros((len(TIERS), 64 * width), np.int64)
         self.held = np.zeros(64 * width, np.int64)
         self.rebuilds = -1  # the first install is not a rebuild
-        self.install(_empty_layout(cap, width, (True, False, False), stamped))
+        self.zeros = zeros
+        self.install(_empty_layout(cap, width, (True, False, False), stamped, zeros))
 
     # -- storage -------------------------------------------------------------------------
+
+    #: Allocator of keys and masks (see :data:`~kvindex.indexer.table_layout.Zeros`).
+    zeros: Zeros = np.zeros
+    #: Set when an update allocated a tier's masks; the owner clears it once it has told
+    #: whoever reads the arrays from another process.
+    reshaped = False
+
+    def use_storage(self, zeros: Zeros) -> None:
+        """Allocate keys and masks with ``zeros`` from now on, the current ones copied
+        into it (a table restored from a snapshot, moved into shared memory)."""
+        self.zeros = zeros
+        keys = zeros(self.keys.shape, np.uint64)
+        keys[:] = self.keys
+        self.keys = keys
+        for tier, m in enumerate(self.masks):
+            if m is not None:
+                moved = zeros(m.shape, np.uint64)
+                moved[:] = m
+                self.masks[tier] = moved
 
     def install(self, layout: _Layout) -> None:
         """Switch to ``layout`` (from :meth:`plan_rebuild`, or empty)."""
@@ -176,7 +200,7 @@ class BlockTable(_Probing, _Updates, _Copies, _Members, _Queries, _State):
         while True:
             if cap > 64 * max(keys.size, MIN_CAP):
                 raise BackendError("block keys collide pathologically; the table cannot grow")
-            out = _empty_layout(cap, self.width, tiers, self.stamped)
+            out = _empty_layout(cap, self.width, tiers, self.stamped, self.zeros)
             try:
                 slots, max_disp = _layout(keys, cap, self.seed, out.keys)
                 break
@@ -211,7 +235,7 @@ class BlockTable(_Probing, _Updates, _Copies, _Members, _Queries, _State):
         while True:
             if cap > 64 * max(self.n_live, MIN_CAP):
                 raise BackendError("block keys collide pathologically; the table cannot grow")
-            out = _empty_layout(cap, self.width, tiers, self.stamped)
+            out = _empty_layout(cap, self.width, tiers, self.stamped, self.zeros)
             done = probe.relayout(
                 self.keys,
                 old_masks,

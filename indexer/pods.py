@@ -189,13 +189,17 @@ class PodDirectory:
         ``pods``, when given), cached for a second: a hash mismatch means a pod's
         entries can never match; a gapped, incomplete or restored-but-unheard stream
         means its entries may be stale or missing."""
+        found = self.all_warnings().get(model, [])
+        return [text for pod, text in found if pods is None or pod in pods]
+
+    def all_warnings(self) -> dict[str, list[tuple[str, str]]]:
+        """Every model's warnings as (pod, text) pairs, cached for a second."""
         now = self._clock()
         expires, cached = self._warnings
         if now >= expires:
             cached = self._compute_warnings()
             self._warnings = (now + self._warnings_ttl, cached)
-        found = cached.get(model, [])
-        return [text for pod, text in found if pods is None or pod in pods]
+        return cached
 
     def _compute_warnings(self) -> dict[str, list[tuple[str, str]]]:
         out: dict[str, list[tuple[str, str]]] = {}

@@ -45,7 +45,7 @@ the losers move on).
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -187,12 +187,20 @@ class _Layout:
     copies: dict[int, int] = field(default_factory=dict)
 
 
-def _empty_layout(cap: int, width: int, tiers: tuple[bool, ...], stamped: bool) -> _Layout:
+#: Allocates a table's keys and masks: ``zeros(shape, dtype)``, zero-filled. ``np.zeros``
+#: by default; :class:`kvindex.indexer.shared_arrays.SharedArrays` puts them in shared
+#: memory, where other processes read them (``kvindex serve --processes``).
+Zeros = Callable[[tuple[int, ...], type], np.ndarray]
+
+
+def _empty_layout(
+    cap: int, width: int, tiers: tuple[bool, ...], stamped: bool, zeros: Zeros = np.zeros
+) -> _Layout:
     size = cap + PAD + 1  # PAD slots past the home range, then the slot of key 0
     return _Layout(
         cap,
-        np.zeros(size, np.uint64),
-        [np.zeros((size, width), np.uint64) if on else None for on in tiers],
+        zeros((size,), np.uint64),
+        [zeros((size, width), np.uint64) if on else None for on in tiers],
         np.zeros(size, np.uint32) if stamped else None,
     )
 

@@ -66,7 +66,7 @@ class _Members:
         """Make room for member ids below ``64 * width``."""
         for t, m in enumerate(self.masks):
             if m is not None:
-                wide = np.zeros((m.shape[0], width), np.uint64)
+                wide = self.zeros((m.shape[0], width), np.uint64)
                 wide[:, : self.width] = m
                 self.masks[t] = wide
         n = 64 * width
@@ -78,7 +78,9 @@ class _Members:
         """Drop the mask words past ``width`` (every member id is below ``64 * width``)."""
         for t, m in enumerate(self.masks):
             if m is not None:
-                self.masks[t] = np.ascontiguousarray(m[:, :width])
+                narrow = self.zeros((m.shape[0], width), np.uint64)
+                narrow[:] = m[:, :width]
+                self.masks[t] = narrow
         self.counts = self.counts[:, : 64 * width].copy()
         self.held = self.held[: 64 * width].copy()
         self.width = width

@@ -76,6 +76,9 @@ class SpeculativeIndex:
         self._fifo: deque[_Entry] = deque()  # one TTL: deadline order is insertion order
         self._blocks = 0  # keys over the entries in the FIFO
         self.counts = dict.fromkeys(OUTCOMES, 0)
+        #: Called with each new entry's deadline (``clock`` time): serving workers in
+        #: other processes must not answer /score without these (api/workers.py).
+        self.on_add: Callable[[float], None] | None = None
 
     def add(self, model: str, member: str, keys: Sequence[int], confirmed: int = 0) -> None:
         """``member`` will hold the chain ``keys`` (block 0 first) for ``ttl_s``; its
@@ -96,6 +99,8 @@ class SpeculativeIndex:
             self._fifo.append(_Entry(deadline, model, member, keys))
             self._blocks += len(keys)
             self.counts["added"] += 1
+        if self.on_add is not None:
+            self.on_add(deadline)
 
     def prefixes(
         self, model: str, keys: Sequence[int], confirmed: Mapping[str, int]

@@ -228,3 +228,13 @@ def test_the_repositorys_own_variables_are_not_warned_about() -> None:
                 names.update(read.findall(path.read_text(encoding="utf-8", errors="replace")))
     assert {"KVTEST_VLLM_PYTHON", "KVTEST_REDIS_URL", "KVINDEX_ADMIN_TOKEN"} <= names
     assert cli.unknown_variables(dict.fromkeys(names, "x")) == []
+
+
+def test_serving_processes_need_the_memory_backend_and_a_count_of_one_or_more() -> None:
+    redis = run_cli(
+        "serve", "--listen", "127.0.0.1:0", "--backend", "redis://127.0.0.1:6379/15",
+        "--processes", "2",
+    )  # fmt: skip
+    assert "--processes above 1 needs the memory backend" in one_clear_line(redis)
+    zero = run_cli("serve", "--listen", "127.0.0.1:0", "--processes", "0")
+    assert "--processes 0: must be at least 1" in one_clear_line(zero)

@@ -76,8 +76,12 @@ class Cluster:
         eventually(held, f"{pod} holding {blocks} blocks in the index")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+# Every test runs against one process, and against a primary with a serving worker
+# (--processes 2), whose relay carries the gateway's requests, streams and disconnects.
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "with-worker"])
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("gateway")
     tokenizer = model_directory("gpt-oss", tmp)
     config = tmp / "kvindex.json"
@@ -88,6 +92,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         # A pod's last good scrape stays its load for 3 intervals: long enough that the
         # dead-pod test's pod is still preferred when it has just gone away.
         "--load-interval", "2", "--load-timeout", "1", "--route-ttl", "120",
+        "--processes", request.param,
         env={**os.environ},
     )  # fmt: skip
     pods: list[FakeVllmPod] = []

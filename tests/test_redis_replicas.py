@@ -13,7 +13,6 @@ Every wait has a deadline; nothing asserts on timing.
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import httpx
 import pytest
 
 from kvindex.api.testing import ServeProcess, free_port
+from kvindex.api.testing import eventually as wait_for
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -36,15 +36,7 @@ LEASE_TTL_S = 2
 
 
 def eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    wait_for(check, what, timeout_s)
 
 
 class Replica(ServeProcess):

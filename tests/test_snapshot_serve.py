@@ -12,7 +12,6 @@ import importlib.util
 import os
 import random
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from kvindex.api.testing import ServeProcess, free_port
+from kvindex.api.testing import ServeProcess, eventually, free_port
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.indexer.snapshot_file import read_snapshot, write_snapshot
@@ -36,18 +35,6 @@ needs_resume_check = pytest.mark.skipif(
 
 MODEL = "acme/chat-7b"
 INCOMPLETE = ("incomplete", "gapped")  # the subscriber's name for history it lacks
-
-
-def eventually(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Engine:

@@ -20,7 +20,15 @@ from collections.abc import Awaitable, Callable
 
 from starlette.responses import Response
 
-from kvindex.api.asgi import ASGIApp, ClientLeft, Message, Receive, Scope, Send
+from kvindex.api.asgi import (
+    ASGIApp,
+    ClientLeft,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    answer_lifespan,
+)
 from kvindex.api.errors import status_of
 from kvindex.api.gateway.app import Gateway, openai_error
 from kvindex.api.gateway.bodies import Endpoint
@@ -48,12 +56,7 @@ class GatewayApp:
         }
         if inner is None:  # alone: its own metrics (in front of kvindex: the index's page)
             self._routes[("GET", "/metrics")] = lambda s, r: gateway.metrics_page()
-        self._limited = RequestLimits(
-            self._serve,
-            max_body_bytes=settings.http.max_body_bytes,
-            body_timeout_s=settings.http.body_timeout,
-            max_in_flight=settings.http.max_in_flight,
-        )
+        self._limited = RequestLimits.of(self._serve, settings.http)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -92,10 +95,4 @@ class GatewayApp:
         if self.inner is not None:
             await self.inner(scope, receive, sending)
             return
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await sending({"type": "lifespan.shutdown.complete"})
-                return
+        await answer_lifespan(receive, sending)

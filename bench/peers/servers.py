@@ -41,11 +41,14 @@ def tree_pids(pid: int) -> list[int]:
 
 
 def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid``'s process tree, each shared page counted once: the sum
+    of the processes' proportional set sizes (kvindex serve --processes maps one index
+    into every process; summing RSS would count it once per process)."""
     total = 0
     for p in tree_pids(pid):
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
                     total += int(line.split()[1]) * 1024
         except OSError:
             pass

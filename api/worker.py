@@ -22,7 +22,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import msgspec
@@ -36,6 +36,7 @@ from kvindex.api.relay import Relay
 from kvindex.api.server import bind, serve
 from kvindex.api.service import Service
 from kvindex.api.workers import Facts, frame
+from kvindex.indexer.pods import warnings_of
 from kvindex.indexer.shared_index import (
     FACTS_VERSION,
     SPECULATIVE_UNTIL,
@@ -103,9 +104,8 @@ class SharedFacts:
             for group, (kind, window, block_size) in groups.items():
                 layouts.learn(model, group, kind, window, block_size)
 
-    def warnings(self, model: str, pods: Any = None) -> list[str]:
-        found = self.facts.warnings.get(model, [])
-        return [text for pod, text in found if pods is None or pod in pods]
+    def warnings(self, model: str, pods: Collection[str] | None = None) -> list[str]:
+        return warnings_of(self.facts.warnings, model, pods)
 
 
 class WorkerService(Service):

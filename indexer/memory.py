@@ -205,11 +205,10 @@ class MemoryBackend(_MemberIds, _Sharing):
                 keys, mid, op = self._member_ids(group, op, touched)
                 try:
                     if keys.size:
+                        first_in_tier = table.masks[tier] is None
                         table.update(tier, keys, mid, op, self._tick)
-                        if table.reshaped:  # a tier's first masks
-                            table.reshaped = False
-                            with self._structural():
-                                pass
+                        if first_in_tier and table.masks[tier] is not None:
+                            self._published()  # the tier's masks: a new array
                 except NeedRoom as room:
                     return table, table.cap_for(table.n_live + room.need)
                 except TableFull:

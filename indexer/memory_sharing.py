@@ -61,6 +61,12 @@ class _Sharing:
             finally:
                 observer.end(self)
 
+    def _published(self) -> None:
+        """Tell the readers of a structural change made in place meanwhile (a tier's first
+        masks, allocated by an update): until then they read without that tier."""
+        with self._structural():
+            pass
+
     def structure(self, name_of: Callable[[np.ndarray], str]) -> Structure:
         """What a shared-memory reader needs besides the arrays (read lock held)."""
         return Structure(

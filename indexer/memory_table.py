@@ -125,9 +125,6 @@ class BlockTable(_Probing, _Updates, _Copies, _Members, _Queries, _State):
 
     #: Allocator of keys and masks (see :data:`~kvindex.indexer.table_layout.Zeros`).
     zeros: Zeros = np.zeros
-    #: Set when an update allocated a tier's masks; the owner clears it once it has told
-    #: whoever reads the arrays from another process.
-    reshaped = False
 
     def use_storage(self, zeros: Zeros) -> None:
         """Allocate keys and masks with ``zeros`` from now on, the current ones copied

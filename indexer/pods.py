@@ -80,6 +80,13 @@ def _stream_dict(s: StreamStatus) -> dict[str, Any]:
     }
 
 
+def warnings_of(
+    by_model: dict[str, list[tuple[str, str]]], model: str, pods: Collection[str] | None
+) -> list[str]:
+    """The texts of ``model``'s (pod, text) warnings, only those of ``pods`` when given."""
+    return [text for pod, text in by_model.get(model, []) if pods is None or pod in pods]
+
+
 class PodDirectory:
     """Joins stream status, index contents and hash checks per pod.
 
@@ -189,8 +196,7 @@ class PodDirectory:
         ``pods``, when given), cached for a second: a hash mismatch means a pod's
         entries can never match; a gapped, incomplete or restored-but-unheard stream
         means its entries may be stale or missing."""
-        found = self.all_warnings().get(model, [])
-        return [text for pod, text in found if pods is None or pod in pods]
+        return warnings_of(self.all_warnings(), model, pods)
 
     def all_warnings(self) -> dict[str, list[tuple[str, str]]]:
         """Every model's warnings as (pod, text) pairs, cached for a second."""

@@ -48,7 +48,6 @@ class _Updates:
             if not create:
                 return None
             m = self.masks[tier] = self.zeros((self.keys.size, self.width), np.uint64)
-            self.reshaped = True  # a new array: readers elsewhere must learn of it
         return m.reshape(-1)
 
     def update(self, tier: Tier, keys: U64s, mid: int | Slots, op: int | Ops, tick: int) -> None:

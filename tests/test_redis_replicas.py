@@ -19,8 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvindex.api.testing import ServeProcess, free_port
-from kvindex.api.testing import eventually as wait_for
+from kvindex.api.testing import ServeProcess, eventually, free_port
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -33,10 +32,6 @@ POD = "127.0.0.2:8000"
 TOKENS = list(range(100, 100 + 16 * 40))
 KEYS = BlockHasher(HashConfig()).keys(TOKENS)
 LEASE_TTL_S = 2
-
-
-def eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    wait_for(check, what, timeout_s)
 
 
 class Replica(ServeProcess):
@@ -113,7 +108,7 @@ def start_replica(redis: RedisServer, pod_publisher: EnginePublisher, tmp_path: 
             args += ["--zmq-connect", f"{POD}@{MODEL}={pod_publisher.endpoint}"]
         replica = Replica(name, redis.url, tmp_path, args)
         replicas.append(replica)
-        eventually(replica.ready, 30.0, f"replica {name} ready:\n{replica.log()}")
+        eventually(replica.ready, f"replica {name} ready:\n{replica.log()}", 30.0)
         return replica
 
     yield start
@@ -133,8 +128,8 @@ def test_events_to_one_replica_scores_from_another(
     b = start_replica("replica-b", subscribe=False)
     assert pod_publisher.wait_for_subscribers(1, 10.0)
     pod_publisher.publish([stored(0, 24)])
-    eventually(lambda: a.matched() == {POD: 24}, 15.0, "replica A indexed the pod")
-    eventually(lambda: b.matched() == {POD: 24}, 10.0, "replica B answers from shared state")
+    eventually(lambda: a.matched() == {POD: 24}, "replica A indexed the pod", 15.0)
+    eventually(lambda: b.matched() == {POD: 24}, "replica B answers from shared state", 10.0)
     assert a.score().json()["pods"] == b.score().json()["pods"]
 
     report = b.pod()
@@ -150,15 +145,15 @@ def test_owner_killed_another_replica_takes_over_and_replays(
     b = start_replica("replica-b")
     assert pod_publisher.wait_for_subscribers(2, 10.0)
     pod_publisher.publish([stored(0, 8)])
-    eventually(lambda: b.matched() == {POD: 8}, 15.0, "the first batch indexed")
-    eventually(lambda: POD in a.pod().get("owners", {}), 10.0, "an owner in /index/pods")
+    eventually(lambda: b.matched() == {POD: 8}, "the first batch indexed", 15.0)
+    eventually(lambda: POD in a.pod().get("owners", {}), "an owner in /index/pods", 10.0)
     owner_name = a.pod()["owners"][POD]
     owner, survivor = (a, b) if owner_name == "replica-a" else (b, a)
     survivor_report = survivor.pod()
     assert survivor_report["streams"][0]["state"] == "standby"
     client = redis.client()
     position = f"kvtest-replicas:stream:{{{POD}}}:pos"
-    eventually(lambda: client.get(position) == b"0", 10.0, "the owner to store its position")
+    eventually(lambda: client.get(position) == b"0", "the owner to store its position", 10.0)
 
     owner.stop(signal.SIGKILL)
     # Published while the dead replica's lease has not expired: nobody applies these;
@@ -169,13 +164,13 @@ def test_owner_killed_another_replica_takes_over_and_replays(
 
     eventually(
         lambda: survivor.pod().get("owners") == {POD: survivor.name},
-        10.0 + LEASE_TTL_S,
         f"{survivor.name} to take the stream over:\n{survivor.log()}",
+        10.0 + LEASE_TTL_S,
     )
     eventually(
         lambda: survivor.matched() == {POD: 40},
-        10.0,
         f"the missed batches replayed:\n{survivor.log()}",
+        10.0,
     )
     stream = survivor.pod()["streams"][0]
     assert stream["state"] == "live"
@@ -192,7 +187,7 @@ def test_redis_restart_mid_ingest_recovers_without_losing_blocks(
     a = start_replica("replica-a")
     assert pod_publisher.wait_for_subscribers(1, 10.0)
     pod_publisher.publish([stored(0, 8)])
-    eventually(lambda: a.matched() == {POD: 8}, 15.0, "the first batch indexed")
+    eventually(lambda: a.matched() == {POD: 8}, "the first batch indexed", 15.0)
 
     redis.stop()
     refused = a.score()
@@ -207,17 +202,17 @@ def test_redis_restart_mid_ingest_recovers_without_losing_blocks(
     pod_publisher.publish([stored(8, 16)])  # while Redis is down
     pod_publisher.publish([stored(16, 24)])
     waiting = f'kvindex_pod_stream_state{{pod="{POD}",state="resync"}} 1.0'
-    eventually(lambda: waiting in a.metrics(), 10.0, "the stream to wait for Redis")
+    eventually(lambda: waiting in a.metrics(), "the stream to wait for Redis", 10.0)
     # Down long enough for the lease to lapse: the replica stops counting itself the
     # owner (it keeps the batches queued) and must win the stream back afterwards.
     fenced = f'kvindex_stream_owned{{pod="{POD}"}} 0.0'
-    eventually(lambda: fenced in a.metrics(), 10.0, "the lapsed lease to show")
+    eventually(lambda: fenced in a.metrics(), "the lapsed lease to show", 10.0)
     redis.start()
 
-    eventually(a.ready, 15.0, "replica ready again")
-    eventually(lambda: a.matched() == {POD: 24}, 20.0, f"no lost blocks:\n{a.log()}")
+    eventually(a.ready, "replica ready again", 15.0)
+    eventually(lambda: a.matched() == {POD: 24}, f"no lost blocks:\n{a.log()}", 20.0)
     pod_publisher.publish([stored(24, 40)])
-    eventually(lambda: a.matched() == {POD: 40}, 10.0, "live ingest again")
+    eventually(lambda: a.matched() == {POD: 40}, "live ingest again", 10.0)
     stream = a.pod()["streams"][0]
     assert stream["state"] == "live"
     assert stream["missed_batches"] == 0

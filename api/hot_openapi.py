@@ -36,11 +36,13 @@ adds there, its own and what it inflicts, in units of this prompt's full prefill
   kvindex routed there whose first token was not reported yet (`queued_tokens`;
   `POST /route/{route_id}/first-token`, else until done), plus one prompt of this size
   per scraped waiting request kvindex did not route. (`queue_cost`)
-* `R`: requests on the pod (scraped running + waiting, or `in_flight` if more): each
-  decode step waits while a prefill shares the engine's steps, so `R * u` is the stall
-  the request causes. It keeps a long shared prefix (an agent's tool preamble) from
-  drawing every new session onto one busy pod, while a session's next turn, whose `u`
-  is small, stays with its cache. (`decode_cost`)
+* `R`: requests on the pod (scraped running + waiting, or `in_flight` if more), plus
+  the sessions between turns whose last request finished there (`sessions`: found by
+  the next request's prompt extending the last one's; times the share of sessions seen
+  to come back): each decode step waits while a prefill shares the engine's steps, so
+  `R * u` is the stall the request causes. It keeps a long shared prefix (an agent's
+  tool preamble) from drawing every new session onto one busy pod, while a session's
+  next turn, whose `u` is small, stays with its cache. (`decode_cost`)
 * `kv_usage`: the pod's KV-cache usage, mean over its engines: a full cache costs one
   prefill of the prompt. (`kv_cost`)
 
@@ -81,7 +83,7 @@ def _candidate(
         "pod": pod, "rank": 0, "role": "both", "matched_blocks": matched,
         "speculative_blocks": 0, "usable_blocks": usable, "uncached_blocks": 3.0 - usable,
         "load": "known", "running": running, "waiting": 0, "kv_usage": kv_usage,
-        "in_flight": in_flight, "queued_tokens": queued, "prefix_cost": prefix,
+        "in_flight": in_flight, "sessions": 0.0, "queued_tokens": queued, "prefix_cost": prefix,
         "queue_cost": queue, "decode_cost": decode, "kv_cost": kv,
         "cost": prefix + queue + decode + kv, "admitted": True, "refused": None,
     }  # fmt: skip

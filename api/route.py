@@ -112,6 +112,7 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
     view = inputs.view
     view.speculative = annotate(view.result, service.speculative) if view.result else {}
     block_size = service.catalog.keying(req.model).hash.block_size
+    service.load.ledger.arrive(view.keys)  # the session this request continues is back
     loads, in_flight = service.load.snapshot(pods), service.load.ledger.all()
     roles = service.roles()
     if req.role is None and not disaggregated(roles, pods):
@@ -266,7 +267,7 @@ def _decide_targets(
             usable = next(c.terms for c in prefill.candidates if c.inputs.pod == prefill.pod)
             _enter(
                 service, req, view, source.member, source.confirmed_blocks, tokens, block_size,
-                usable.usable_blocks, route_id=route_id + _PREFILL,
+                usable.usable_blocks, prefill_leg=route_id + _PREFILL,
             )  # fmt: skip
     return answer
 
@@ -288,20 +289,22 @@ def _enter(
     block_size: int,
     usable_blocks: int | None,
     *,
-    route_id: str | None = None,
+    prefill_leg: str | None = None,
 ) -> str:
-    """Count a routed request against ``member`` in the ledger (under ``route_id``, by
-    default the request's id or a new one, which is returned), with the prompt tokens
-    past its ``usable_blocks`` as the prefill it queues there (none when None: under P/D
-    another pod prefills), and enter the prompt's blocks past its confirmed prefix as
-    speculative entries."""
+    """Count a routed request against ``member`` in the ledger (under the request's id
+    or a new one, which is returned; under ``prefill_leg`` for P/D's prefill share),
+    with the prompt tokens past its ``usable_blocks`` as the prefill it queues there
+    (none when None: under P/D another pod prefills), and enter the prompt's blocks past
+    its confirmed prefix as speculative entries."""
     settings = service.settings
-    if route_id is None:
-        route_id = req.request_id or uuid.uuid4().hex
+    route_id = prefill_leg or req.request_id or uuid.uuid4().hex
     # The blocks the request will hold at its end: its prompt and expected output.
     held = -(-(tokens + (req.max_tokens or 0)) // block_size)
     prefill = 0 if usable_blocks is None else max(0, tokens - usable_blocks * block_size)
-    service.load.ledger.begin(member, route_id, held, settings.scoring.route_ttl, prefill)
+    # Once done, the request's session is homed on the pod that holds its context: the
+    # decode pod, not P/D's prefill leg.
+    tail = view.keys[-1] if view.keys and prefill_leg is None else None
+    service.load.ledger.begin(member, route_id, held, settings.scoring.route_ttl, prefill, tail)
     # Speculative: the blocks past what the chosen engine's index entries already hold.
     if len(view.keys) > confirmed_blocks:
         service.speculative.add(req.model, member, view.keys, confirmed_blocks)
@@ -445,6 +448,7 @@ def _candidates_of(
                     inputs.waiting,
                     inputs.kv_usage,
                     inputs.in_flight,
+                    inputs.sessions,
                     inputs.prefill_tokens,
                     terms.prefix,
                     terms.queue,

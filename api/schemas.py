@@ -178,6 +178,14 @@ class RouteCandidate(msgspec.Struct, gc=False):
         float | None, _doc("The pod's KV-cache usage 0..1, mean over its engines (null: unknown).")
     ]
     in_flight: Annotated[int, _doc("Requests kvindex routed here that are not done yet.")]
+    sessions: Annotated[
+        float,
+        _doc(
+            "Sessions between turns whose last request finished here (their next one "
+            "will come back), times the share of sessions seen to come back: counted "
+            "with running and waiting in decode_cost."
+        ),
+    ]
     queued_tokens: Annotated[
         int,
         _doc(
@@ -199,8 +207,8 @@ class RouteCandidate(msgspec.Struct, gc=False):
         float,
         _doc(
             "Weighted decode term: requests on the pod (running + waiting, or in_flight "
-            "if more) x the prompt's uncached tokens / its tokens - the decodes its "
-            "prefill would stall."
+            "if more, plus sessions) x the prompt's uncached tokens / its tokens - the "
+            "decodes its prefill would stall."
         ),
     ]
     kv_cost: Annotated[float, _doc("Weighted KV-usage term of the cost.")]

@@ -47,11 +47,11 @@ static Field f_engines = FIELD("engines"), f_running = FIELD("running"), f_waiti
              f_started = FIELD("started"), f_reason = FIELD("reason"), f_ts = FIELD("ts"),
              f_requests = FIELD("requests"), f_prefilling = FIELD("prefilling"),
              f_prefill_tokens = FIELD("prefill_tokens"), f_matched_blocks = FIELD("matched_blocks"),
-             f_score = FIELD("score");
+             f_score = FIELD("score"), f_sessions = FIELD("sessions");
 static Field *const fields[] = {
     &f_engines,  &f_running,     &f_waiting,        &f_kv_usage,       &f_kv_usage_max,
     &f_started,  &f_reason,      &f_ts,             &f_requests,       &f_prefilling,
-    &f_prefill_tokens, &f_matched_blocks, &f_score,
+    &f_prefill_tokens, &f_matched_blocks, &f_score, &f_sessions,
 };
 static PyObject *s_known, *s_pending, *s_both;
 
@@ -82,6 +82,15 @@ static int attr_ll(PyObject *obj, Field *name, long long *out) {
     *out = PyLong_AsLongLong(v);
     Py_DECREF(v);
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* An attribute as a double (an int or a float); -1 with an exception set on failure. */
+static int attr_double(PyObject *obj, Field *name, double *out) {
+    PyObject *v = get(obj, name);
+    if (v == NULL) return -1;
+    *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
 /* Append a new reference and drop it; -1 on failure (the reference is dropped). */
@@ -202,12 +211,14 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         }
 
         long long flying = 0, prefilling = 0, prefill_tokens = 0;
+        double sessions = 0.0;
         PyObject *entry = PyDict_GetItemWithError(in_flight, pod);
         if (entry == NULL && PyErr_Occurred()) goto pod_failed;
         if (entry != NULL) {
             if (attr_ll(entry, &f_requests, &flying) < 0 ||
                 attr_ll(entry, &f_prefilling, &prefilling) < 0 ||
-                attr_ll(entry, &f_prefill_tokens, &prefill_tokens) < 0)
+                attr_ll(entry, &f_prefill_tokens, &prefill_tokens) < 0 ||
+                attr_double(entry, &f_sessions, &sessions) < 0)
                 goto pod_failed;
         }
         long long confirmed = 0;
@@ -229,15 +240,16 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         double uncached = (double)total_blocks > hit ? (double)total_blocks - hit : 0.0;
         double own = load_only ? (double)prompt_tokens
                                : (double)prompt_tokens - hit * (double)block_size;
-        long long sharing, queued;
-        double usage;
+        long long queued;
+        double sharing, usage;
         if (!have_waiting) {
-            sharing = flying + 1;
+            sharing = (double)(flying + 1) + sessions;
             queued = prefill_tokens + prompt_tokens;
             usage = 1.0;
         } else {
-            sharing = running + waiting;
-            if (flying > sharing) sharing = flying;
+            long long requests = running + waiting;
+            if (flying > requests) requests = flying;
+            sharing = (double)requests + sessions;
             long long foreign = waiting - prefilling;
             queued = prefill_tokens + (foreign > 0 ? foreign * prompt_tokens : 0);
             if (kv_usage == Py_None) {
@@ -250,7 +262,7 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         }
         double prefix = w_prefix * own;
         double queue = w_queue * (double)queued;
-        double decode = w_decode * (double)sharing * own;
+        double decode = w_decode * sharing * own;
         double kv = w_kv * usage;
         double total = prefix + queue + decode + kv;
 
@@ -288,9 +300,9 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         }
 
         /* The answer row: row(pod, rank, role, matched, speculative, usable, uncached,
-         * load, running, waiting, kv_usage, in_flight, queued_tokens, prefix, queue,
-         * decode, kv, cost, admitted, refused) */
-        PyObject *argv[20];
+         * load, running, waiting, kv_usage, in_flight, sessions, queued_tokens, prefix,
+         * queue, decode, kv, cost, admitted, refused) */
+        PyObject *argv[21];
         argv[0] = Py_NewRef(pod);
         argv[1] = PyLong_FromLong(0);
         argv[2] = Py_NewRef(s_both);
@@ -303,18 +315,19 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         argv[9] = have_waiting ? PyLong_FromLongLong(waiting) : Py_NewRef(Py_None);
         argv[10] = Py_NewRef(kv_usage);
         argv[11] = PyLong_FromLongLong(flying);
-        argv[12] = PyLong_FromLongLong(prefill_tokens);
-        argv[13] = PyFloat_FromDouble(prefix);
-        argv[14] = PyFloat_FromDouble(queue);
-        argv[15] = PyFloat_FromDouble(decode);
-        argv[16] = PyFloat_FromDouble(kv);
-        argv[17] = PyFloat_FromDouble(total);
-        argv[18] = Py_NewRef(refused == Py_None ? Py_True : Py_False);
-        argv[19] = refused; /* the reference moves to argv */
+        argv[12] = PyFloat_FromDouble(sessions);
+        argv[13] = PyLong_FromLongLong(prefill_tokens);
+        argv[14] = PyFloat_FromDouble(prefix);
+        argv[15] = PyFloat_FromDouble(queue);
+        argv[16] = PyFloat_FromDouble(decode);
+        argv[17] = PyFloat_FromDouble(kv);
+        argv[18] = PyFloat_FromDouble(total);
+        argv[19] = Py_NewRef(refused == Py_None ? Py_True : Py_False);
+        argv[20] = refused; /* the reference moves to argv */
         int complete = 1;
-        for (int k = 0; k < 20; k++) complete &= argv[k] != NULL;
-        PyObject *made = complete ? PyObject_Vectorcall(row, argv, 20, NULL) : NULL;
-        for (int k = 0; k < 20; k++) Py_XDECREF(argv[k]);
+        for (int k = 0; k < 21; k++) complete &= argv[k] != NULL;
+        PyObject *made = complete ? PyObject_Vectorcall(row, argv, 21, NULL) : NULL;
+        for (int k = 0; k < 21; k++) Py_XDECREF(argv[k]);
         if (append_new(out_rows, made) < 0) goto pod_failed;
         Py_DECREF(state);
         Py_DECREF(kv_usage);

@@ -14,6 +14,12 @@ saw the answer begin) or, for a gateway that never says, until ``done``. Dynamo'
 router keeps the same two figures (predicted prefill tokens, released at the first
 token, and active requests), from its own decisions.
 
+Between its turns a session has no request in flight, yet comes back to its pod: a
+finished route leaves a *home* there (:mod:`kvindex.scoring.sessions`), claimed by the
+session's next request, and each pod's record counts its expected returning sessions
+(``sessions``). ``arrive`` takes each request's prompt keys before its decision (the
+homes it claims), ``begin`` its last full block key (its own home, once done).
+
 Expiry without a heap: entries with the same TTL expire in the order they began, so each
 distinct TTL keeps a FIFO of (deadline, route id); expiring pops the fronts that are due.
 A route finished early stays in its FIFO as a stale entry and is skipped when reached.
@@ -27,6 +33,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvindex.scoring.sessions import SessionHomes
+
 
 @dataclass(frozen=True, slots=True)
 class InFlight:
@@ -36,6 +44,7 @@ class InFlight:
     prompt_blocks: int = 0  # the blocks the routed requests hold (prompt and output)
     prefilling: int = 0  # of the requests, those whose first token was not reported
     prefill_tokens: int = 0  # their predicted uncached prompt tokens: prefill queued
+    sessions: float = 0.0  # sessions between turns homed here, times the share that return
 
 
 @dataclass(slots=True)
@@ -46,6 +55,7 @@ class _Route:
     deadline: float
     serial: int  # tells this entry from an earlier one that reused the route id
     prefilling: bool = True
+    tail: int | None = None  # the prompt's last full block key: its session's home
 
 
 class InFlightLedger:
@@ -61,13 +71,23 @@ class InFlightLedger:
         self._expiry: dict[float, deque[tuple[float, str, int]]] = {}  # ttl -> FIFO
         self._serial = 0
         self.expired_total = 0  # routes released by their TTL, not by done()
+        self._homes = SessionHomes()
+        self._homed: dict[str, int] = {}  # pod -> homes there
+        self._returning = 0.0  # the returning share the records were built with
 
     def begin(
-        self, pod: str, route_id: str, prompt_blocks: int, ttl_s: float, prefill_tokens: int = 0
+        self,
+        pod: str,
+        route_id: str,
+        prompt_blocks: int,
+        ttl_s: float,
+        prefill_tokens: int = 0,
+        tail: int | None = None,
     ) -> None:
         """Count ``route_id`` against ``pod`` for at most ``ttl_s`` seconds, with
         ``prefill_tokens`` of prefill queued until its first token. Beginning a route id
-        that is still open moves it (a gateway retrying on another pod)."""
+        that is still open moves it (a gateway retrying on another pod). With ``tail``,
+        the prompt's last full block key, its session is homed on ``pod`` when done."""
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
         if prompt_blocks < 0 or prefill_tokens < 0:
@@ -80,10 +100,21 @@ class InFlightLedger:
             self._serial += 1
             deadline = now + ttl_s
             self._routes[route_id] = _Route(
-                pod, prompt_blocks, prefill_tokens, deadline, self._serial
+                pod, prompt_blocks, prefill_tokens, deadline, self._serial, tail=tail
             )
             self._count(pod, 1, prompt_blocks, 1, prefill_tokens)
             self._expiry.setdefault(ttl_s, deque()).append((deadline, route_id, self._serial))
+
+    def arrive(self, keys: list[int]) -> None:
+        """A request whose prompt holds the block ``keys`` is being routed: the sessions
+        it continues are no longer between turns (claimed before its decision, so a
+        session's own home does not count against its pod)."""
+        if not keys:
+            return
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            self._rehome(self._homes.claim(keys, now), -1)
 
     def first_token(self, route_id: str) -> str | None:
         """The request's prefill is over: its prefill tokens no longer count as queued
@@ -108,7 +139,16 @@ class InFlightLedger:
             if route is None:
                 return None
             self._release(route_id)
+            if route.tail is not None:
+                replaced = self._homes.leave(route.pod, route.tail, self._clock())
+                self._rehome([] if replaced is None else [replaced], -1)
+                self._rehome([route.pod], 1)
             return route.pod
+
+    @property
+    def homes(self) -> SessionHomes:
+        """The sessions between turns (read-only use: the ledger owns them)."""
+        return self._homes
 
     def of(self, pod: str) -> InFlight:
         with self._lock:
@@ -135,19 +175,40 @@ class InFlightLedger:
     def _count(
         self, pod: str, requests: int, prompt_blocks: int, prefilling: int, prefill_tokens: int
     ) -> None:
-        """Add to ``pod``'s counts; a pod with no request left is dropped."""
+        """Add to ``pod``'s counts; a pod with no request and no session left is dropped."""
         old = self._per_pod.get(pod)
         if old is not None:
             requests += old.requests
             prompt_blocks += old.prompt_blocks
             prefilling += old.prefilling
             prefill_tokens += old.prefill_tokens
-        if requests == 0:
+        sessions = self._homed.get(pod, 0) * self._returning
+        if requests == 0 and sessions == 0:
             self._per_pod.pop(pod, None)
         else:
-            self._per_pod[pod] = InFlight(requests, prompt_blocks, prefilling, prefill_tokens)
+            self._per_pod[pod] = InFlight(
+                requests, prompt_blocks, prefilling, prefill_tokens, sessions
+            )
+
+    def _rehome(self, pods: list[str], change: int) -> None:
+        """Add ``change`` homes on each of ``pods``; rebuild every record when the share
+        of sessions that return moved (it scales each pod's count)."""
+        homed = self._homed
+        for pod in pods:
+            left = homed.get(pod, 0) + change
+            if left:
+                homed[pod] = left
+            else:
+                homed.pop(pod, None)
+        returning = self._homes.returning
+        if abs(returning - self._returning) > 0.02:
+            self._returning = returning
+            pods = list(homed.keys() | self._per_pod.keys())
+        for pod in pods:
+            self._count(pod, 0, 0, 0, 0)
 
     def _expire(self, now: float) -> None:
+        self._rehome(self._homes.expire(now), -1)
         for ttl in list(self._expiry):
             fifo = self._expiry[ttl]
             while fifo and fifo[0][0] <= now:

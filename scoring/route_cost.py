@@ -29,7 +29,10 @@ prefill (1.0 = the time to compute every token of the prompt)::
   Dynamo's router counts its predicted in-flight prefill blocks the same way.
 - ``R``: requests on the pod that will share the engine's steps with this prefill:
   running + waiting as last scraped, or the ledger's in-flight count when that is
-  higher (routes since the scrape). **Decode term**, weight 1: vLLM's chunked prefill
+  higher (routes since the scrape), plus the sessions homed there between their turns
+  (a chat user reading, an agent waiting on a tool: no request in flight, but back on
+  this pod in a moment; :mod:`kvindex.scoring.sessions`), counted as the share of
+  sessions that do come back. **Decode term**, weight 1: vLLM's chunked prefill
   batches a prefill with every running request's decode step, so each of them waits
   about as long as the prefill computes: ``R x u`` tokens of delay in all. Without it, a
   long shared prefix (an agent's 4,500-token preamble) sends every new session to the
@@ -88,6 +91,7 @@ class PodInputs(msgspec.Struct, frozen=True, gc=False):
     in_flight: int  # requests kvindex routed to the pod that have not finished
     prefilling: int = 0  # of those, the ones whose first token was not reported
     prefill_tokens: int = 0  # their predicted uncached prompt tokens
+    sessions: float = 0.0  # expected returning sessions homed on the pod (the ledger's)
 
 
 class CostTerms(msgspec.Struct, frozen=True, gc=False):
@@ -160,13 +164,14 @@ def pod_costs(
         own = prompt_tokens if load_only else prompt_tokens - hit * block_size
         waiting, flying = p.waiting, p.in_flight
         if waiting is None:  # unknown: never idle
-            sharing = flying + 1
+            sharing = flying + 1 + p.sessions
             queued = p.prefill_tokens + prompt_tokens
             usage = 1.0
         else:
             sharing = (p.running or 0) + waiting
             if flying > sharing:
                 sharing = flying
+            sharing = sharing + p.sessions
             foreign = waiting - p.prefilling
             queued = p.prefill_tokens + (foreign * prompt_tokens if foreign > 0 else 0)
             usage = p.kv_usage

@@ -54,7 +54,7 @@ def implementation() -> str:
 
 
 #: ``row(pod, rank, role, matched_blocks, speculative_blocks, usable_blocks,
-#: uncached_blocks, load, running, waiting, kv_usage, in_flight, queued_tokens,
+#: uncached_blocks, load, running, waiting, kv_usage, in_flight, sessions, queued_tokens,
 #: prefix_cost, queue_cost, decode_cost, kv_cost, cost, admitted, refused)``: one answer
 #: row (``/route``'s RouteCandidate, positionally).
 RowMaker = Callable[..., R]
@@ -184,9 +184,10 @@ def _rows_python(
         flying_entry = get_flying(pod)
         if flying_entry is None:
             flying = prefilling = prefill_tokens = 0
+            sessions = 0.0
         else:
             flying, prefilling = flying_entry.requests, flying_entry.prefilling
-            prefill_tokens = flying_entry.prefill_tokens
+            prefill_tokens, sessions = flying_entry.prefill_tokens, flying_entry.sessions
         if match is None:
             confirmed, weighted = 0, 0.0
         else:
@@ -199,13 +200,14 @@ def _rows_python(
         uncached = total_blocks - hit if total_blocks > hit else 0.0
         own = prompt_tokens if load_only else prompt_tokens - hit * block_size
         if waiting is None:
-            sharing = flying + 1
+            sharing = flying + 1 + sessions
             queued = prefill_tokens + prompt_tokens
             usage = 1.0
         else:
             sharing = (running or 0) + waiting
             if flying > sharing:
                 sharing = flying
+            sharing = sharing + sessions
             foreign = waiting - prefilling
             queued = prefill_tokens + (foreign * prompt_tokens if foreign > 0 else 0)
             usage = kv_usage
@@ -233,7 +235,7 @@ def _rows_python(
         append(
             row(
                 pod, 0, "both", confirmed, extra, usable, uncached, state,
-                running if state == "known" else None, waiting, kv_usage, flying,
+                running if state == "known" else None, waiting, kv_usage, flying, sessions,
                 prefill_tokens, prefix, queue, decode, kv, total, refused is None, refused,
             )
         )  # fmt: skip

@@ -121,6 +121,7 @@ def build_targets(
                 flying.requests,
                 flying.prefilling,
                 flying.prefill_tokens,
+                flying.sessions,
             )
             append(Target(pod, rank, inputs, kv_max, confirmed, extra, load))
     return out

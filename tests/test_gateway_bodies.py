@@ -78,7 +78,26 @@ def test_with_a_tokenizer_the_gateway_sends_the_tokens_vllm_will_compute(tmp_pat
 
 def candidate(pod: str, rank: int) -> RouteCandidate:
     return RouteCandidate(
-        pod, rank, "both", 0, 0, 0, 0.0, "known", 0, 0, 0.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, True
+        pod,
+        rank,
+        "both",
+        0,
+        0,
+        0,
+        0.0,
+        "known",
+        0,
+        0,
+        0.0,
+        0,
+        0.0,
+        0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        True,
     )
 
 

@@ -365,3 +365,52 @@ def test_pods_a_request_names_are_scraped_and_chosen_before_they_publish(cluster
             cluster.done(route_id)
         for m in silent:
             m.close()
+
+
+def test_a_session_between_turns_counts_on_its_pod_until_its_next_turn() -> None:
+    """A finished route homes its session on its pod (``sessions`` in the row, counted
+    in ``decode_cost``), so a new session goes elsewhere; the session's next turn, whose
+    prompt extends the last one, claims the home before its own decision."""
+    metrics = [MetricsServer(page()) for _ in range(2)]
+    server = ServeProcess(
+        "--zmq-bind", f"tcp://127.0.0.1:{free_port()}",
+        "--model", MODEL,
+        "--load-interval", "0.5",
+        "--speculative-ttl", "0",
+        env={**os.environ},
+    )  # fmt: skip
+    a, b = (m.pod for m in metrics)
+    turns = [list(range(200_000, 200_000 + 40 * n)) for n in (1, 2, 3)]  # one chat, growing
+
+    def route(tokens: list[int], rid: str, pods: list[str]) -> dict:
+        body = {"model": MODEL, "token_ids": tokens, "request_id": rid, "pods": pods}
+        answer = httpx.post(f"{server.url}/route", json=body, timeout=5)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def done(rid: str) -> None:
+        assert httpx.post(f"{server.url}/route/{rid}/done", timeout=5).status_code == 200
+
+    try:
+        server.wait_ready(20.0)
+
+        def both_scraped() -> bool:  # a prompt under one block: no keys, so no home
+            probe = route(list(range(10)), "probe", [a, b])
+            done("probe")
+            return all(c["load"] == "known" for c in probe["candidates"])
+
+        eventually(both_scraped, "both pods scraped")
+        for i, tokens in enumerate(turns[:2]):  # the first return teaches kvindex that
+            assert route(tokens, f"turn-{i}", [a])["pod"] == a  # sessions come back
+            done(f"turn-{i}")
+        fresh = route(list(range(300_000, 300_064)), "new-session", [a, b])
+        rows = {c["pod"]: c for c in fresh["candidates"]}
+        assert (rows[a]["sessions"], rows[b]["sessions"]) == (1.0, 0.0)
+        assert rows[a]["decode_cost"] > rows[b]["decode_cost"]
+        assert fresh["pod"] == b  # nothing cached anywhere: the homed session decides
+        back = route(turns[2], "turn-2", [a, b])
+        assert {c["pod"]: c["sessions"] for c in back["candidates"]} == {a: 0.0, b: 0.0}
+    finally:
+        server.stop()
+        for m in metrics:
+            m.close()

@@ -60,8 +60,9 @@ def fleet(rng: random.Random, pods: list[str], prompt_blocks: int):
     for pod in pods:
         requests = rng.choice([0, 0, 1, 3])
         prefilling = rng.randrange(requests + 1)
-        flying = InFlight(requests, rng.randrange(100), prefilling, prefilling * 700)
-        if flying.requests:
+        sessions = rng.choice([0.0, 0.0, 0.75, 2.5, 7.0])  # homed between turns
+        flying = InFlight(requests, rng.randrange(100), prefilling, prefilling * 700, sessions)
+        if flying.requests or flying.sessions:
             in_flight[pod] = flying
         kind = rng.random()
         if kind < 0.6:

@@ -33,6 +33,7 @@ tell a restarted pod it has not heard from since, as it would in a cluster.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -244,11 +245,14 @@ def _handler(board: _Board, i: int) -> type[BaseHTTPRequestHandler]:
                 self.send_error(404)
                 return
             body = board.serve(i)
-            self.send_response(200)
-            self.send_header("content-type", "text/plain; version=0.0.4")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            # A scraper may hang up mid-answer (kvindex stopped at the end of a run, or
+            # a scrape past its timeout): nothing to report, and no traceback to print.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self.send_response(200)
+                self.send_header("content-type", "text/plain; version=0.0.4")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
         def log_message(self, format: str, *args: object) -> None:
             pass

@@ -1,0 +1,120 @@
+"""Sessions between turns: which pod each one will come back to, and for how long to
+expect it.
+
+A chat user reading an answer, or an agent waiting for its tool call, has no request in
+flight, yet its next request will come back to the pod holding its history (the index
+sends it there: that pod has the longest prefix). A router that counts only requests in
+flight sees such a pod as idle and sends new sessions to it; when the sessions come back
+they all share its steps, and every new session's prefill stalls their decodes. On the
+simulator's agent traffic this packed new tasks onto 2.4 of 4 pods at light load
+(bench/README, "Routing comparison"). Counting the sessions homed on a pod lets ``/route``
+spread new sessions the way they will actually load the pods.
+
+A finished route leaves a *home*: its prompt's last full block key, on its pod. The
+session's next request extends the same prompt (a chat resends its history, an agent its
+transcript), so its keys hold that block key at the same position: the request that
+holds it claims the home, wherever it is routed. A session that never comes back is
+forgotten after twice the 90th percentile of the return gaps seen (the time from a
+route's ``done`` to the request that claims its home), so the wait adapts to the
+traffic: a second for agents waiting on tools, minutes for people. Until a return has
+been seen the wait is :data:`FIRST_WAIT_S`.
+
+Not every request has a next one (a chat's last turn; traffic without sessions at all,
+such as one-shot prompts sharing a system prompt). A home counts as the share of homes
+that were claimed, of the last :data:`_OUTCOMES_KEPT` claimed or forgotten
+(:attr:`SessionHomes.returning`): a pod's expected returning sessions. Traffic whose
+requests never come back counts nothing.
+
+Not thread-safe: :class:`~kvindex.scoring.inflight.InFlightLedger` calls it under its
+lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+#: How long a home waits before any return gap has been seen, in seconds.
+FIRST_WAIT_S = 30.0
+#: The bounds of the adapted wait, in seconds.
+MIN_WAIT_S, MAX_WAIT_S = 0.01, 3600.0
+#: The most homes kept; past it the oldest is forgotten first (memory stays bounded
+#: whatever the traffic: ~150 bytes a home).
+MAX_HOMES = 65_536
+_GAPS_KEPT = 256  # the return gaps the wait is computed from
+_OUTCOMES_KEPT = 256  # the homes, claimed or forgotten, the returning share is from
+_REFRESH_EVERY = 16  # returns between two computations of the wait (it sorts the gaps)
+
+
+class SessionHomes:
+    """Homes by block key, oldest first."""
+
+    def __init__(self) -> None:
+        self._homes: dict[int, tuple[str, float]] = {}  # key -> (pod, left at)
+        self._order: deque[tuple[float, int]] = deque()  # (left at, key); stale ones skipped
+        self._gaps: deque[float] = deque(maxlen=_GAPS_KEPT)
+        self._unsorted = 0
+        self._outcomes: deque[bool] = deque(maxlen=_OUTCOMES_KEPT)  # True: claimed
+        self._claimed = 0  # of the outcomes kept
+        self.wait_s = FIRST_WAIT_S
+        self.returning = 0.0  # the share of homes claimed (0 until one was)
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+    def leave(self, pod: str, tail: int, now: float) -> str | None:
+        """A route of the prompt ending in block ``tail`` finished on ``pod``: its
+        session is homed there. The pod of the home this one replaces (the same prompt
+        finished earlier), or None."""
+        replaced = self._homes.pop(tail, None)
+        self._homes[tail] = (pod, now)
+        self._order.append((now, tail))
+        return None if replaced is None else replaced[0]
+
+    def claim(self, keys: list[int], now: float) -> list[str]:
+        """A request whose prompt holds ``keys`` arrived: the pods of the homes it
+        claims (the sessions it continues)."""
+        homes = self._homes
+        if not homes or homes.keys().isdisjoint(keys):  # a set operation, in C
+            return []
+        pods = []
+        for key in keys:
+            home = homes.pop(key, None)
+            if home is not None:
+                pods.append(home[0])
+                self._returned(now - home[1])
+                self._outcome(True)
+        return pods
+
+    def expire(self, now: float) -> list[str]:
+        """Forget the homes older than the wait, and the oldest past :data:`MAX_HOMES`;
+        the pods of those forgotten."""
+        homes, order = self._homes, self._order
+        pods = []
+        while order:
+            left, key = order[0]
+            if now - left <= self.wait_s and len(order) <= MAX_HOMES:
+                break
+            order.popleft()
+            home = homes.get(key)
+            if home is not None and home[1] == left:
+                del homes[key]
+                pods.append(home[0])
+                self._outcome(False)
+        return pods
+
+    def _outcome(self, claimed: bool) -> None:
+        outcomes = self._outcomes
+        if len(outcomes) == outcomes.maxlen:
+            self._claimed -= outcomes[0]
+        outcomes.append(claimed)
+        self._claimed += claimed
+        self.returning = self._claimed / len(outcomes)
+
+    def _returned(self, gap_s: float) -> None:
+        self._gaps.append(gap_s)
+        self._unsorted += 1
+        if self._unsorted >= _REFRESH_EVERY or len(self._gaps) < _REFRESH_EVERY:
+            self._unsorted = 0
+            gaps = sorted(self._gaps)
+            p90 = gaps[(len(gaps) - 1) * 9 // 10]
+            self.wait_s = min(MAX_WAIT_S, max(MIN_WAIT_S, 2.0 * p90))

@@ -1,0 +1,130 @@
+"""Sessions between turns (``scoring/sessions.py``) and how the in-flight ledger counts
+them: a finished route homes its session on its pod, the session's next prompt claims
+the home, and a pod's count is its homes times the share of sessions seen to return."""
+
+from __future__ import annotations
+
+from kvindex.indexer.keys import BlockHasher, HashConfig
+from kvindex.scoring import sessions
+from kvindex.scoring.inflight import InFlight, InFlightLedger
+from kvindex.scoring.sessions import SessionHomes
+
+HASHER = BlockHasher(HashConfig())
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def turns(session: int, count: int) -> list[list[int]]:
+    """The block keys of ``count`` turns of one chat: each turn's prompt is the previous
+    prompt, its answer and a new message (vLLM's hash chain, real keys)."""
+    history: list[int] = []
+    out = []
+    for turn in range(count):
+        history += [session * 100_000 + turn * 1_000 + i for i in range(40)]  # 2.5 blocks
+        out.append(HASHER.keys(history))
+    return out
+
+
+def serve(ledger: InFlightLedger, pod: str, route_id: str, keys: list[int]) -> None:
+    """One request through the ledger as ``/route`` enters it: arrive, begin, done."""
+    ledger.arrive(keys)
+    ledger.begin(pod, route_id, len(keys), ttl_s=60, tail=keys[-1])
+    ledger.done(route_id)
+
+
+def test_a_later_turn_holds_the_earlier_prompts_last_block() -> None:
+    first, second, third = turns(1, 3)
+    assert first[-1] in second and second[-1] in third
+    assert not set(turns(2, 1)[0]) & set(first)
+
+
+def test_a_finished_route_homes_its_session_until_the_next_turn_claims_it() -> None:
+    clock = Clock()
+    ledger = InFlightLedger(clock)
+    a1, a2, a3 = turns(1, 3)
+    serve(ledger, "p", "a1", a1)
+    # A home counts as the share of homes seen to return: none seen yet, so 0.
+    assert len(ledger.homes) == 1 and ledger.of("p") == InFlight()
+    clock.now += 2.0
+    serve(ledger, "p", "a2", a2)  # claims a1's home, leaves its own
+    assert ledger.homes.returning == 1.0 and ledger.homes.wait_s == 4.0  # 2 x p90 gap
+    assert ledger.of("p") == InFlight(sessions=1.0)
+    # The next turn is routed to another pod: the home on p is claimed before the
+    # decision (it must not count against the pod the session returns to).
+    ledger.arrive(a3)
+    assert ledger.all() == {}
+    ledger.begin("q", "a3", len(a3), ttl_s=60, tail=a3[-1])
+    assert ledger.all() == {"q": InFlight(1, len(a3), 1)}
+    ledger.done("a3")
+    assert ledger.all() == {"q": InFlight(sessions=1.0)}
+
+
+def test_a_session_that_never_returns_is_forgotten_and_lowers_the_returning_share() -> None:
+    clock = Clock()
+    ledger = InFlightLedger(clock)
+    first, second = turns(1, 2)
+    serve(ledger, "p", "t1", first)
+    clock.now += 1.0
+    serve(ledger, "p", "t2", second)  # one return seen: wait 2 s
+    other = turns(2, 1)[0]
+    serve(ledger, "q", "u1", other)  # a one-shot prompt: never continued
+    assert ledger.of("q") == InFlight(sessions=1.0)
+    clock.now += 2.5  # past the wait: both homes forgotten, unclaimed
+    assert ledger.all() == {} and len(ledger.homes) == 0
+    assert ledger.homes.returning == 1 / 3  # one claimed of three outcomes
+    serve(ledger, "q", "u2", turns(3, 1)[0])
+    assert ledger.of("q") == InFlight(sessions=1 / 3)
+
+
+def test_traffic_without_sessions_counts_no_homes() -> None:
+    """One-shot prompts (a shared system prompt, distinct questions) never claim a home,
+    so the returning share stays 0 and the ledger counts requests only."""
+    clock = Clock()
+    ledger = InFlightLedger(clock)
+    for i in range(50):
+        serve(ledger, f"p{i % 4}", f"r{i}", turns(i, 1)[0])
+        clock.now += 0.1
+    assert len(ledger.homes) == 50 and ledger.homes.returning == 0.0
+    assert ledger.all() == {}
+
+
+def test_the_wait_adapts_to_the_return_gaps_seen() -> None:
+    homes = SessionHomes()
+    assert homes.wait_s == sessions.FIRST_WAIT_S
+    now = 0.0
+    for i in range(40):  # agents back after ~1 s, one straggler in five at 5 s
+        homes.leave("p", i, now)
+        gap = 5.0 if i % 5 == 4 else 1.0
+        assert homes.claim([7_000_000, i], now + gap) == ["p"]
+    assert homes.wait_s == 2.0 * 5.0
+    assert homes.claim([i], now) == []  # claimed already
+
+
+def test_the_same_prompt_finishing_twice_keeps_one_home() -> None:
+    clock = Clock()
+    ledger = InFlightLedger(clock)
+    first, second = turns(1, 2)
+    serve(ledger, "p", "x1", first)
+    clock.now += 1.0
+    serve(ledger, "p", "x2", second)
+    serve(ledger, "q", "x3", turns(5, 1)[0])
+    serve(ledger, "r", "x4", turns(5, 1)[0])  # the same prompt again, finished on r
+    assert len(ledger.homes) == 2  # second's (p) and the repeated prompt's (now on r)
+    assert ledger.all() == {"p": InFlight(sessions=1.0), "r": InFlight(sessions=1.0)}
+
+
+def test_homes_are_bounded_oldest_first() -> None:
+    homes = SessionHomes()
+    homes.wait_s = 1e9
+    total = sessions.MAX_HOMES + 10
+    for key in range(total):
+        homes.leave("p", key, 0.0)
+    forgotten = homes.expire(0.0)
+    assert len(forgotten) == 10 and len(homes) == sessions.MAX_HOMES
+    assert homes.claim([0], 0.0) == [] and homes.claim([total - 1], 0.0) == ["p"]

@@ -99,6 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
             header_timeout_s=settings.http.header_timeout,
             keep_alive_timeout_s=settings.http.keep_alive_timeout,
             lane=http.lane,
+            on_exit_signal=workers.shutting_down if workers is not None else None,
         )
     finally:
         if workers is not None:

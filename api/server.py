@@ -34,6 +34,8 @@ from __future__ import annotations
 import gc
 import socket
 import sys
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -68,15 +70,32 @@ def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling ``on_exit_signal`` the moment SIGINT/SIGTERM arrives:
+    its graceful shutdown (connections drained, the lifespan's final snapshot) can take
+    seconds, and what runs beside it (the serving workers' supervisor) must know at once
+    that processes exiting now are part of the shutdown, not failures."""
+
+    def __init__(self, config: uvicorn.Config, on_exit_signal: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._on_exit_signal = on_exit_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._on_exit_signal is not None:
+            self._on_exit_signal()
+        super().handle_exit(sig, frame)
+
+
 def server(
     app: Any,
     *,
     header_timeout_s: float,
     keep_alive_timeout_s: float,
     lane: HotLane | None = None,
+    on_exit_signal: Callable[[], None] | None = None,
 ) -> uvicorn.Server:
     """The uvicorn server for ``app`` (not started), with ``lane`` answering the hot paths
-    when given."""
+    when given, and ``on_exit_signal`` called when a shutdown signal arrives."""
     protocol: type = header_deadline_protocol(header_timeout_s)
     if lane is not None:
         protocol = lane_protocol(protocol, lane)
@@ -87,7 +106,7 @@ def server(
         log_config=None,
         access_log=False,
     )
-    return uvicorn.Server(config)
+    return _Server(config, on_exit_signal)
 
 
 def serve(
@@ -97,11 +116,17 @@ def serve(
     header_timeout_s: float,
     keep_alive_timeout_s: float,
     lane: HotLane | None = None,
+    on_exit_signal: Callable[[], None] | None = None,
 ) -> None:
-    """Serve ``app`` on already bound sockets until SIGINT/SIGTERM."""
+    """Serve ``app`` on already bound sockets until SIGINT/SIGTERM (``on_exit_signal``
+    is called as one arrives)."""
     gc.collect()  # what startup left behind, then the rest is never walked again
     gc.freeze()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the loop waits at most this for the GIL
     server(
-        app, header_timeout_s=header_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s, lane=lane
+        app,
+        header_timeout_s=header_timeout_s,
+        keep_alive_timeout_s=keep_alive_timeout_s,
+        lane=lane,
+        on_exit_signal=on_exit_signal,
     ).run(sockets=sock if isinstance(sock, list) else [sock])

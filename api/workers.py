@@ -118,6 +118,7 @@ class ServingWorkers:
         self._workers = [_Worker(n) for n in range(1, count)]
         self._facts: Facts | None = None
         self._stopping = threading.Event()
+        self._shutting_down = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvindex-workers", daemon=True)
 
     def unix_socket(self) -> socket.socket:
@@ -137,6 +138,10 @@ class ServingWorkers:
             len(self._workers),
             self.directory,
         )
+
+    def shutting_down(self) -> None:
+        """This process got its shutdown signal: workers that exit now stay down."""
+        self._shutting_down.set()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -244,18 +249,21 @@ class ServingWorkers:
                     metrics.refused(record[1], record[2])
 
     def _supervise(self, worker: _Worker, now: float) -> None:
+        """Start a dead worker again after :data:`RESTART_DELAY_S`, unless this process
+        is shutting down by then. The wait is what tells the two apart: a signal to the
+        process group (Ctrl-C, GNU ``timeout``) reaches the workers too, and one may exit
+        before this process has seen its own signal."""
         process = worker.process
         if process is None or process.poll() is None:
             return
         if not worker.restart_at:
+            worker.restart_at = now + RESTART_DELAY_S
+        elif now >= worker.restart_at and not self._shutting_down.is_set():
             log.warning(
-                "serving worker %d exited (code %s); starting another in %.0f s",
+                "serving worker %d exited (code %s); starting another",
                 worker.number,
                 process.returncode,
-                RESTART_DELAY_S,
             )
-            worker.restart_at = now + RESTART_DELAY_S
-        elif now >= worker.restart_at:
             worker.restart_at = 0.0
             if worker.channel is not None:
                 worker.channel.close()

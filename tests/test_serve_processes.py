@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -176,6 +177,22 @@ def test_a_killed_worker_comes_back_and_a_stopped_primary_leaves_nothing(
     assert server.process.returncode == 0
     eventually(lambda: not os.path.exists(f"/proc/{replacement}"), "the worker to exit", 10)
     assert not os.path.exists(directory)
+
+
+def test_a_signal_to_the_whole_group_stops_without_starting_workers_again(
+    served: tuple[ServeProcess, Fleet],
+) -> None:
+    """Ctrl-C or GNU ``timeout`` signal the process group: the worker may exit before
+    the primary has seen its own signal, and that is a shutdown, not a worker to start
+    again (nor a warning to log)."""
+    server, _ = served
+    (worker,) = children(server.process.pid)
+    os.kill(worker, signal.SIGTERM)
+    time.sleep(0.3)  # the supervisor sees the worker gone first; it restarts after 1 s
+    server.stop(signal.SIGTERM)
+    assert server.process.returncode == 0, server.log_tail()
+    log = server.log_tail(100_000)
+    assert "exited (code" not in log and "starting another" not in log, log
 
 
 def test_workers_of_a_killed_primary_exit_and_remove_the_shared_memory(

@@ -83,8 +83,10 @@ def test_claim_one_says_when_the_ttft_floor_forbids_a_25_percent_cut() -> None:
     """Claim 1 asks for a TTFT p90 25% below the best baseline's; when kvindex's own
     runs' TTFT floor is above that target no policy can make it, and the claim says so
     (it still fails: the bound explains the failure, it does not excuse it)."""
-    from bench.sim.claims import _reach
+    from bench.sim.claims import _reach, _reachable
 
     assert "unattainable" in _reach(0.61, 0.717)  # chat-load x1: 0.75 x 0.717 = 0.538
     assert _reach(0.30, 0.717) == "; TTFT floor p90 0.300 s"
     assert _reach(float("nan"), 0.717) == ""
+    assert not _reachable(0.61, 0.717) and _reachable(0.53, 0.717)
+    assert _reachable(float("nan"), 0.717)  # an unknown floor rules nothing out

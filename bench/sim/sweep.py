@@ -90,6 +90,25 @@ def point(
     )
 
 
+def paired(
+    results: Results, scenario: str, policy: str, other: str, load: float, metric: str
+) -> Estimate:
+    """``policy``'s sweep ``metric`` relative to ``other``'s (``policy / other - 1``), seed
+    by seed, at one load. Runs of one seed share the arrivals, so the seed-to-seed spread
+    both share cancels: the interval is that of the difference, usually much narrower
+    than the two policies' own intervals side by side."""
+    get = METRICS[metric]
+    by_seed: dict[str, dict[int, float]] = {policy: {}, other: {}}
+    for c, r in results.items():
+        sweep_point = c.study == "sweep" and c.scenario == scenario and c.load == load
+        if sweep_point and c.policy in by_seed:
+            by_seed[c.policy][c.seed] = get(r)
+    mine, theirs = by_seed[policy], by_seed[other]
+    return estimate(
+        [mine[s] / theirs[s] - 1 for s in sorted(mine.keys() & theirs.keys()) if theirs[s]]
+    )
+
+
 def axes(results: Results, study: str, scenario: str) -> tuple[list[str], list[float]]:
     """Policies (in run order) and loads (sorted) of one scenario's study."""
     policies: list[str] = []

@@ -72,22 +72,27 @@ def estimate(values: list[float]) -> Estimate:
     return Estimate(mean, t * statistics.stdev(values) / math.sqrt(len(values)), len(values))
 
 
+def _runs(
+    results: Results, study: str, scenario: str, policy: str, load: float, **kw: object
+) -> list[tuple[Cell, RunResult]]:
+    """The runs (one per seed) of one (study, scenario, policy, load) point."""
+    return [
+        (c, r)
+        for c, r in results.items()
+        if c.study == study
+        and c.scenario == scenario
+        and c.policy == policy
+        and c.load == load
+        and all(getattr(c, k) == v for k, v in kw.items())
+    ]
+
+
 def point(
     results: Results, study: str, scenario: str, policy: str, load: float, metric: str, **kw: object
 ) -> Estimate:
     """A metric over the seeds of one (study, scenario, policy, load) point."""
     get = METRICS[metric]
-    return estimate(
-        [
-            get(r)
-            for c, r in results.items()
-            if c.study == study
-            and c.scenario == scenario
-            and c.policy == policy
-            and c.load == load
-            and all(getattr(c, k) == v for k, v in kw.items())
-        ]
-    )
+    return estimate([get(r) for _, r in _runs(results, study, scenario, policy, load, **kw)])
 
 
 def paired(
@@ -98,12 +103,10 @@ def paired(
     both share cancels: the interval is that of the difference, usually much narrower
     than the two policies' own intervals side by side."""
     get = METRICS[metric]
-    by_seed: dict[str, dict[int, float]] = {policy: {}, other: {}}
-    for c, r in results.items():
-        sweep_point = c.study == "sweep" and c.scenario == scenario and c.load == load
-        if sweep_point and c.policy in by_seed:
-            by_seed[c.policy][c.seed] = get(r)
-    mine, theirs = by_seed[policy], by_seed[other]
+    mine, theirs = (
+        {c.seed: get(r) for c, r in _runs(results, "sweep", scenario, p, load)}
+        for p in (policy, other)
+    )
     return estimate(
         [mine[s] / theirs[s] - 1 for s in sorted(mine.keys() & theirs.keys()) if theirs[s]]
     )

@@ -68,7 +68,10 @@ class Cluster:
         want = {pod: (e.running, e.waiting, e.kv_usage) for pod, e in loads.items()}
 
         def seen() -> bool:
-            answer = self.route(COLD, request_id="probe")
+            # A model kvindex does not know: load only, no prompt keys, so the probe
+            # leaves no session home behind (the same prompt probed again would claim
+            # it, and count as a session returning to that pod in the test's decision).
+            answer = self.route(COLD, model="probe/unknown", request_id="probe")
             self.done("probe")
             if answer.status_code != 200:
                 return False

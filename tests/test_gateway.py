@@ -55,7 +55,8 @@ class Cluster:
     def open_routes(self, prefills: bool = False) -> dict[str, int]:
         """kvindex's in-flight count per pod (or, with ``prefills``, its prefill tokens
         queued), read from a probe route (released)."""
-        probe = self.index.route(model=MODEL, token_ids=[7] * 16, request_id="probe")
+        # a model kvindex does not know: no prompt keys, so no session home left behind
+        probe = self.index.route(model="probe/unknown", token_ids=[7] * 16, request_id="probe")
         self.index.done("probe")
         if prefills:
             return {c.pod: c.queued_tokens for c in probe.candidates if c.queued_tokens}

@@ -42,7 +42,8 @@ class PdCluster:
 
     def open_routes(self) -> dict[str, int]:
         """kvindex's in-flight count per pod, read from a probe route (released)."""
-        probe = self.index.route(model=MODEL, token_ids=[7] * 16, request_id="probe")
+        # a model kvindex does not know: no prompt keys, so no session home left behind
+        probe = self.index.route(model="probe/unknown", token_ids=[7] * 16, request_id="probe")
         self.index.done("probe")
         return {c.pod: c.in_flight for c in probe.candidates if c.in_flight}
 

@@ -116,11 +116,11 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
     view.continues = ledger.arrive(view.keys)  # the session this request continues is back
     loads, in_flight = service.load.snapshot(pods), ledger.all()
     roles = service.roles()
-    if disaggregated(roles, pods):
-        view.future_prefill = 0.0  # P/D: later turns prefill on the prefill pods
-    else:
-        view.future_prefill = ledger.future_prefill()
-    if req.role is None and not disaggregated(roles, pods):
+    split = disaggregated(roles, pods)
+    # Later turns are priced where a session starts: a later turn follows its history
+    # (its u decides), and under P/D later turns prefill on the prefill pods.
+    view.future_prefill = 0.0 if view.continues or split else ledger.future_prefill()
+    if req.role is None and not split:
         done = one_pass(
             service.router, pods, view.matches, view.speculative, loads, in_flight,
             view.prompt_tokens, block_size, view.fallback, RouteCandidate,

@@ -260,7 +260,8 @@ class RouteResponse(msgspec.Struct):
         _doc(
             "The prefill tokens this request's session is expected to bring in its later "
             "turns (returning share / (1 - share) x the mean uncached tokens of a turn that "
-            "continued a session; 0 under P/D): F in each candidate's decode_cost."
+            "continued a session), priced where a session starts: 0 for a request that "
+            "continues one, and under P/D. F in each candidate's decode_cost."
         ),
     ] = 0.0
 

@@ -42,18 +42,21 @@ prefill (1.0 = the time to compute every token of the prompt)::
   causes, while a session's later turns, whose uncached part is small, stay with their
   cache. Dynamo's router counts active decode blocks next to prefill blocks; this term
   prices decode load by what actually slows it, a prefill landing on it.
-- ``F``: the prefill tokens this request's session will bring in its later turns (a
-  tool's result, the user's next message), expected from the traffic seen: the share
-  of sessions that come back and the mean uncached tokens of a turn that continued one
-  (:attr:`kvindex.scoring.sessions.SessionHomes.future_prefill`; 0 where nothing
-  returns, and under P/D, where later turns prefill elsewhere). Each of those prefills
-  stalls the ``R`` decodes on the pod, and theirs stall this session's: ``R x u`` prices
-  only the first prefill of a session's life. Without it, at light agent load a new
-  task went where the preamble was cached and one or two tasks already ran, and their
-  tool results' prefills then shared steps with its decodes on every turn: 5-6% slower
-  end to end than session-sticky (bench/README, "Later turns' prefills"). It is the
-  same for every pod, so it moves decisions only where pods' ``R`` differ, and it is
-  small next to a long history's ``u`` on any other pod.
+- ``F``: where a session starts (its request continues none), the prefill tokens its
+  later turns are expected to bring (a tool's result, the user's next message), from
+  the traffic seen: the share of sessions that come back and the mean uncached tokens
+  of a turn that continued one (:attr:`kvindex.scoring.sessions.SessionHomes.future_prefill`;
+  0 where nothing returns). Each of those prefills stalls the ``R`` decodes on the pod,
+  and theirs stall this session's: ``R x u`` prices only the first prefill of a
+  session's life, which is where its later turns will live. Without it, at light agent
+  load a new task went where the preamble was cached and one or two tasks already ran,
+  and their tool results' prefills then shared steps with its decodes on every turn:
+  5-6% slower end to end than session-sticky (bench/README, "Later turns' prefills").
+  It is the same for every pod, so it moves decisions only where pods' ``R`` differ.
+  A later turn (it claimed a home) takes ``F = 0``: it follows its history, and
+  pricing its remaining turns there made turns leave their cache for an idler pod and
+  recompute it, TTFT p90 +19% at that load for no gain end to end. Under P/D
+  ``F = 0`` too: later turns prefill on the prefill pods.
 - ``usage``: the fraction of the pod's KV cache in use (mean over its engines), llm-d's
   KV-utilisation scorer: a full cache means preemptions and evicting what others reuse.
   **KV term**, weight 1: a full cache costs as much as prefilling the prompt once.

@@ -25,7 +25,7 @@ that were claimed, of the last :data:`_OUTCOMES_KEPT` claimed or forgotten
 (:attr:`SessionHomes.returning`): a pod's expected returning sessions. Traffic whose
 requests never come back counts nothing.
 
-A session's later turns also cost the pod it is placed on: each brings a prefill (a
+A session's later turns also cost the pod it starts on: each brings a prefill (a
 tool's result, the user's next message) that stalls every decode sharing its steps,
 this session's own included. :attr:`SessionHomes.future_prefill` estimates what a
 request's session will still bring: the expected number of later turns, ``p / (1 - p)``

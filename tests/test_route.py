@@ -196,8 +196,8 @@ def test_a_routes_prefill_counts_as_queued_until_its_first_token(cluster: Cluste
     def row() -> dict:
         answer = cluster.route(COLD, request_id="ft-peek", pods=[cluster.b]).json()
         cluster.done("ft-peek")
-        # F: the peeks repeat one prompt, so they are a session coming back, and the
-        # decode term adds the prefill its later turns are expected to bring.
+        # F, the prefill a starting session's later turns are expected to bring, is
+        # in the decode term (0 when the peek continues the previous one's session).
         return {**answer["candidates"][0], "future": answer["future_prefill_tokens"]}
 
     queued = row()
@@ -420,6 +420,7 @@ def test_a_session_between_turns_counts_on_its_pod_until_its_next_turn() -> None
         assert fresh["pod"] == b  # nothing cached anywhere: the homed session decides
         back = route(turns[2], "turn-2", [a, b])
         assert {c["pod"]: c["sessions"] for c in back["candidates"]} == {a: 0.0, b: 0.0}
+        assert back["future_prefill_tokens"] == 0.0  # a later turn follows its history
     finally:
         server.stop()
         for m in metrics:

@@ -107,6 +107,7 @@ ROUTE_RESPONSE_EXAMPLE = {
     "prefill_rank": None,
     "prefill_reason": None,
     "decode_pod": None,
+    "future_prefill_tokens": 0.0,
 }
 
 

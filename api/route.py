@@ -112,14 +112,19 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
     view = inputs.view
     view.speculative = annotate(view.result, service.speculative) if view.result else {}
     block_size = service.catalog.keying(req.model).hash.block_size
-    service.load.ledger.arrive(view.keys)  # the session this request continues is back
-    loads, in_flight = service.load.snapshot(pods), service.load.ledger.all()
+    ledger = service.load.ledger
+    view.continues = ledger.arrive(view.keys)  # the session this request continues is back
+    loads, in_flight = service.load.snapshot(pods), ledger.all()
     roles = service.roles()
-    if req.role is None and not disaggregated(roles, pods):
+    split = disaggregated(roles, pods)
+    # Later turns are priced where a session starts: a later turn follows its history
+    # (its u decides), and under P/D later turns prefill on the prefill pods.
+    view.future_prefill = 0.0 if view.continues or split else ledger.future_prefill()
+    if req.role is None and not split:
         done = one_pass(
             service.router, pods, view.matches, view.speculative, loads, in_flight,
             view.prompt_tokens, block_size, view.fallback, RouteCandidate,
-            service.event_lag.batches(),
+            service.event_lag.batches(), view.future_prefill,
         )  # fmt: skip
         if done is not None:
             for pod in done.dropped:  # each a PodLoad with a start time (the loop's rule)
@@ -193,6 +198,7 @@ def _answer_pass(
         prompt_blocks=view.prompt_tokens // block_size,
         candidates=done.rows,
         warnings=view.warnings,
+        future_prefill_tokens=view.future_prefill,
     )
 
 
@@ -231,6 +237,7 @@ def _decide_targets(
             tokens,
             block_size,
             view.fallback,
+            view.future_prefill,
         )
     service.route_metrics.decided(decision.reason)
     if decision.pod is None:
@@ -256,6 +263,7 @@ def _decide_targets(
         prompt_blocks=tokens // block_size,
         candidates=_candidates_of(decision, prefill, by_member, roles),
         warnings=view.warnings,
+        future_prefill_tokens=view.future_prefill,
     )
     if pd is not None:
         answer.decode_pod = chosen.pod
@@ -304,7 +312,11 @@ def _enter(
     # Once done, the request's session is homed on the pod that holds its context: the
     # decode pod, not P/D's prefill leg.
     tail = view.keys[-1] if view.keys and prefill_leg is None else None
-    service.load.ledger.begin(member, route_id, held, settings.scoring.route_ttl, prefill, tail)
+    # A continuation turn's prefill, once per request: where it is computed.
+    turn = view.continues and usable_blocks is not None
+    service.load.ledger.begin(
+        member, route_id, held, settings.scoring.route_ttl, prefill, tail, continues=turn
+    )
     # Speculative: the blocks past what the chosen engine's index entries already hold.
     if len(view.keys) > confirmed_blocks:
         service.speculative.add(req.model, member, view.keys, confirmed_blocks)
@@ -352,6 +364,8 @@ class _IndexView:
     warnings: list[str] = field(default_factory=list)
     # The lookup's answer, for the speculative entries: annotated on the event loop.
     result: ScoreResult | None = None
+    continues: bool = False  # the request claimed a session's home (set by the decision)
+    future_prefill: float = 0.0  # the cost's F: its session's later turns' prefill tokens
 
 
 def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> _IndexView:

@@ -207,8 +207,9 @@ class RouteCandidate(msgspec.Struct, gc=False):
         float,
         _doc(
             "Weighted decode term: requests on the pod (running + waiting, or in_flight "
-            "if more, plus sessions) x the prompt's uncached tokens / its tokens - the "
-            "decodes its prefill would stall."
+            "if more, plus sessions) x (the prompt's uncached tokens + "
+            "future_prefill_tokens) / its tokens - the decodes its session's prefills "
+            "would stall."
         ),
     ]
     kv_cost: Annotated[float, _doc("Weighted KV-usage term of the cost.")]
@@ -254,6 +255,15 @@ class RouteResponse(msgspec.Struct):
         _doc("P/D: why the prefill pod was chosen (prefix, load, ...), or why none was."),
     ] = None
     decode_pod: Annotated[str | None, _doc("P/D: the decode pod (= pod); null without P/D.")] = None
+    future_prefill_tokens: Annotated[
+        float,
+        _doc(
+            "The prefill tokens this request's session is expected to bring in its later "
+            "turns (returning share / (1 - share) x the mean uncached tokens of a turn that "
+            "continued a session), priced where a session starts: 0 for a request that "
+            "continues one, and under P/D. F in each candidate's decode_cost."
+        ),
+    ] = 0.0
 
 
 class RouteDone(msgspec.Struct):

@@ -21,7 +21,7 @@
  * passed through to the rows (a pod's kv_usage as its load holds it), None where the
  * Python loop answers None (a pod with several engines: the general path decides).
  * consts = (load_only, prompt_tokens, block_size, total_blocks, cap, w_prefix, w_queue,
- * w_decode, w_kv, max_kv, max_waiting, pending_waiting). Integers the Python loop would
+ * w_decode, w_kv, max_kv, max_waiting, pending_waiting, future). Integers the Python loop would
  * hold beyond 64 bits raise OverflowError (no scraped gauge or prompt comes near).
  * tests/test_route_pass.py runs both and compares every row.
  */
@@ -111,10 +111,10 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     int load_only;
     long long prompt_tokens, block_size, total_blocks, cap, max_waiting, pending_waiting;
-    double w_prefix, w_queue, w_decode, w_kv, max_kv;
-    if (!PyArg_ParseTuple(consts, "pLLLLdddddLL", &load_only, &prompt_tokens, &block_size,
+    double w_prefix, w_queue, w_decode, w_kv, max_kv, future;
+    if (!PyArg_ParseTuple(consts, "pLLLLdddddLLd", &load_only, &prompt_tokens, &block_size,
                           &total_blocks, &cap, &w_prefix, &w_queue, &w_decode, &w_kv, &max_kv,
-                          &max_waiting, &pending_waiting))
+                          &max_waiting, &pending_waiting, &future))
         return NULL;
 
     Py_ssize_t n = PyList_GET_SIZE(pods);
@@ -262,7 +262,7 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         }
         double prefix = w_prefix * own;
         double queue = w_queue * (double)queued;
-        double decode = w_decode * sharing * own;
+        double decode = w_decode * sharing * (own + future);
         double kv = w_kv * usage;
         double total = prefix + queue + decode + kv;
 

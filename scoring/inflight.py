@@ -18,7 +18,9 @@ Between its turns a session has no request in flight, yet comes back to its pod:
 finished route leaves a *home* there (:mod:`kvindex.scoring.sessions`), claimed by the
 session's next request, and each pod's record counts its expected returning sessions
 (``sessions``). ``arrive`` takes each request's prompt keys before its decision (the
-homes it claims), ``begin`` its last full block key (its own home, once done).
+homes it claims), ``begin`` its last full block key (its own home, once done) and
+whether it continued a session (its prefill then feeds ``future_prefill``: what a
+session's later turns bring to the pod it is placed on).
 
 Expiry without a heap: entries with the same TTL expire in the order they began, so each
 distinct TTL keeps a FIFO of (deadline, route id); expiring pops the fronts that are due.
@@ -83,11 +85,14 @@ class InFlightLedger:
         ttl_s: float,
         prefill_tokens: int = 0,
         tail: int | None = None,
+        continues: bool = False,
     ) -> None:
         """Count ``route_id`` against ``pod`` for at most ``ttl_s`` seconds, with
         ``prefill_tokens`` of prefill queued until its first token. Beginning a route id
         that is still open moves it (a gateway retrying on another pod). With ``tail``,
-        the prompt's last full block key, its session is homed on ``pod`` when done."""
+        the prompt's last full block key, its session is homed on ``pod`` when done.
+        ``continues``: the request claimed a home (``arrive``), so its prefill is a
+        continuation turn's."""
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
         if prompt_blocks < 0 or prefill_tokens < 0:
@@ -104,17 +109,27 @@ class InFlightLedger:
             )
             self._count(pod, 1, prompt_blocks, 1, prefill_tokens)
             self._expiry.setdefault(ttl_s, deque()).append((deadline, route_id, self._serial))
+            if continues:
+                self._homes.turn(prefill_tokens)
 
-    def arrive(self, keys: list[int]) -> None:
+    def arrive(self, keys: list[int]) -> bool:
         """A request whose prompt holds the block ``keys`` is being routed: the sessions
         it continues are no longer between turns (claimed before its decision, so a
-        session's own home does not count against its pod)."""
+        session's own home does not count against its pod). Whether it continues one."""
         if not keys:
-            return
+            return False
         with self._lock:
             now = self._clock()
             self._expire(now)
-            self._rehome(self._homes.claim(keys, now), -1)
+            claimed = self._homes.claim(keys, now)
+            self._rehome(claimed, -1)
+            return bool(claimed)
+
+    def future_prefill(self) -> float:
+        """The prefill tokens a request's session is expected to bring to its pod in
+        its later turns (:attr:`~kvindex.scoring.sessions.SessionHomes.future_prefill`)."""
+        with self._lock:
+            return self._homes.future_prefill
 
     def first_token(self, route_id: str) -> str | None:
         """The request's prefill is over: its prefill tokens no longer count as queued

@@ -5,7 +5,7 @@ The cost (lower is better) estimates the latency a request adds if sent to the p
 own and what it inflicts on other requests, counted in units of this prompt's full
 prefill (1.0 = the time to compute every token of the prompt)::
 
-    cost = prefix_w * u / P  +  queue_w * Q / P  +  decode_w * R * u / P  +  kv_w * usage
+    cost = prefix_w * u / P  +  queue_w * Q / P  +  decode_w * R * (u + F) / P  +  kv_w * usage
 
 - ``P``: the prompt's tokens; ``u``: those the pod must compute, past its cached prefix.
   Only ``(P - 1) // block_size`` blocks can be reused, as vLLM 0.33 always computes the
@@ -42,6 +42,21 @@ prefill (1.0 = the time to compute every token of the prompt)::
   causes, while a session's later turns, whose uncached part is small, stay with their
   cache. Dynamo's router counts active decode blocks next to prefill blocks; this term
   prices decode load by what actually slows it, a prefill landing on it.
+- ``F``: where a session starts (its request continues none), the prefill tokens its
+  later turns are expected to bring (a tool's result, the user's next message), from
+  the traffic seen: the share of sessions that come back and the mean uncached tokens
+  of a turn that continued one (:attr:`kvindex.scoring.sessions.SessionHomes.future_prefill`;
+  0 where nothing returns). Each of those prefills stalls the ``R`` decodes on the pod,
+  and theirs stall this session's: ``R x u`` prices only the first prefill of a
+  session's life, which is where its later turns will live. Without it, at light agent
+  load a new task went where the preamble was cached and one or two tasks already ran,
+  and their tool results' prefills then shared steps with its decodes on every turn:
+  5-6% slower end to end than session-sticky (bench/README, "Later turns' prefills").
+  It is the same for every pod, so it moves decisions only where pods' ``R`` differ.
+  A later turn (it claimed a home) takes ``F = 0``: it follows its history, and
+  pricing its remaining turns there made turns leave their cache for an idler pod and
+  recompute it, TTFT p90 +19% at that load for no gain end to end. Under P/D
+  ``F = 0`` too: later turns prefill on the prefill pods.
 - ``usage``: the fraction of the pod's KV cache in use (mean over its engines), llm-d's
   KV-utilisation scorer: a full cache means preemptions and evicting what others reuse.
   **KV term**, weight 1: a full cache costs as much as prefilling the prompt once.
@@ -71,7 +86,7 @@ class CostWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     prefix: float = 2.0  # the request's own prefill, u / P: its latency and capacity
     queue: float = 1.0  # prefill queued ahead of it, Q / P
-    decode: float = 1.0  # the decodes its prefill stalls, R x u / P
+    decode: float = 1.0  # the decodes its prefills stall, R x (u + F) / P
     kv: float = 1.0  # KV-cache usage
 
     def __post_init__(self) -> None:
@@ -124,11 +139,13 @@ def pod_cost(
     block_size: int,
     weights: CostWeights,
     load_only: bool = False,
+    future_tokens: float = 0.0,
 ) -> CostTerms:
-    """The cost of serving a ``prompt_tokens``-token prompt on one pod. With
+    """The cost of serving a ``prompt_tokens``-token prompt on one pod, whose session
+    is expected to bring ``future_tokens`` of prefill in its later turns (``F``). With
     ``load_only`` (the index is not trusted) the prefix term is 0 for every pod and the
     decode term takes ``u = P``."""
-    return pod_costs([inputs], prompt_tokens, block_size, weights, load_only)[0]
+    return pod_costs([inputs], prompt_tokens, block_size, weights, load_only, future_tokens)[0]
 
 
 def pod_costs(
@@ -137,6 +154,7 @@ def pod_costs(
     block_size: int,
     weights: CostWeights,
     load_only: bool = False,
+    future_tokens: float = 0.0,
 ) -> list[CostTerms]:
     """:func:`pod_cost` of each of ``pods``, in one loop: it runs for every candidate of
     every /route request, so the per-request constants are computed once and the loop
@@ -181,7 +199,7 @@ def pod_costs(
                 usage = 0.0 if usage < 0.0 else 1.0
         prefix = w_prefix * own
         queue = w_queue * queued
-        decode = w_decode * sharing * own
+        decode = w_decode * sharing * (own + future_tokens)
         kv = w_kv * usage
         # Not rounded: the answer's floats encode exactly, and rounding costs per pod.
         append(CostTerms(usable, uncached, prefix, queue, decode, kv, prefix + queue + decode + kv))

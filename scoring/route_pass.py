@@ -85,6 +85,7 @@ def one_pass(
     fallback: Reason | None,
     row: RowMaker[R],
     heard: Mapping[str, Lag] | None = None,
+    future_tokens: float = 0.0,
 ) -> Pass[R] | None:
     """The decision over ``pods`` (each one routing target, rank 0, role ``both``: no
     P/D) and their answer rows; None when a pod has data-parallel ranks (the general
@@ -94,7 +95,8 @@ def one_pass(
     started (``PodLoad.started``) after the engine timestamp of the last batch the index
     applied from it restarted unheard; its match and speculative blocks are left out of
     the decision and it is named in :attr:`Pass.dropped` (``api/route.py``'s
-    ``_drop_restarted`` says why, for the general path)."""
+    ``_drop_restarted`` says why, for the general path). ``future_tokens``: the prefill
+    the request's session will bring in later turns (the cost's ``F``)."""
     if has_ranks(matches) or has_ranks(speculative):
         return None
     weights, admission = router.weights, router.admission
@@ -112,6 +114,7 @@ def one_pass(
         0.0 if load_only else weights.prefix * per_token, weights.queue * per_token,
         weights.decode * per_token, weights.kv,
         float(admission.max_kv_usage), admission.max_waiting, PENDING_WAITING,
+        float(future_tokens),
     )  # fmt: skip
     pods = pods if type(pods) is list else list(pods)
     heard = {} if heard is None else heard
@@ -146,7 +149,7 @@ def _rows_python(
     terms, admission and row; None when a pod has several engines."""
     (
         load_only, prompt_tokens, block_size, total_blocks, cap,
-        w_prefix, w_queue, w_decode, w_kv, max_kv, max_waiting, pending_waiting,
+        w_prefix, w_queue, w_decode, w_kv, max_kv, max_waiting, pending_waiting, future,
     ) = consts  # fmt: skip
     rows: list[R] = []
     append = rows.append
@@ -217,7 +220,7 @@ def _rows_python(
                 usage = 0.0 if usage < 0.0 else 1.0
         prefix = w_prefix * own
         queue = w_queue * queued
-        decode = w_decode * sharing * own
+        decode = w_decode * sharing * (own + future)
         kv = w_kv * usage
         total = prefix + queue + decode + kv
         if (kv_max is not None and kv_max > max_kv) or (

@@ -91,14 +91,19 @@ class Router:
         prompt_tokens: int,
         block_size: int,
         fallback: Reason | None = None,
+        future_tokens: float = 0.0,
     ) -> Decision:
         """Choose among ``pods``; ``kv_usage_max`` is each pod's fullest engine (for
-        admission); ``fallback`` set means load only, and is the decision's reason.
+        admission); ``fallback`` set means load only, and is the decision's reason;
+        ``future_tokens``: the prefill the request's session will bring in later turns
+        (:func:`~kvindex.scoring.route_cost.pod_costs`'s ``F``).
         (``/route`` without P/D or data-parallel ranks takes the same decision in one
         pass over its candidates: :mod:`kvindex.scoring.route_pass`.)"""
         admission = self.admission
         max_kv, max_waiting = admission.max_kv_usage, admission.max_waiting
-        costs = pod_costs(pods, prompt_tokens, block_size, self.weights, fallback is not None)
+        costs = pod_costs(
+            pods, prompt_tokens, block_size, self.weights, fallback is not None, future_tokens
+        )
         candidates: list[Candidate] = []
         admitted: list[int] = []
         for i, (p, terms) in enumerate(zip(pods, costs, strict=True)):

@@ -25,6 +25,16 @@ that were claimed, of the last :data:`_OUTCOMES_KEPT` claimed or forgotten
 (:attr:`SessionHomes.returning`): a pod's expected returning sessions. Traffic whose
 requests never come back counts nothing.
 
+A session's later turns also cost the pod it starts on: each brings a prefill (a
+tool's result, the user's next message) that stalls every decode sharing its steps,
+this session's own included. :attr:`SessionHomes.future_prefill` estimates what a
+request's session will still bring: the expected number of later turns, ``p / (1 - p)``
+for a returning share ``p`` (each turn is followed by another with probability ``p``),
+times the mean uncached tokens of a turn that continued a session
+(:meth:`SessionHomes.turn`, an exponentially weighted mean). ``p`` is capped at
+:data:`MAX_RETURNING`, so one estimate prices at most nine later turns however loyal
+the traffic. It is 0 where nothing returns.
+
 Not thread-safe: :class:`~kvindex.scoring.inflight.InFlightLedger` calls it under its
 lock.
 """
@@ -43,6 +53,9 @@ MAX_HOMES = 65_536
 _GAPS_KEPT = 256  # the return gaps the wait is computed from
 _OUTCOMES_KEPT = 256  # the homes, claimed or forgotten, the returning share is from
 _REFRESH_EVERY = 16  # returns between two computations of the wait (it sorts the gaps)
+#: The returning share :attr:`SessionHomes.future_prefill` uses at most: 9 later turns.
+MAX_RETURNING = 0.9
+_TURN_WEIGHT = 0.1  # the weight of the newest turn in the mean continuation prefill
 
 
 class SessionHomes:
@@ -57,6 +70,8 @@ class SessionHomes:
         self._claimed = 0  # of the outcomes kept
         self.wait_s = FIRST_WAIT_S
         self.returning = 0.0  # the share of homes claimed (0 until one was)
+        self.turn_tokens = 0.0  # mean uncached tokens of a continuation turn (0: none seen)
+        self._turns_seen = False
 
     def __len__(self) -> int:
         return len(self._homes)
@@ -84,6 +99,22 @@ class SessionHomes:
                 self._returned(now - home[1])
                 self._outcome(True)
         return pods
+
+    def turn(self, prefill_tokens: int) -> None:
+        """A request that continued a session (it claimed a home) was routed with
+        ``prefill_tokens`` to compute: the mean continuation prefill moves toward it."""
+        if self._turns_seen:
+            self.turn_tokens += _TURN_WEIGHT * (prefill_tokens - self.turn_tokens)
+        else:
+            self.turn_tokens, self._turns_seen = float(prefill_tokens), True
+
+    @property
+    def future_prefill(self) -> float:
+        """The prefill tokens a request's session is expected to bring in its later
+        turns: ``p / (1 - p)`` turns (``p`` the returning share, at most
+        :data:`MAX_RETURNING`) of the mean continuation prefill each."""
+        share = min(self.returning, MAX_RETURNING)
+        return share / (1.0 - share) * self.turn_tokens
 
     def expire(self, now: float) -> list[str]:
         """Forget the homes older than the wait, and the oldest past :data:`MAX_HOMES`;

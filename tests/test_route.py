@@ -196,11 +196,14 @@ def test_a_routes_prefill_counts_as_queued_until_its_first_token(cluster: Cluste
     def row() -> dict:
         answer = cluster.route(COLD, request_id="ft-peek", pods=[cluster.b]).json()
         cluster.done("ft-peek")
-        return answer["candidates"][0]
+        # F, the prefill a starting session's later turns are expected to bring, is
+        # in the decode term (0 when the peek continues the previous one's session).
+        return {**answer["candidates"][0], "future": answer["future_prefill_tokens"]}
 
     queued = row()
     assert (queued["in_flight"], queued["queued_tokens"]) == (1, len(COLD))
-    assert queued["queue_cost"] == pytest.approx(1.0) and queued["decode_cost"] == 1.0
+    assert queued["queue_cost"] == pytest.approx(1.0)
+    assert queued["decode_cost"] == pytest.approx(1 * (len(COLD) + queued["future"]) / len(COLD))
     answer = httpx.post(f"{cluster.url}/route/ft-1/first-token", timeout=5)
     assert answer.json() == {"route_id": "ft-1", "pod": cluster.b}
     decoding = row()  # still a request on the pod, its prefill no longer queued
@@ -409,10 +412,15 @@ def test_a_session_between_turns_counts_on_its_pod_until_its_next_turn() -> None
         fresh = route(list(range(300_000, 300_064)), "new-session", [a, b])
         rows = {c["pod"]: c for c in fresh["candidates"]}
         assert (rows[a]["sessions"], rows[b]["sessions"]) == (1.0, 0.0)
-        assert rows[a]["decode_cost"] > rows[b]["decode_cost"]
+        # Its later turns: one return of one home (share 1, priced at most 0.9) of a
+        # continuation that computed all its 80 tokens (nothing was published): 9 x 80.
+        assert fresh["future_prefill_tokens"] == pytest.approx(720.0)
+        assert rows[a]["decode_cost"] == pytest.approx(1.0 * (64 + 720) / 64)
+        assert rows[b]["decode_cost"] == 0.0
         assert fresh["pod"] == b  # nothing cached anywhere: the homed session decides
         back = route(turns[2], "turn-2", [a, b])
         assert {c["pod"]: c["sessions"] for c in back["candidates"]} == {a: 0.0, b: 0.0}
+        assert back["future_prefill_tokens"] == 0.0  # a later turn follows its history
     finally:
         server.stop()
         for m in metrics:

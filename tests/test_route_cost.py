@@ -94,6 +94,26 @@ def test_a_shared_preamble_stops_drawing_new_sessions_to_a_busy_pod() -> None:
     assert decide(Router(seed=0), [home, pod("idle")], tokens=turn).pod == "idle"
 
 
+def test_a_new_task_spreads_once_its_later_turns_would_stall_the_tasks_there() -> None:
+    """The agent case of claim 2 (bench/README, "Later turns' prefills"): a 4,800-token
+    new task whose 4,500-token preamble is cached on a pod running one task. Priced on
+    its first prefill alone it joins that task; with the nine ~1,500-token tool results
+    its session is expected to bring (F), each stalling the task there, it goes to the
+    idle pod. F is the same on every pod: where the pods' R are equal it moves nothing,
+    and a later turn stays with its history."""
+    tokens, preamble = 4800, 4500 // BS
+    hot, cold = pod("hot", matched=preamble, running=1), pod("cold")
+    future = 9 * 1500.0
+    assert decide(Router(seed=0), [hot, cold], tokens=tokens).pod == "hot"
+    assert decide(Router(seed=0), [hot, cold], tokens=tokens, future=future).pod == "cold"
+    terms = pod_cost(hot, tokens, BS, W, future_tokens=future)
+    u = tokens - preamble * BS
+    assert terms.decode == pytest.approx(1 * (u + future) / tokens)
+    turn, history = 10_200, 8_500 // BS
+    home, other = pod("home", matched=history, running=2), pod("other", running=2)
+    assert decide(Router(seed=0), [home, other], tokens=turn, future=future).pod == "home"
+
+
 def test_unknown_load_is_never_idle_and_grows_with_in_flight() -> None:
     idle = pod_cost(pod("a"), 64, BS, W)
     unknown = pod_cost(pod("a", waiting=None, kv=None), 64, BS, W)
@@ -110,9 +130,9 @@ def test_weights_are_validated() -> None:
         CostWeights(decode=-0.5)
 
 
-def decide(router: Router, pods, tokens=32 * BS + 1, fallback=None, kv_max=None):
+def decide(router: Router, pods, tokens=32 * BS + 1, fallback=None, kv_max=None, future=0.0):
     kv = kv_max if kv_max is not None else {p.pod: p.kv_usage for p in pods}
-    return router.decide(pods, kv, tokens, BS, fallback)
+    return router.decide(pods, kv, tokens, BS, fallback, future)
 
 
 def test_prefix_wins_at_equal_load_and_load_wins_on_a_busy_prefix_pod() -> None:

@@ -269,6 +269,10 @@ def test_pd_names_a_prefill_and_a_decode_pod(live) -> None:
     # Asking for one role routes among that role only.
     only = cluster.route(role="prefill", request_id="pd3")
     assert only["pod"] in (p1, p2) and only["decode_pod"] is None
+    # pd2 repeated pd1's prompt: a session come back, whose later turns are expected;
+    # under P/D they prefill on the prefill pods, so no decision prices them.
+    assert cluster.service.load.ledger.future_prefill() > 0
+    assert answer["future_prefill_tokens"] == only["future_prefill_tokens"] == 0.0
     metrics = cluster.client.get("/metrics").text
     assert 'kvindex_route_prefill_decisions_total{outcome="remote"} 1.0' in metrics
     assert 'kvindex_route_prefill_decisions_total{outcome="local"} 1.0' in metrics

@@ -104,7 +104,7 @@ def unheard(loads, heard, matches, speculative) -> set[str]:
     return out
 
 
-def general(router: Router, pods, loads, matches, speculative, in_flight, tokens, fallback):
+def general(router: Router, pods, loads, matches, speculative, in_flight, tokens, fallback, future):
     """What api/route.py's general path decides and answers (no P/D, no role)."""
     targets = build_targets(pods, matches, speculative, loads, in_flight)
     decision = router.decide(
@@ -113,6 +113,7 @@ def general(router: Router, pods, loads, matches, speculative, in_flight, tokens
         tokens,
         BS,
         fallback,
+        future,
     )
     rows = _candidates_of(decision, None, {t.member: t for t in targets}, {})
     return decision.pod, decision.reason, rows
@@ -137,12 +138,13 @@ def test_one_pass_decides_and_answers_as_the_general_path(seed: int, loop: str) 
             loads = {p: PodLoad(p, 0, 0, 0.1, 0.1, {}, 0.1) for p in pods}
             matches, speculative, in_flight = {}, {}, {}
         fallback = rng.choice([None, None, None, Reason.FALLBACK_STALE_INDEX])
+        future = rng.choice([0.0, 0.0, 1.0, 733.25, 13_500.0])  # later turns' prefill
         done = one_pass(
             fast, pods, dict(matches), dict(speculative), loads, in_flight, tokens, BS,
-            fallback, RouteCandidate, heard,
+            fallback, RouteCandidate, heard, future,
         )  # fmt: skip
         dropped = unheard(loads, heard, matches, speculative)
-        want = general(slow, pods, loads, matches, speculative, in_flight, tokens, fallback)
+        want = general(slow, pods, loads, matches, speculative, in_flight, tokens, fallback, future)
         assert done is not None
         assert set(done.dropped) == dropped, f"step {step}"
         pod = None if done.chosen is None else pods[done.chosen]

@@ -4,6 +4,8 @@ the home, and a pod's count is its homes times the share of sessions seen to ret
 
 from __future__ import annotations
 
+import pytest
+
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from kvindex.scoring import sessions
 from kvindex.scoring.inflight import InFlight, InFlightLedger
@@ -31,10 +33,12 @@ def turns(session: int, count: int) -> list[list[int]]:
     return out
 
 
-def serve(ledger: InFlightLedger, pod: str, route_id: str, keys: list[int]) -> None:
+def serve(
+    ledger: InFlightLedger, pod: str, route_id: str, keys: list[int], prefill: int = 0
+) -> None:
     """One request through the ledger as ``/route`` enters it: arrive, begin, done."""
-    ledger.arrive(keys)
-    ledger.begin(pod, route_id, len(keys), ttl_s=60, tail=keys[-1])
+    continues = ledger.arrive(keys)
+    ledger.begin(pod, route_id, len(keys), 60, prefill, keys[-1], continues=continues)
     ledger.done(route_id)
 
 
@@ -92,6 +96,32 @@ def test_traffic_without_sessions_counts_no_homes() -> None:
         clock.now += 0.1
     assert len(ledger.homes) == 50 and ledger.homes.returning == 0.0
     assert ledger.all() == {}
+    assert ledger.future_prefill() == 0.0  # no later turns to price
+
+
+def test_a_sessions_later_turns_are_priced_from_the_continuations_seen() -> None:
+    """``future_prefill``: the returning share p gives p / (1 - p) later turns, each
+    the mean uncached prefill of the turns that continued a session; a first turn's
+    prefill (a new session's whole prompt) is not a continuation's."""
+    clock = Clock()
+    ledger = InFlightLedger(clock)
+    t1, t2, t3 = turns(1, 3)
+    serve(ledger, "p", "t1", t1, prefill=4_000)  # a new session: not a continuation
+    assert ledger.future_prefill() == 0.0
+    clock.now += 1.0
+    serve(ledger, "p", "t2", t2, prefill=300)  # continues: share 1, capped at 0.9
+    assert ledger.homes.returning == 1.0
+    assert ledger.future_prefill() == pytest.approx(0.9 / 0.1 * 300)
+    clock.now += 1.0
+    serve(ledger, "p", "t3", t3, prefill=500)  # the mean moves a tenth of the way
+    assert ledger.homes.turn_tokens == pytest.approx(320.0)
+    assert ledger.future_prefill() == pytest.approx(9 * 320.0)
+    for i in range(2):  # two one-shot prompts, never continued
+        serve(ledger, "q", f"o{i}", turns(10 + i, 1)[0], prefill=9_000)
+    clock.now += 10.0  # past the wait: t3's home and the one-shots' are forgotten
+    ledger.all()
+    assert ledger.homes.returning == 2 / 5  # two claimed of five outcomes
+    assert ledger.future_prefill() == pytest.approx((0.4 / 0.6) * 320.0)
 
 
 def test_the_wait_adapts_to_the_return_gaps_seen() -> None:

@@ -16,8 +16,10 @@ transcript), so its keys hold that block key at the same position: the request t
 holds it claims the home, wherever it is routed. A session that never comes back is
 forgotten after twice the 90th percentile of the return gaps seen (the time from a
 route's ``done`` to the request that claims its home), so the wait adapts to the
-traffic: a second for agents waiting on tools, minutes for people. Until a return has
-been seen the wait is :data:`FIRST_WAIT_S`.
+traffic: a second for agents waiting on tools, minutes for people. A 90th percentile
+needs a sample behind it: until :data:`MIN_GAPS` returns have been seen the wait only
+grows from :data:`FIRST_WAIT_S`, so one quick first return cannot shorten it to
+milliseconds and forget every slower session.
 
 Not every request has a next one (a chat's last turn; traffic without sessions at all,
 such as one-shot prompts sharing a system prompt). A home counts as the share of homes
@@ -45,6 +47,8 @@ from collections import deque
 
 #: How long a home waits before any return gap has been seen, in seconds.
 FIRST_WAIT_S = 30.0
+#: The return gaps seen before the wait may fall below :data:`FIRST_WAIT_S`.
+MIN_GAPS = 16
 #: The bounds of the adapted wait, in seconds.
 MIN_WAIT_S, MAX_WAIT_S = 0.01, 3600.0
 #: The most homes kept; past it the oldest is forgotten first (memory stays bounded
@@ -144,8 +148,9 @@ class SessionHomes:
     def _returned(self, gap_s: float) -> None:
         self._gaps.append(gap_s)
         self._unsorted += 1
-        if self._unsorted >= _REFRESH_EVERY or len(self._gaps) < _REFRESH_EVERY:
+        if self._unsorted >= _REFRESH_EVERY or len(self._gaps) <= MIN_GAPS:
             self._unsorted = 0
             gaps = sorted(self._gaps)
             p90 = gaps[(len(gaps) - 1) * 9 // 10]
-            self.wait_s = min(MAX_WAIT_S, max(MIN_WAIT_S, 2.0 * p90))
+            floor = MIN_WAIT_S if len(gaps) >= MIN_GAPS else FIRST_WAIT_S
+            self.wait_s = min(MAX_WAIT_S, max(floor, 2.0 * p90))

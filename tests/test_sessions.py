@@ -57,7 +57,8 @@ def test_a_finished_route_homes_its_session_until_the_next_turn_claims_it() -> N
     assert len(ledger.homes) == 1 and ledger.of("p") == InFlight()
     clock.now += 2.0
     serve(ledger, "p", "a2", a2)  # claims a1's home, leaves its own
-    assert ledger.homes.returning == 1.0 and ledger.homes.wait_s == 4.0  # 2 x p90 gap
+    assert ledger.homes.returning == 1.0  # one gap seen: too few to shorten the wait
+    assert ledger.homes.wait_s == sessions.FIRST_WAIT_S
     assert ledger.of("p") == InFlight(sessions=1.0)
     # The next turn is routed to another pod: the home on p is claimed before the
     # decision (it must not count against the pod the session returns to).
@@ -75,11 +76,11 @@ def test_a_session_that_never_returns_is_forgotten_and_lowers_the_returning_shar
     first, second = turns(1, 2)
     serve(ledger, "p", "t1", first)
     clock.now += 1.0
-    serve(ledger, "p", "t2", second)  # one return seen: wait 2 s
+    serve(ledger, "p", "t2", second)  # one return seen: the wait stays the first one
     other = turns(2, 1)[0]
     serve(ledger, "q", "u1", other)  # a one-shot prompt: never continued
     assert ledger.of("q") == InFlight(sessions=1.0)
-    clock.now += 2.5  # past the wait: both homes forgotten, unclaimed
+    clock.now += sessions.FIRST_WAIT_S + 0.5  # past the wait: both homes forgotten
     assert ledger.all() == {} and len(ledger.homes) == 0
     assert ledger.homes.returning == 1 / 3  # one claimed of three outcomes
     serve(ledger, "q", "u2", turns(3, 1)[0])
@@ -118,7 +119,8 @@ def test_a_sessions_later_turns_are_priced_from_the_continuations_seen() -> None
     assert ledger.future_prefill() == pytest.approx(9 * 320.0)
     for i in range(2):  # two one-shot prompts, never continued
         serve(ledger, "q", f"o{i}", turns(10 + i, 1)[0], prefill=9_000)
-    clock.now += 10.0  # past the wait: t3's home and the one-shots' are forgotten
+    clock.now += sessions.FIRST_WAIT_S + 1.0  # past the wait: t3's home and the
+    # one-shots' are forgotten
     ledger.all()
     assert ledger.homes.returning == 2 / 5  # two claimed of five outcomes
     assert ledger.future_prefill() == pytest.approx((0.4 / 0.6) * 320.0)
@@ -136,25 +138,23 @@ def test_the_wait_adapts_to_the_return_gaps_seen() -> None:
     assert homes.claim([i], now) == []  # claimed already
 
 
-def test_the_same_prompt_finishing_twice_keeps_one_home() -> None:
-    clock = Clock()
-    ledger = InFlightLedger(clock)
-    first, second = turns(1, 2)
-    serve(ledger, "p", "x1", first)
-    clock.now += 1.0
-    serve(ledger, "p", "x2", second)
-    serve(ledger, "q", "x3", turns(5, 1)[0])
-    serve(ledger, "r", "x4", turns(5, 1)[0])  # the same prompt again, finished on r
-    assert len(ledger.homes) == 2  # second's (p) and the repeated prompt's (now on r)
-    assert ledger.all() == {"p": InFlight(sessions=1.0), "r": InFlight(sessions=1.0)}
-
-
-def test_homes_are_bounded_oldest_first() -> None:
+def test_one_quick_return_does_not_shorten_the_wait() -> None:
+    """A 90th percentile of a handful of gaps is noise: a first return 2 ms after its
+    route finished must not make every session slower than 4 ms forgotten. The wait
+    falls only once :data:`sessions.MIN_GAPS` gaps are behind it; it may grow before."""
     homes = SessionHomes()
-    homes.wait_s = 1e9
-    total = sessions.MAX_HOMES + 10
-    for key in range(total):
-        homes.leave("p", key, 0.0)
-    forgotten = homes.expire(0.0)
-    assert len(forgotten) == 10 and len(homes) == sessions.MAX_HOMES
-    assert homes.claim([0], 0.0) == [] and homes.claim([total - 1], 0.0) == ["p"]
+    for i in range(sessions.MIN_GAPS - 1):
+        homes.leave("p", i, 0.0)
+        assert homes.claim([i], 0.002) == ["p"]
+        assert homes.wait_s == sessions.FIRST_WAIT_S
+    homes.leave("p", 100, 0.0)
+    assert homes.claim([100], 0.002) == ["p"]  # the sample is large enough now
+    assert homes.wait_s == sessions.MIN_WAIT_S
+    homes.leave("p", 999, 0.0)
+    assert homes.expire(1.0) == ["p"]  # a session gone a second is forgotten
+
+    slow = SessionHomes()
+    for i in range(2):  # people reading for 40 s: the wait grows at once
+        slow.leave("p", i, 0.0)
+        slow.claim([i], 40.0)
+    assert slow.wait_s == 80.0

@@ -205,7 +205,8 @@ def test_a_routes_prefill_counts_as_queued_until_its_first_token(cluster: Cluste
     assert queued["queue_cost"] == pytest.approx(1.0)
     # R: the request in flight and the sessions homed on b by the earlier tests' routes.
     sharing = queued["in_flight"] + queued["sessions"]
-    assert queued["decode_cost"] == pytest.approx(sharing * (len(COLD) + queued["future"]) / len(COLD))
+    decode = sharing * (len(COLD) + queued["future"]) / len(COLD)
+    assert queued["decode_cost"] == pytest.approx(decode)
     answer = httpx.post(f"{cluster.url}/route/ft-1/first-token", timeout=5)
     assert answer.json() == {"route_id": "ft-1", "pod": cluster.b}
     decoding = row()  # still a request on the pod, its prefill no longer queued

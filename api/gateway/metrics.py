@@ -59,8 +59,10 @@ class GatewayMetrics:
         )
         self.added_seconds = Histogram(
             "kvindex_gateway_added_seconds",
-            "Time the gateway held a request before sending it to its pod: reading, "
-            "tokenizing, routing, connecting (a P/D prefill leg, pod time, excluded).",
+            "The gateway's own time per request: before the request is written to its "
+            "pod (reading, tokenizing, routing, connecting; a P/D prefill leg, pod time, "
+            "excluded), plus from the pod's last byte to the client's last byte. The pod's "
+            "time in between (its generation) is excluded.",
             buckets=_ADDED_BUCKETS,
             registry=registry,
         )

@@ -2,9 +2,11 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are read for routing (model,
 prompt, expected output), routed, and forwarded byte for byte to the chosen pod; the
-answer comes back unchanged (streamed or not) with ``x-kvindex-pod`` and
-``x-kvindex-route-reason`` added (and ``x-kvindex-failed-pods`` when pods were skipped
-because connecting failed). ``GET /v1/models`` merges what the known pods serve;
+answer's body comes back unchanged (streamed or not), with the pod's allowlisted headers
+and ``x-kvindex-pod`` and ``x-kvindex-route-reason`` added (and ``x-kvindex-failed-pods``
+when pods were skipped because connecting failed); a pod's error status comes back with
+an OpenAI error the gateway writes (:mod:`.errors`). A client that leaves at any point
+stops the pod's request (:mod:`.client_watch`). ``GET /v1/models`` merges what the known pods serve;
 ``GET /health`` is 200 while the index answers. The gateway's own refusals use the
 OpenAI error shape (``{"error": {"message", "type", "param", "code"}}``) that OpenAI
 clients parse, with kvindex's stable code as ``type``.

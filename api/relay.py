@@ -9,9 +9,10 @@ read with httptools, the parser uvicorn itself uses.
 
 :class:`Relay` is also the worker's ASGI app for every path the lane does not take: a
 whole answer (Content-Length) is read and sent in one piece; a streamed one (the
-gateway's server-sent events) is passed on chunk by chunk while the client's disconnect
-is watched, and a client that leaves closes the connection to the primary, which is how
-the primary's gateway learns to stop the pod's request.
+gateway's server-sent events) is passed on chunk by chunk. The client's disconnect is
+watched from the moment its request is sent on, before the primary has answered too: a
+client that leaves closes the connection to the primary, which is how the primary's
+gateway learns to stop the pod's request.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ _HOP = frozenset(
 )
 # Of an answer: the worker's lane and uvicorn write their own.
 _OWN = _HOP | {b"date", b"server", b"content-type"}
+_PASSED_ON_BY_SERVER = _HOP | {b"date", b"server"}
 _READ = 1 << 16
 CONNECT_TIMEOUT_S = 5.0
 IDLE_KEPT = 64  # connections kept open for the next request
@@ -150,6 +152,9 @@ class Primary:
                 connection.close()
                 if not reused or reply.headed:
                     raise PrimaryGone(str(exc)) from None
+            except BaseException:  # cancelled (the client left): the primary must see it
+                connection.close()
+                raise
 
     def done(self, reply: _Reply) -> None:
         """Keep ``reply``'s connection for the next request when the answer was read
@@ -209,41 +214,53 @@ class Relay:
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
+        # The answer is fetched and passed on while the client is watched, in every
+        # phase (before the primary answers, a whole answer, a stream): a client that
+        # leaves closes the connection to the primary, so the primary sees it leave too
+        # (its gateway then stops the pod's request).
+        answering = asyncio.ensure_future(
+            self._answer(scope["method"].encode(), target, headers, body, send)
+        )
+        left = asyncio.ensure_future(_disconnected(receive))
         try:
-            reply = await self.primary.send(scope["method"].encode(), target, headers, body)
+            await asyncio.wait((answering, left), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (answering, left):
+                task.cancel()
+            await asyncio.gather(answering, left, return_exceptions=True)
+        if not answering.cancelled() and answering.exception() is not None:
+            raise answering.exception()  # type: ignore[misc]
+
+    async def _answer(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
+        send: Send,
+    ) -> None:  # fmt: skip
+        """The primary's answer to one request, passed on; the connection kept for the
+        next request only when the answer was read whole."""
+        try:
+            reply = await self.primary.send(method, target, headers, body)
         except PrimaryGone as exc:
             await send_json(send, 503, _unreachable(exc))
             return
-        start = {
-            "type": "http.response.start",
-            "status": reply.status,
-            "headers": [(k, v) for k, v in reply.headers if k not in _HOP | {b"date", b"server"}],
-        }
-        if reply.whole:  # one read, one write
-            try:
-                answer = b"".join([chunk async for chunk in reply.body()])
-            except PrimaryGone as exc:
-                await send_json(send, 503, _unreachable(exc))
-                return
-            self.primary.done(reply)
-            start["headers"].append((b"content-length", b"%d" % len(answer)))
-            await send(start)
-            await send({"type": "http.response.body", "body": answer})
-            return
-        # A stream: passed on as it comes, until the client leaves (then the connection
-        # to the primary closes, so the primary sees the client leave too).
-        relaying = asyncio.ensure_future(_stream(reply, start, send))
-        left = asyncio.ensure_future(_disconnected(receive))
         try:
-            await asyncio.wait((relaying, left), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (relaying, left):
-                task.cancel()
-            await asyncio.gather(relaying, left, return_exceptions=True)
-            if relaying.done() and not relaying.cancelled() and relaying.exception() is None:
-                self.primary.done(reply)
+            start = {
+                "type": "http.response.start",
+                "status": reply.status,
+                "headers": [(k, v) for k, v in reply.headers if k not in _PASSED_ON_BY_SERVER],
+            }
+            if reply.whole:  # one read, one write
+                try:
+                    answer = b"".join([chunk async for chunk in reply.body()])
+                except PrimaryGone as exc:
+                    await send_json(send, 503, _unreachable(exc))
+                    return
+                start["headers"].append((b"content-length", b"%d" % len(answer)))
+                await send(start)
+                await send({"type": "http.response.body", "body": answer})
             else:
-                reply.connection.close()
+                await _stream(reply, start, send)
+        finally:
+            self.primary.done(reply)  # kept when read whole, closed otherwise (cancelled)
 
 
 async def _stream(reply: _Reply, start: dict[str, Any], send: Send) -> None:

@@ -327,6 +327,17 @@ class ScoringSettings(_Section):
     ] = 256
 
 
+# What OpenAI clients read from an answer (its type, encoding, request id, rate limits).
+DEFAULT_RELAY_HEADERS = (
+    "content-type",
+    "content-encoding",
+    "retry-after",
+    "x-request-id",
+    "openai-*",
+    "x-ratelimit-*",
+)
+
+
 class GatewaySettings(_Section):
     """The OpenAI-compatible front door (``kvindex serve --gateway``, ``kvindex gateway``)."""
 
@@ -368,6 +379,16 @@ class GatewaySettings(_Section):
             "x-prefiller-host-port header"
         ),
     ] = "kv-transfer"
+    relay_headers: Annotated[
+        list[str],
+        doc(
+            "pod answer headers relayed to the client (a name, or a prefix ending in *); "
+            "the rest, and hop-by-hop ones always, are dropped; content-encoding must stay "
+            "listed for pods that compress (bodies are relayed as encoded); repeatable, "
+            "replaces the default list",
+            metavar="NAME",
+        ),
+    ] = msgspec.field(default_factory=lambda: list(DEFAULT_RELAY_HEADERS))
 
 
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

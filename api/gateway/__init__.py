@@ -8,8 +8,9 @@ before any byte was sent, and relays the answer chunk by chunk; :mod:`.app` is t
 work per endpoint (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
 ``/health``), and :mod:`.asgi` serves them, alone or in front of kvindex's own app;
 :mod:`.pod_http` is the small HTTP/1.1 client the pods are spoken to with; :mod:`.pd`
-carries a request split over a prefill and a decode pod; :mod:`.metrics` counts what
-happened to each request.
+carries a request split over a prefill and a decode pod; :mod:`.client_watch` stops a
+request whose client left; :mod:`.headers` says which headers cross, :mod:`.errors`
+what an error looks like; :mod:`.metrics` counts what happened to each request.
 """
 
 from kvindex.api.gateway.app import Gateway

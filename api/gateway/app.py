@@ -2,9 +2,11 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are read for routing (model,
 prompt, expected output), routed, and forwarded byte for byte to the chosen pod; the
-answer comes back unchanged (streamed or not) with ``x-kvindex-pod`` and
-``x-kvindex-route-reason`` added (and ``x-kvindex-failed-pods`` when pods were skipped
-because connecting failed). ``GET /v1/models`` merges what the known pods serve;
+answer's body comes back unchanged (streamed or not), with the pod's allowlisted headers
+and ``x-kvindex-pod`` and ``x-kvindex-route-reason`` added (and ``x-kvindex-failed-pods``
+when pods were skipped because connecting failed); a pod's error status comes back with
+an OpenAI error the gateway writes (:mod:`.errors`). A client that leaves at any point
+stops the pod's request (:mod:`.client_watch`). ``GET /v1/models`` merges what the known pods serve;
 ``GET /health`` is 200 while the index answers. The gateway's own refusals use the
 OpenAI error shape (``{"error": {"message", "type", "param", "code"}}``) that OpenAI
 clients parse, with kvindex's stable code as ``type``.
@@ -31,6 +33,9 @@ from starlette.responses import Response
 from kvindex.api.asgi import ClientLeft, Receive, Scope, receive_body
 from kvindex.api.client import AsyncClient, Retries
 from kvindex.api.gateway.bodies import Endpoint, RouteRequests, lora_adapters, read_body
+from kvindex.api.gateway.client_watch import ClientWatch
+from kvindex.api.gateway.errors import openai_error_body
+from kvindex.api.gateway.headers import RelayedHeaders, forward_headers
 from kvindex.api.gateway.index_transport import IndexTransport
 from kvindex.api.gateway.metrics import GatewayMetrics, Outcome
 from kvindex.api.gateway.pd import PdMode, PrefillOutcome
@@ -42,12 +47,7 @@ from kvindex.api.gateway.routes import (
     RouteSource,
     TimedRoutes,
 )
-from kvindex.api.gateway.upstream import (
-    PodsUnreachable,
-    RelayedResponse,
-    forward_headers,
-    open_upstream,
-)
+from kvindex.api.gateway.upstream import PodsUnreachable, RelayedResponse, open_upstream
 from kvindex.api.settings import GatewaySettings, Settings
 from kvindex.events.errors import ClientError
 from kvindex.scoring.tokenize import TokenizerRegistry
@@ -93,6 +93,7 @@ class Gateway:
         self.requests = RouteRequests(tokenizers, adapters)
         self.settings = settings
         self.pd_mode = PdMode(settings.pd_mode)
+        self.relayed_headers = RelayedHeaders(settings.relay_headers)
         self._ids = RequestIds()
         self.pods = PodConnections(settings.connect_timeout, settings.read_timeout)
         # /v1/models only: rare, so httpx's cost does not matter there.
@@ -147,6 +148,30 @@ class Gateway:
         except ClientLeft:
             metrics.ended(Outcome.CLIENT_LEFT)
             raise
+        # From here to the answer's last byte, a client that leaves cancels this task
+        # wherever it waits (routing, the pod's first answer, the relay).
+        watch = ClientWatch(receive)
+        try:
+            response = await self._forward(endpoint, scope, body, started, watch)
+        except asyncio.CancelledError:
+            watch.stop()
+            if not watch.absorb():
+                raise
+            log.debug("gateway: the client left before its pod answered")
+            metrics.ended(Outcome.CLIENT_LEFT)
+            raise ClientLeft from None
+        except BaseException:
+            watch.stop()
+            raise
+        if not isinstance(response, RelayedResponse):
+            watch.stop()  # a refusal, answered at once: no pod to stop
+        return response
+
+    async def _forward(
+        self, endpoint: Endpoint, scope: Scope, body: bytes, started: float, watch: ClientWatch
+    ) -> Response:
+        """Route the request and open its pod's answer: the relay, or a refusal."""
+        metrics = self.metrics
         try:
             route_request = self.requests.build(read_body(endpoint, body), self._ids.next())
             opened = await open_upstream(
@@ -179,33 +204,41 @@ class Gateway:
             metrics.ended(Outcome.POD_FAILED)
             return openai_error(502, "pod_failed", str(exc))
         decision, failed, prefill = opened.decision, opened.failed, opened.prefill
-        added = time.perf_counter() - started
+        # The gateway's own time before the pod's: reading, tokenizing, routing,
+        # connecting (a P/D prefill leg is pod time); the relay's tail is added at the end.
+        before_pod = opened.answer.sent_at - started
         if prefill is not None:
-            added -= prefill.prefill_seconds
+            before_pod -= prefill.prefill_seconds
             metrics.prefill.labels(prefill.outcome.value).inc()
             if prefill.outcome is PrefillOutcome.FAILED:
                 metrics.upstream_error("prefill")
-        metrics.added_seconds.observe(added)
         route_id = decision.route_id
-        extra = [
+        headers = self.relayed_headers.of_answer(opened.answer.headers)
+        headers += [
             (b"x-kvindex-pod", decision.pod.encode("latin-1")),
             (b"x-kvindex-route-reason", decision.reason.encode("latin-1")),
         ]
         if prefill is not None:  # the leg's: a retry reusing a prefill routes decode only
-            extra.append((b"x-kvindex-prefill-pod", prefill.prefill_pod.encode("latin-1")))
+            headers.append((b"x-kvindex-prefill-pod", prefill.prefill_pod.encode("latin-1")))
         if failed:  # the pods skipped because connecting to them failed
             metrics.upstream_error("connect", len(failed))
             metrics.retries.inc(len(failed))
-            extra.append((b"x-kvindex-failed-pods", ",".join(failed).encode("latin-1")))
+            headers.append((b"x-kvindex-failed-pods", ",".join(failed).encode("latin-1")))
 
-        def finish(outcome: Outcome) -> None:
+        def finish(outcome: Outcome, relay_seconds: float) -> None:
+            metrics.added_seconds.observe(before_pod + relay_seconds)
             metrics.ended(outcome)
             if outcome is Outcome.POD_FAILED:
                 metrics.upstream_error("broken")
             self.routes.done(route_id)
 
         return RelayedResponse(
-            opened.answer, extra, finish, lambda: self.routes.first_token(route_id)
+            opened.answer,
+            decision.pod,
+            headers,
+            watch,
+            finish,
+            lambda: self.routes.first_token(route_id),
         )
 
     async def models(self) -> Response:
@@ -241,7 +274,9 @@ def openai_error(
     status: int, code: str, detail: str, headers: dict[str, str] | None = None
 ) -> Response:
     """An error as vLLM's OpenAI server shapes it, so OpenAI clients raise it properly."""
-    body = {"error": {"message": detail, "type": code, "param": None, "code": status}}
     return Response(
-        _encoder.encode(body), status_code=status, media_type="application/json", headers=headers
+        openai_error_body(status, code, detail),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
     )

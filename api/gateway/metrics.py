@@ -19,7 +19,7 @@ class Outcome(StrEnum):
     """How a gateway request ended (``kvindex_gateway_requests_total{outcome}``)."""
 
     OK = "ok"  # the pod answered 2xx and it was relayed
-    POD_ERROR = "pod_error"  # the pod answered an error status (relayed as it was)
+    POD_ERROR = "pod_error"  # the pod answered an error status (retold in OpenAI's shape)
     INVALID_REQUEST = "invalid_request"  # the body is not an OpenAI request (400)
     NO_CAPACITY = "no_capacity"  # /route: no pod admissible (429)
     ROUTE_REFUSED = "route_refused"  # /route refused otherwise, or the index is down
@@ -59,8 +59,10 @@ class GatewayMetrics:
         )
         self.added_seconds = Histogram(
             "kvindex_gateway_added_seconds",
-            "Time the gateway held a request before sending it to its pod: reading, "
-            "tokenizing, routing, connecting (a P/D prefill leg, pod time, excluded).",
+            "The gateway's own time per request: before the request is written to its "
+            "pod (reading, tokenizing, routing, connecting; a P/D prefill leg, pod time, "
+            "excluded), plus from the pod's last byte to the client's last byte. The pod's "
+            "time in between (its generation) is excluded.",
             buckets=_ADDED_BUCKETS,
             registry=registry,
         )

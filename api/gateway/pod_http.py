@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 
@@ -86,6 +87,10 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.complete = False
         self.keep_alive = False
+        # perf_counter() when the request was written and when the answer's last byte
+        # came: what lies between is the pod's time, not the gateway's.
+        self.sent_at = 0.0
+        self.completed_at = 0.0
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -113,6 +118,7 @@ class _Connection(asyncio.Protocol):
         self.lost = True
         if self.headers_done and not self.complete and _delimited_by_close(self.headers):
             self.complete = True  # the body ends where the connection does
+            self.completed_at = time.perf_counter()
         self._wake()
         return False  # close the transport
 
@@ -140,6 +146,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
+        self.completed_at = time.perf_counter()
 
     # -- waiting ----------------------------------------------------------------------
 
@@ -203,6 +210,17 @@ class PodResponse:
         self.headers = connection.headers
         self._pool, self._pod, self._connection = pool, pod, connection
         self._closed = False
+
+    @property
+    def sent_at(self) -> float:
+        """``time.perf_counter()`` when the request was written to the pod."""
+        return self._connection.sent_at
+
+    @property
+    def completed_at(self) -> float | None:
+        """``time.perf_counter()`` when the answer's last byte arrived; None before."""
+        connection = self._connection
+        return connection.completed_at if connection.complete else None
 
     @property
     def whole(self) -> bool:
@@ -302,6 +320,7 @@ class PodConnections:
                 transport.write(request)
             except (OSError, RuntimeError) as exc:  # closed under us while idle
                 raise PodUnreachable(f"{pod}: {exc}", delivered=False) from None
+            connection.sent_at = time.perf_counter()
             while not connection.headers_done:
                 if connection.failure is not None:
                     raise PodBroken(f"{pod}: {connection.failure}")

@@ -20,23 +20,23 @@ lease, ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s). A decode pod that may have r
 request before it closed may also have read those blocks, after which the prefill pod
 frees them, so that retry prefills again.
 
-The relay is a plain ASGI response: the pod's status, its headers less hop-by-hop ones
-(plus ``x-kvindex-pod``), and its body bytes as they arrive (not decompressed; each
-network read sent on as one chunk), so server-sent events reach the client one event at
-a time. A streamed answer (no ``Content-Length``) is watched for the client leaving: a
-client that disconnects stops the relay at once and closes the pod connection, which is
-how vLLM learns to abort the request. A sized answer (vLLM's non-streamed ones: the pod
-writes the whole JSON at once, often head and body in two segments) is relayed without
-that watcher task, which would cost more than the answer takes to arrive. Whatever ends
-the response (the last byte, an error, a disconnect), the route is released exactly
-once, synchronously, so no cancellation can skip it.
+The relay is a plain ASGI response: the pod's status, its allowlisted headers
+(:mod:`.headers`, plus ``x-kvindex-pod``), and its body bytes as they arrive (not
+decompressed; each network read sent on as one chunk), so server-sent events reach the
+client one event at a time. An error status is relayed with an OpenAI error the gateway
+writes instead of the pod's body (:mod:`.errors`). From the moment the request body is
+read until the answer's last byte, the client is watched (:mod:`.client_watch`): a
+client that disconnects, whether before the pod answered, mid-stream or during a sized
+answer, stops the request at once and closes the pod connection, which is how vLLM
+learns to abort it. Whatever ends the response (the last byte, an error, a disconnect),
+the route is released exactly once, synchronously, so no cancellation can skip it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +45,8 @@ import msgspec
 from starlette.responses import Response
 
 from kvindex.api.asgi import Receive, Scope, Send
+from kvindex.api.gateway.client_watch import ClientWatch
+from kvindex.api.gateway.errors import MAX_POD_ERROR_BYTES, pod_error_body
 from kvindex.api.gateway.metrics import Outcome
 from kvindex.api.gateway.pd import DecodeLeg, PdMode, PrefillOutcome, prepare_decode
 from kvindex.api.gateway.pod_http import (
@@ -58,28 +60,6 @@ from kvindex.api.gateway.routes import RouteRefused, RouteSource
 from kvindex.api.schemas import RouteRequest, RouteResponse
 
 log = logging.getLogger(__name__)
-
-
-# RFC 9110 7.6.1 hop-by-hop headers, and the ones the relay's own server writes.
-_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"content-length",
-        b"date",
-        b"server",
-    }
-)
-# A request's headers that travel to the pod; the rest (hop-by-hop, host) do not.
-_REQUEST_SKIP = _HOP | {b"accept-encoding"}
 
 
 _RANK_HEADER = b"x-data-parallel-rank"
@@ -103,12 +83,6 @@ class Opened:
     prefill: DecodeLeg | None  # P/D: how the prompt was prefilled; None without P/D
 
 
-def forward_headers(raw: list[Header]) -> list[Header]:
-    """The client's request headers (an ASGI scope's, names in lower case) the pod should
-    see: auth, content type, ids; as bytes, as they came."""
-    return [header for header in raw if header[0] not in _REQUEST_SKIP]
-
-
 async def open_upstream(
     pods: PodConnections,
     routes: RouteSource,
@@ -123,7 +97,12 @@ async def open_upstream(
     not yet); under P/D the prefill leg comes first (:mod:`.pd`). Raises RouteRefused,
     or PodsUnreachable once ``attempts`` pods (or every candidate) failed; either way no
     route is left open."""
-    decision = await routes.route(request)
+    try:
+        decision = await routes.route(request)
+    except asyncio.CancelledError:  # the client left: a decision may have been entered
+        if request.request_id is not None:
+            routes.done(request.request_id)
+        raise
     failed: list[str] = []
     prefilled: DecodeLeg | None = None  # a remote prefill no decode pod has received
     while True:
@@ -156,7 +135,7 @@ async def open_upstream(
             retry = msgspec.structs.replace(retry, role="decode")
         try:
             decision = await routes.route(retry)
-        except RouteRefused:
+        except (RouteRefused, asyncio.CancelledError):
             routes.done(decision.route_id)
             raise
 
@@ -178,81 +157,56 @@ def _rank_header(
 
 
 class RelayedResponse(Response):
-    """An ASGI response relaying ``upstream`` unchanged; ``release`` runs once at the end,
-    with how the relay ended, and ``first_byte`` at the first body byte of an answer
-    relayed piece by piece (a streamed one). (A Starlette ``Response`` only so that
-    FastAPI hands it to the server as it is.)"""
+    """An ASGI response relaying ``upstream``: its status, its allowlisted ``headers``
+    (:mod:`.headers`, plus kvindex's own) and its body unchanged, or for an error status
+    an OpenAI error in its place (:mod:`.errors`). ``watch`` cancels the relay when the
+    client leaves; ``release`` runs once at the end, with how the relay ended and the
+    seconds from the pod's last byte to the client's (0 when the answer did not end),
+    and ``first_byte`` at the first body byte of an answer relayed piece by piece (a
+    streamed one). (A Starlette ``Response`` only so that FastAPI hands it to the server
+    as it is.)"""
 
     def __init__(
         self,
         upstream: PodResponse,
-        extra_headers: list[Header],
-        release: Callable[[Outcome], None],
+        pod: str,
+        headers: list[Header],
+        watch: ClientWatch,
+        release: Callable[[Outcome, float], None],
         first_byte: Callable[[], None] | None = None,
     ) -> None:
         self.upstream = upstream
+        self.pod = pod
         self.status_code = upstream.status
         self.background = None
-        # The body is relayed as the pod encoded it (not decompressed), so its length
-        # holds; chunked framing is undone here and redone by the server, chunk for chunk.
-        self.relayed_headers = [
-            header for header in upstream.headers if header[0] not in _HOP_BUT_LENGTH
-        ]
-        self.relayed_headers += extra_headers
+        self.relayed_headers = headers
+        self.watch = watch
         self.release = release
         self.first_byte = first_byte
         self.outcome = Outcome.OK if 200 <= upstream.status < 300 else Outcome.POD_ERROR
-        self._client_left = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        start = {
-            "type": "http.response.start",
-            "status": self.upstream.status,
-            "headers": self.relayed_headers,
-        }
         upstream = self.upstream
-        if upstream.whole:
-            # The pod's whole answer is here (a non-streamed one, usually): one write to
-            # the client, and no disconnect to watch for.
-            try:
+        try:
+            if upstream.status >= 400:
+                await self._error(send)
+                return
+            # The body is relayed as the pod encoded it (not decompressed), so its length
+            # holds; chunked framing is undone here and redone by the server, chunk for
+            # chunk.
+            headers = self.relayed_headers + [
+                header for header in upstream.headers if header[0] == b"content-length"
+            ]
+            start = {"type": "http.response.start", "status": upstream.status, "headers": headers}
+            if upstream.whole:  # a non-streamed answer, usually: one write to the client
                 await send(start)
                 body = upstream.take_body()
                 await send({"type": "http.response.body", "body": body, "more_body": False})
-            except BaseException:  # the client's connection failed under the write
-                self.outcome = Outcome.CLIENT_LEFT
-                raise
-            finally:
-                self._close()
-            return
-        # A sized answer arrives at once: no disconnect watcher for it (see the module).
-        await self._relay(start, receive, send, watch=not upstream.sized)
-
-    async def _relay(
-        self, start: dict[str, Any], receive: Receive, send: Send, *, watch: bool
-    ) -> None:
-        """The head now, then the body piece by piece; with ``watch``, stopping as soon as
-        the client leaves."""
-        task = asyncio.current_task()
-        watcher = asyncio.create_task(self._watch(receive, task)) if watch else None
-        try:
-            await send(start)
-            ended = False
-            first_byte = self.first_byte
-            async for chunk in self.upstream.iter_body():
-                if first_byte is not None and chunk:
-                    # vLLM streams its first event once the first token is sampled: the
-                    # prefill is over (the status line came earlier, before any work).
-                    first_byte()
-                    first_byte = None
-                ended = self.upstream.whole  # the last piece: end the answer with it
-                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
-            if not ended:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                await self._relay(start, send)
         except asyncio.CancelledError:
-            if not self._client_left:
+            if not self.watch.absorb():
                 raise
-            if task is not None:
-                task.uncancel()
             self.outcome = Outcome.CLIENT_LEFT
             log.debug("gateway: the client left; closing its pod connection")
         except PodBroken as exc:
@@ -261,25 +215,55 @@ class RelayedResponse(Response):
             self.outcome = Outcome.POD_FAILED
             raise
         finally:
-            if watcher is not None:
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+            self.watch.stop()  # before any await: the answer's end is no client leaving
             self._close()
 
-    async def _watch(self, receive: Receive, relay: asyncio.Task[Any] | None) -> None:
-        """Cancel ``relay`` when the client disconnects."""
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self._client_left = True
-        if relay is not None:
-            relay.cancel()
+    async def _relay(self, start: dict[str, Any], send: Send) -> None:
+        """The head now, then the body piece by piece."""
+        await send(start)
+        ended = False
+        first_byte = self.first_byte
+        async for chunk in self.upstream.iter_body():
+            if first_byte is not None and chunk:
+                # vLLM streams its first event once the first token is sampled: the
+                # prefill is over (the status line came earlier, before any work).
+                first_byte()
+                first_byte = None
+            ended = self.upstream.whole  # the last piece: end the answer with it
+            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _error(self, send: Send) -> None:
+        """The pod's error status with an OpenAI error the gateway wrote (its body read,
+        bounded, to keep a 4xx's message; see :mod:`.errors`)."""
+        pieces: list[bytes] = []
+        size = 0
+        try:
+            async for piece in self.upstream.iter_body():
+                pieces.append(piece)
+                size += len(piece)
+                if size >= MAX_POD_ERROR_BYTES:
+                    break
+        except PodBroken as exc:  # the status is what counts; its body is only detail
+            log.debug("gateway: %s", exc)
+        body = pod_error_body(self.pod, self.upstream.status, b"".join(pieces))
+        headers = [h for h in self.relayed_headers if h[0] not in _BODY_HEADERS]
+        headers += [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        start = {"type": "http.response.start", "status": self.upstream.status, "headers": headers}
+        await send(start)
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     def _close(self) -> None:
+        completed_at = self.upstream.completed_at
+        relayed = 0.0
+        if completed_at is not None and self.outcome is not Outcome.CLIENT_LEFT:
+            relayed = time.perf_counter() - completed_at
         try:
             self.upstream.close()
         finally:
-            self.release(self.outcome)
+            self.release(self.outcome, relayed)
 
 
-_HOP_BUT_LENGTH = _HOP - {b"content-length"}
+# Headers that describe the pod's body, which an error answer replaces.
+_BODY_HEADERS = frozenset({b"content-type", b"content-encoding"})

@@ -234,7 +234,7 @@ class Service:
                 "kvindex) or --zmq-connect tcp://POD_IP:5557 (kvindex connects to pods)"
             )
 
-        if self.bound and self.discovery is None and not self.bind_restricted():
+        if self.bound and self._bind_open():
             log.warning(
                 "bind mode accepts KV events from ANY sender that reaches %s and names "
                 "its own address: it is indexed and routed to. Name the pods (--pod-role, "
@@ -244,10 +244,11 @@ class Service:
             )
         log.info("%s", self.startup_summary())
 
-    def bind_restricted(self) -> bool:
-        """Whether bind mode accepts only a roster: configured pods or an allowlist (or
-        discovery's pods, checked apart)."""
-        return bool(self._configured_pods() or self.settings.events.bind_allow)
+    def _bind_open(self) -> bool:
+        """Whether bind mode accepts any pod that sends from its own host: no pods are
+        configured or allowlisted and discovery is off (:mod:`kvindex.events.admission`)."""
+        restricted = self._configured_pods() or self.settings.events.bind_allow
+        return self.discovery is None and not restricted
 
     def _configured_pods(self) -> set[str]:
         """Pods the operator named: ``--pod-role`` and ``--zmq-connect``."""
@@ -263,7 +264,8 @@ class Service:
         if "@" in backend:  # redis://user:password@host: keep the password out of logs
             scheme, _, rest = backend.partition("://")
             backend = f"{scheme}://***@{rest.rpartition('@')[2]}"
-        events = [f"bind {e}" for e in self.bound]
+        anyone = " (ANY sender accepted)" if self._bind_open() else ""
+        events = [f"bind {e}{anyone}" for e in self.bound]
         events += [f"connect {t.endpoint}" for t in self._connect]
         if self.settings.k8s.namespace:
             events.append(

@@ -130,6 +130,7 @@ def test_max_models_is_a_setting(bind) -> None:
 def test_with_pods_configured_an_unlisted_pod_is_refused(bind) -> None:
     service = bind("--pod-role", f"{POD_A}=both")
     assert WARNING not in service.server.log_tail(20_000)
+    assert "ANY sender" not in service.server.log_tail(20_000)
     stranger = service.publisher(POD_B)  # sends from its own host: only the roster is wrong
     stranger.publish(STORED)
     eventually(lambda: service.errors("unlisted_pod") == 1, "the stranger refused")
@@ -158,6 +159,7 @@ def test_bind_allow_admits_a_pod_outside_the_roster(bind) -> None:
 def test_with_nothing_configured_the_start_warns_that_any_sender_is_accepted(bind) -> None:
     service = bind()
     eventually(lambda: WARNING in service.server.log_tail(20_000), "the warning")
+    assert f"events=bind {service.endpoint} (ANY sender accepted)" in service.server.log_tail()
     assert "--bind-allow" in service.server.log_tail(20_000)
     service.publisher(POD_B).publish(STORED)  # accepted, as warned
     eventually(lambda: service.matched().get(POD_B) == len(KEYS), "pod B indexed")

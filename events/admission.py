@@ -7,8 +7,8 @@ fake streams. The receiver asks these functions about every bind-mode message be
 anything is queued; a rejection drops the message and is counted by its reason
 (``kvindex_event_errors{reason=...}``):
 
-* ``undiscovered_pod`` - Kubernetes discovery is on and knows neither the pod nor its
-  configuration names it;
+* ``undiscovered_pod`` - Kubernetes discovery is on, does not know the pod, and no
+  setting names it;
 * ``unlisted_pod`` - pods are configured (``--pod-role``, ``--zmq-connect``) or
   allowlisted (``--bind-allow``), discovery is off, and the pod is none of them;
 * ``sender_mismatch`` - the TCP peer (ZMQ's ``Peer-Address`` message property) is not
@@ -21,11 +21,11 @@ anything is queued; a rejection drops the message and is counted by its reason
 
 Pods listed in the allowlist (``--bind-allow``: a pod id, or a CIDR that pod hosts fall
 in) skip the address comparison - for engines whose traffic reaches kvindex through NAT
-or a proxy - but not discovery or the cap; they also extend the configured pods. Only with no
-configured pods, no allowlist and no discovery does a pod that sends from its own host
-need nothing else (the service warns about that at start). Messages over ``ipc://``/``inproc://``
-carry no peer address; only local processes can send those, so the address check does
-not apply to them.
+or a proxy - but not discovery or the caps; they also extend the configured pods. Only
+with no configured pods, no allowlist and no discovery is sending from its own host
+all a pod needs (the service warns about that at start). Messages over ``ipc://`` and
+``inproc://`` carry no peer address; only local processes can send those, so the
+address check does not apply to them.
 """
 
 from __future__ import annotations

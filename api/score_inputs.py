@@ -140,13 +140,27 @@ def prompt_form(req: ScoreRequest) -> str:
     return given[0]
 
 
+#: Known models an unknown-model error names, and the characters it shows of each: the
+#: rest are counted, so the answer stays small however many models the index holds.
+_MODELS_NAMED = 20
+_NAME_CHARS = 64
+
+
 def require_known_model(service: Service, model: str) -> None:
     if not service.knows_model(model):
+        known = service.known_models()
+        named = ", ".join(_shortened(m) for m in known[:_MODELS_NAMED]) or "none yet"
+        if len(known) > _MODELS_NAMED:
+            named += f" and {len(known) - _MODELS_NAMED} more"
         raise NotFound(
-            f"model {model!r} is neither configured (--model-config) nor seen in any "
-            f"pod's events; known: {', '.join(service.known_models()) or 'none yet'}",
+            f"model {_shortened(model)!r} is neither configured (--model-config) nor seen "
+            f"in any pod's events; known: {named}",
             code="unknown_model",
         )
+
+
+def _shortened(name: str) -> str:
+    return name if len(name) <= _NAME_CHARS else name[: _NAME_CHARS - 3] + "..."
 
 
 def hashed_keys(service: Service, req: ScoreRequest, max_tokens: int) -> list[int]:

@@ -101,6 +101,7 @@ class Service:
         for endpoint in settings.events.zmq_bind:
             check_bind_endpoint(endpoint)
         check_tokenizer_dirs(tokenizer_dirs(settings))
+        self._static_roles = static_roles(settings)  # known pods, before they publish
         self.backend = backend or make_backend(settings)
         self.leases = make_leases(settings, self.backend)
         self.index_work = make_index_work(settings, self.backend)
@@ -123,6 +124,9 @@ class Service:
                 default_model=settings.events.model,
                 bind_allow=tuple(settings.events.bind_allow),
                 max_streams_per_sender=settings.events.max_streams_per_sender,
+                pods=tuple(sorted(self._configured_pods())),
+                models=tuple(self._configured_models()),
+                max_models=settings.events.max_models,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -185,7 +189,6 @@ class Service:
             owners,
             marks=self.snapshot_gate.marks if self.snapshot_gate is not None else None,
         )
-        self._static_roles = static_roles(settings)  # known pods, before they publish
         self.load, self.router = make_routing(settings, self.known_pods, route_seed)
         self.route_metrics = RouteMetrics(self.registry)
         self.registry.register(LoadCollector(self.load))
@@ -231,7 +234,27 @@ class Service:
                 "kvindex) or --zmq-connect tcp://POD_IP:5557 (kvindex connects to pods)"
             )
 
+        if self.bound and self._bind_open():
+            log.warning(
+                "bind mode accepts KV events from ANY sender that reaches %s and names "
+                "its own address: it is indexed and routed to. Name the pods (--pod-role, "
+                "--zmq-connect), allow their networks (--bind-allow CIDR) or use "
+                "--k8s-namespace discovery",
+                ", ".join(self.bound),
+            )
         log.info("%s", self.startup_summary())
+
+    def _bind_open(self) -> bool:
+        """Whether bind mode accepts any pod that sends from its own host: no pods are
+        configured or allowlisted and discovery is off (:mod:`kvindex.events.admission`)."""
+        restricted = self._configured_pods() or self.settings.events.bind_allow
+        return self.discovery is None and not restricted
+
+    def _configured_pods(self) -> set[str]:
+        """Pods the operator named: ``--pod-role`` and ``--zmq-connect``."""
+        pods = set(self._static_roles)
+        pods.update(target.pod for target in self._connect if target.pod)
+        return pods
 
     def startup_summary(self) -> str:
         """One line that tells an operator what this process is: version, index, hashing,
@@ -241,7 +264,8 @@ class Service:
         if "@" in backend:  # redis://user:password@host: keep the password out of logs
             scheme, _, rest = backend.partition("://")
             backend = f"{scheme}://***@{rest.rpartition('@')[2]}"
-        events = [f"bind {e}" for e in self.bound]
+        anyone = " (ANY sender accepted)" if self._bind_open() else ""
+        events = [f"bind {e}{anyone}" for e in self.bound]
         events += [f"connect {t.endpoint}" for t in self._connect]
         if self.settings.k8s.namespace:
             events.append(
@@ -329,8 +353,7 @@ class Service:
             pods = {stream.pod for stream in self.subscriber.streams()}
             if self.discovery is not None:
                 pods.update(self.discovery.discovered())
-        pods.update(target.pod for target in self._connect if target.pod)
-        pods.update(self._static_roles)
+        pods.update(self._configured_pods())
         return sorted(pods)
 
     def roles(self) -> dict[str, Role]:

@@ -143,13 +143,22 @@ class EventsSettings(_Section):
         doc(
             "bind mode: a pod (or a CIDR of pod hosts) whose topic may come from "
             "any sender address, e.g. behind NAT; others must send from their own host; "
-            "repeatable",
+            "with this or configured pods (--pod-role, --zmq-connect), only those pods "
+            "are accepted; repeatable",
             metavar="POD|CIDR",
         ),
     ] = []
     max_streams_per_sender: Annotated[
         int, doc("bind mode: most streams (pod, DP rank) one sender address may open")
     ] = 64
+    max_models: Annotated[
+        int,
+        msgspec.Meta(ge=1),
+        doc(
+            "most model names events may add to the index besides the configured ones "
+            "(--model, --model-config); events naming one more are skipped (model_cap)"
+        ),
+    ] = 256
 
 
 class IndexSettings(_Section):

@@ -7,18 +7,25 @@ fake streams. The receiver asks these functions about every bind-mode message be
 anything is queued; a rejection drops the message and is counted by its reason
 (``kvindex_event_errors{reason=...}``):
 
-* ``undiscovered_pod`` - Kubernetes discovery is on and does not know the pod;
+* ``undiscovered_pod`` - Kubernetes discovery is on, does not know the pod, and no
+  setting names it;
+* ``unlisted_pod`` - pods are configured (``--pod-role``, ``--zmq-connect``) or
+  allowlisted (``--bind-allow``), discovery is off, and the pod is none of them;
 * ``sender_mismatch`` - the TCP peer (ZMQ's ``Peer-Address`` message property) is not
   the host in the topic's pod id;
 * ``sender_unverifiable`` - the pod id's host is a name, not an address, so the peer
   cannot be compared with it;
-* ``sender_stream_cap`` - the sender already has ``max_streams_per_sender`` streams.
+* ``sender_stream_cap`` - the sender already has ``max_streams_per_sender`` streams;
+* ``model_cap`` - the message names a model that is not configured while
+  ``max_models`` others are already indexed (checked in either topology).
 
 Pods listed in the allowlist (``--bind-allow``: a pod id, or a CIDR that pod hosts fall
 in) skip the address comparison - for engines whose traffic reaches kvindex through NAT
-or a proxy - but not discovery or the cap. Messages over ``ipc://``/``inproc://``
-carry no peer address; only local processes can send those, so the address check does
-not apply to them.
+or a proxy - but not discovery or the caps; they also extend the configured pods. Only
+with no configured pods, no allowlist and no discovery is sending from its own host
+all a pod needs (the service warns about that at start). Messages over ``ipc://`` and
+``inproc://`` carry no peer address; only local processes can send those, so the
+address check does not apply to them.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ UNDISCOVERED_POD = "undiscovered_pod"
 SENDER_MISMATCH = "sender_mismatch"
 SENDER_UNVERIFIABLE = "sender_unverifiable"
 SENDER_STREAM_CAP = "sender_stream_cap"
+UNLISTED_POD = "unlisted_pod"
+MODEL_CAP = "model_cap"
 
 _Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -70,6 +79,9 @@ class Allowlist:
                 raise AllowlistError(f"bind allowlist entry {raw!r}: {exc}") from None
         return cls(frozenset(pods), tuple(networks))
 
+    def __bool__(self) -> bool:
+        return bool(self.pods or self.networks)
+
     def allows(self, pod: str) -> bool:
         if pod in self.pods:
             return True
@@ -100,15 +112,41 @@ def peer_address(peer: str) -> _Address | None:
 
 
 def sender_problem(
-    pod: str, peer: str | None, allowlist: Allowlist, known: KnownPods | None
+    pod: str,
+    peer: str | None,
+    allowlist: Allowlist,
+    known: KnownPods | None,
+    configured: frozenset[str] = frozenset(),
 ) -> str | None:
     """Why a message from ``peer`` may not speak for ``pod``; None when it may.
 
     ``peer`` is the message's ``Peer-Address`` (None or empty: a local transport);
-    ``known`` is discovery's pods, None when discovery is off.
+    ``known`` is discovery's pods, None when discovery is off; ``configured`` the pods the
+    operator named (``--pod-role``, ``--zmq-connect``).
     """
-    if known is not None and pod not in known:
-        return UNDISCOVERED_POD
+    roster = roster_problem(pod, known, configured, allowlist)
+    if roster == UNDISCOVERED_POD:  # discovery is asked first
+        return roster
+    return address_problem(pod, peer, allowlist) or roster
+
+
+def roster_problem(
+    pod: str, known: KnownPods | None, configured: frozenset[str], allowlist: Allowlist
+) -> str | None:
+    """Why ``pod`` is not one bind mode accepts: discovered or configured with discovery
+    on; else, once any pod is configured or allowlisted, configured or allowlisted."""
+    if known is not None:
+        return None if pod in known or pod in configured else UNDISCOVERED_POD
+    # A roster is a closed list: a pod that merely sends from its own host is not on
+    # it, or any host that reaches the port would be indexed and then routed to.
+    if (configured or allowlist) and pod not in configured and not allowlist.allows(pod):
+        return UNLISTED_POD
+    return None
+
+
+def address_problem(pod: str, peer: str | None, allowlist: Allowlist) -> str | None:
+    """Why ``peer`` may not send for ``pod``: its host is another address (or a name,
+    which cannot be compared), and the pod is not allowlisted."""
     if not peer or allowlist.allows(pod):
         return None
     host = pod_address(pod)
@@ -122,3 +160,32 @@ def stream_cap_problem(new_stream: bool, sender_streams: int, max_per_sender: in
     if new_stream and sender_streams >= max_per_sender:
         return SENDER_STREAM_CAP
     return None
+
+
+class ModelAdmission:
+    """The model names events may bring into the index: configured ones always, others
+    first come, first served up to ``max_models``.
+
+    Every model is a namespace in the index and a name in ``/score``'s answers, so a
+    sender making up names would grow both without limit. An admitted model keeps its
+    place until restart: its entries stay in the index while any pod holds them.
+    Owned by the receiver thread.
+    """
+
+    def __init__(self, configured: Iterable[str], max_models: int) -> None:
+        self._configured = frozenset(configured)
+        self._max_models = max_models
+        self._admitted: set[str] = set()
+
+    def problem(self, model: str) -> str | None:
+        """Why ``model`` may not be indexed; None when it may (admitting it if new)."""
+        if model in self._admitted or model in self._configured:
+            return None
+        if len(self._admitted) >= self._max_models:
+            return MODEL_CAP
+        self._admitted.add(model)
+        return None
+
+    def __len__(self) -> int:
+        """Models admitted besides the configured ones."""
+        return len(self._admitted)

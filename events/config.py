@@ -84,6 +84,16 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     #: networks of pod hosts); every other pod must send from its own host
     #: (:mod:`kvindex.events.admission`).
     bind_allow: tuple[str, ...] = ()
+    #: Pods the operator configured (normalised ids). With these or ``bind_allow`` set
+    #: and no discovery, bind mode accepts only these pods and the allowlisted ones.
+    pods: tuple[str, ...] = ()
+    #: Models the operator configured: always indexed, never counted in ``max_models``.
+    models: tuple[str, ...] = ()
+    #: Most other model names events may bring into the index; messages naming one more
+    #: are skipped (``model_cap``). A cluster serves a handful of models, a few dozen with
+    #: many fine-tunes; 256 leaves room for that and stops a sender inventing names
+    #: from growing the index and every answer that lists models without limit.
+    max_models: int = 256
     #: Bind mode: most streams (pod, rank) one sender address may open; one node rarely
     #: runs more than a few dozen engines, a flood of fake pods stops here.
     max_streams_per_sender: int = 64
@@ -104,6 +114,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             "retry_initial_s": self.retry_initial_s,
             "retry_max_s": self.retry_max_s,
             "max_streams_per_sender": self.max_streams_per_sender,
+            "max_models": self.max_models,
         }
         for name, value in positive.items():
             if value <= 0:

@@ -4,7 +4,8 @@ a counted skip.
 Per message only what routing needs: framing (3 frames, an 8-byte seq, a payload under
 the limit), the sender's identity (topic or connect endpoint, cached per socket), in
 bind mode whether the sender may speak for that pod (its ``Peer-Address``, discovery,
-the per-sender stream cap: :mod:`kvindex.events.admission`), and the batch's
+the per-sender stream cap: :mod:`kvindex.events.admission`), in either mode whether
+its model may be indexed (``max_models``), and the batch's
 data-parallel rank, which in bind mode is the only way to tell a pod's ranks apart
 (each rank is its own stream with its own seq counter). The batch is decoded here once;
 one that does not decode whole takes the envelope path, which counts why.
@@ -22,10 +23,14 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvindex.events.admission import (
+    MODEL_CAP,
     SENDER_STREAM_CAP,
     UNDISCOVERED_POD,
+    UNLISTED_POD,
     Allowlist,
-    sender_problem,
+    ModelAdmission,
+    address_problem,
+    roster_problem,
     stream_cap_problem,
 )
 from kvindex.events.config import SubscriberConfig
@@ -50,6 +55,12 @@ _TOPIC_CACHE_SIZE = 1024
 #: Bytes a waiting message holds besides its payload and hashes (the Arrival, the scan's
 #: objects, a run tuple), about.
 QUEUED_OVERHEAD = 640
+#: What to change when a pod the operator wants is refused at the door.
+_SETTING_HINTS = {
+    UNLISTED_POD: "; bind mode accepts only the configured pods: add it to --pod-role, "
+    "or its host's network to --bind-allow",
+    UNDISCOVERED_POD: "; with --k8s-namespace only discovered pods are accepted",
+}
 
 
 @dataclass(slots=True)
@@ -142,6 +153,11 @@ class Door:
         self._config = config
         self._known = discovered
         self._allowlist = Allowlist.parse(config.bind_allow, config.default_serving_port)
+        self._configured = frozenset(config.pods)
+        configured_models = set(config.models)
+        if config.default_model:
+            configured_models.add(config.default_model)
+        self._models = ModelAdmission(configured_models, config.max_models)
         self._sender_streams: dict[str, set[StreamId]] = {}
         # Streams the applier dropped (evicted, forgotten, refused), from its thread; taken
         # off the senders' tallies before a new stream is counted.
@@ -201,8 +217,11 @@ class Door:
             problem = self._sender_problem(pod, peer)
             if problem is not None:
                 return self._skip(
-                    problem, source, "topic %r from %s", topic[:200], peer, count=count
-                )
+                    problem, source, "topic %r from %s%s", topic[:200], peer,
+                    _SETTING_HINTS.get(problem, ""), count=count,
+                )  # fmt: skip
+        if not self._admit_model(model, target):
+            return self._skip_model(source, model, count)
         rank = batch.data_parallel_rank
         if rank is None:
             rank = target.rank if target is not None else 0
@@ -275,7 +294,12 @@ class Door:
         if target is None:
             problem = self._sender_problem(pod, peer)
             if problem is not None:
-                return self._skip(problem, source, "topic %r from %s", topic[:200], peer)
+                return self._skip(
+                    problem, source, "topic %r from %s%s", topic[:200], peer,
+                    _SETTING_HINTS.get(problem, ""),
+                )  # fmt: skip
+        if not self._admit_model(model, target):
+            return self._skip_model(source, model, 1)
         seq = int.from_bytes(seq_frame, "big")
         # The rank routes the payload to its stream. Decoding the whole batch here, once,
         # costs less than skipping over its events to read the rank and decoding them
@@ -349,20 +373,42 @@ class Door:
         return decoded
 
     def _sender_problem(self, pod: str, peer: str | None) -> str | None:
-        """:func:`~kvindex.events.admission.sender_problem`, with the address part (fixed
-        for a pod and sender) remembered; discovery's answer can change, so it is not."""
-        if self._known is not None and pod not in self._known:
+        """:func:`~kvindex.events.admission.sender_problem`, with the parts fixed for a
+        pod and sender (its address, the configured roster) remembered; discovery's
+        answer can change, so it is not."""
+        known = self._known
+        if known is not None and pod not in known and pod not in self._configured:
             return UNDISCOVERED_POD
         key = (pod, peer)
         try:
             return self._address_verdicts[key]
         except KeyError:
             pass
-        problem = sender_problem(pod, peer, self._allowlist, None)
+        problem = address_problem(pod, peer, self._allowlist)
+        if problem is None and known is None:
+            problem = roster_problem(pod, None, self._configured, self._allowlist)
         if len(self._address_verdicts) >= _TOPIC_CACHE_SIZE:
             self._address_verdicts.clear()
         self._address_verdicts[key] = problem
         return problem
+
+    def _admit_model(self, model: str, target: PodEndpoint | None) -> bool:
+        """Whether ``model`` may be indexed: configured (a connect target's own model
+        too), already admitted, or room for one more."""
+        if target is not None and model == target.model:
+            return True
+        return self._models.problem(model) is None
+
+    def _skip_model(self, source: Source, model: str, count: int) -> None:
+        return self._skip(
+            MODEL_CAP,
+            source,
+            "model %r is not configured and max_models (%d) others are indexed: raise "
+            "--max-models, or name the model in --model-config",
+            model[:200],
+            self._config.max_models,
+            count=count,
+        )
 
     def _admit_stream(self, sid: StreamId, peer: str) -> bool:
         """Whether ``peer`` may send on ``sid``: a stream it opened, or room for one more."""

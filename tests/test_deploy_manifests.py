@@ -598,6 +598,7 @@ def running_kvindex() -> Iterator[str]:
         with ServeProcess(
             "--zmq-bind", f"tcp://127.0.0.1:{bind}", "--log-level", "warning",
             "--load-interval", "0.1", "--pod-role", f"{vllm.pod}=decode", "--gateway",
+            "--pod-role", "127.0.0.1:8000=both",  # a configured roster: both pods in it
             env=env,
         ) as server:  # fmt: skip
             server.wait_ready(30.0)

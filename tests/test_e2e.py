@@ -46,6 +46,8 @@ def cluster() -> Iterator[dict]:
     server = ServeProcess(
         "--zmq-bind", f"tcp://127.0.0.1:{bind}",
         "--zmq-connect", f"{POD_C}@{MODEL}=tcp://127.0.0.3:{c_port}",
+        # Configured pods close bind mode's door to others: A and B are named too.
+        "--pod-role", f"{POD_A}=both", "--pod-role", f"{POD_B}=both",
         "--log-format", "json",
         env=env,
     )  # fmt: skip

@@ -23,12 +23,15 @@ from kvindex.events import (
     make_topic,
 )
 from kvindex.events.admission import (
+    MODEL_CAP,
     SENDER_MISMATCH,
     SENDER_STREAM_CAP,
     SENDER_UNVERIFIABLE,
     UNDISCOVERED_POD,
+    UNLISTED_POD,
     Allowlist,
     AllowlistError,
+    ModelAdmission,
     sender_problem,
     stream_cap_problem,
 )
@@ -85,6 +88,38 @@ def test_discovery_is_asked_first_and_the_allowlist_does_not_bypass_it() -> None
     assert sender_problem("127.10.0.1:8000", "127.19.9.9", allow, known) is None
     known.forget("127.10.0.1:8000")
     assert sender_problem("127.10.0.1:8000", "127.10.0.1", NOBODY, known) == UNDISCOVERED_POD
+
+
+def test_configured_pods_and_the_allowlist_close_the_door() -> None:
+    listed = frozenset({"127.10.0.1:8000"})
+    allow = Allowlist.parse(["127.20.0.0/16"], 8000)
+    # Nothing configured: a pod sending from its own host is enough.
+    assert sender_problem("127.10.0.2:8000", "127.10.0.2", NOBODY, None) is None
+    # Configured pods: only they (from their own host), or allowlisted ones.
+    assert sender_problem("127.10.0.1:8000", "127.10.0.1", NOBODY, None, listed) is None
+    assert sender_problem("127.10.0.2:8000", "127.10.0.2", NOBODY, None, listed) == UNLISTED_POD
+    assert sender_problem("127.10.0.1:8000", "127.10.0.2", NOBODY, None, listed) == SENDER_MISMATCH
+    assert sender_problem("127.20.0.5:8000", "127.0.0.1", allow, None, listed) is None
+    # An allowlist alone is a roster too.
+    assert sender_problem("127.10.0.2:8000", "127.10.0.2", allow, None) == UNLISTED_POD
+    # With discovery, configured pods count as known.
+    known = KnownPods()
+    assert sender_problem("127.10.0.1:8000", "127.10.0.1", NOBODY, known, listed) is None
+    assert sender_problem("127.10.0.2:8000", "127.10.0.2", NOBODY, known, listed) == (
+        UNDISCOVERED_POD
+    )
+
+
+def test_models_are_admitted_up_to_the_cap_configured_ones_always() -> None:
+    models = ModelAdmission(["configured"], max_models=2)
+    assert [models.problem(m) for m in ("a", "b", "c", "a", "configured")] == [
+        None,
+        None,
+        MODEL_CAP,
+        None,
+        None,
+    ]
+    assert len(models) == 2
 
 
 def test_stream_cap() -> None:

@@ -192,6 +192,24 @@ def test_connect_mode_without_model_is_counted(ctx, sink, make_sub) -> None:
     assert sink.deliveries == []
 
 
+def test_connect_mode_topics_inventing_models_are_capped(ctx, sink, make_sub) -> None:
+    """A configured pod is still held to ``max_models``; its own configured model is not."""
+    sub = make_sub(max_models=2)
+    sub.start()
+    with publisher(ctx) as pub:
+        attach(sub, pub, model="own")
+        payload = pub.encode(stored(1))
+        for seq in range(6):
+            topic = f"kv@{POD}@made-up-{seq % 4}".encode()  # four names, two admitted
+            pub.send_frames([topic, seq.to_bytes(8, "big"), payload])
+        pub.send_frames([b"not-kv", (6).to_bytes(8, "big"), payload])  # the endpoint's model
+        assert wait_until(lambda: sub.error_counts().get("model_cap") == 2)
+        assert sink.wait_for_count(5)
+    assert [d.model for d in sink.deliveries] == [
+        "made-up-0", "made-up-1", "made-up-0", "made-up-1", "own",
+    ]  # fmt: skip
+
+
 def test_connect_and_disconnect_while_running(ctx, sink, make_sub) -> None:
     sub = make_sub()
     sub.start()

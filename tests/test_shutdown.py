@@ -156,7 +156,8 @@ def test_a_request_on_a_hung_pod_is_cut_at_the_drain_timeout_after_the_snapshot(
 
 class HeldPod:
     """A pod on loopback that answers ``/metrics`` at once and a completion when
-    :attr:`release` is set (``asked`` tells the request arrived)."""
+    :attr:`release` is set (``asked`` tells the request arrived). With ``stall_mid_stream``
+    it answers at once with a stream's headers and first event, then stalls."""
 
     ANSWER = json.dumps(
         {
@@ -167,7 +168,10 @@ class HeldPod:
         }
     ).encode()
 
-    def __init__(self) -> None:
+    FIRST_EVENT = b'data: {"choices": [{"index": 0, "text": "first"}]}\n\n'
+
+    def __init__(self, *, stall_mid_stream: bool = False) -> None:
+        self.stall_mid_stream = stall_mid_stream
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.1)
         self.pod = f"127.0.0.1:{self.listener.getsockname()[1]}"
@@ -199,6 +203,15 @@ class HeldPod:
                     if not chunk:
                         return
                     head += chunk
+                if head.startswith(b"POST") and self.stall_mid_stream:
+                    event = self.FIRST_EVENT
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(event), event)
+                    )
+                    self.asked.set()
+                    self.release.wait(30)
+                    return
                 if head.startswith(b"POST"):
                     self.asked.set()
                     if not self.release.wait(30) or self._stop.is_set():
@@ -254,6 +267,45 @@ def test_readiness_fails_at_sigterm_while_a_slow_request_finishes(
             assert answer.json()["choices"][0]["text"] == "late but whole"
             assert server.process.wait(timeout=MARGIN_S) == 0, server.log_tail()
             assert "still in flight" not in server.log_tail(100_000)  # nothing was cut
+    finally:
+        pod.close()
+
+
+def first_event_then_the_end(url: str) -> tuple[bytes, str]:
+    """A streamed completion: the first event, then how the stream ended."""
+    body = {"model": MODEL, "prompt": list(range(1, 33)), "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as answer:
+        chunks = answer.iter_raw()
+        first = next(chunks)
+        try:
+            for _ in chunks:
+                pass
+        except httpx.HTTPError as exc:
+            return first, type(exc).__name__
+        return first, "closed"
+
+
+def test_a_stream_stalled_mid_answer_is_cut_at_the_drain_timeout(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """The pod sent the stream's first event, then nothing: before, the drain waited
+    for the rest (up to the 600 s read timeout); now the stream is cut at the bound."""
+    pod = HeldPod(stall_mid_stream=True)
+    try:
+        with ServeProcess(
+            "--gateway", "--model", MODEL, "--pod-role", f"{pod.pod}=both",
+            "--zmq-bind", f"tcp://127.0.0.1:{free_port()}",
+            "--drain-timeout", str(DRAIN_S), log_path=tmp_path / "serve.log",
+        ) as server:  # fmt: skip
+            server.wait_ready(30.0)
+            streaming = pool.submit(first_event_then_the_end, server.url)
+            eventually(pod.asked.is_set, "the stream's first event sent")
+            server.process.send_signal(signal.SIGTERM)
+            assert server.process.wait(timeout=DRAIN_S + MARGIN_S) == 0, server.log_tail()
+            first, ended = streaming.result(timeout=MARGIN_S)
+            assert HeldPod.FIRST_EVENT in first
+            assert ended == "RemoteProtocolError"  # cut: visibly incomplete, not a clean end
+            assert "cutting 1 request(s) still in flight" in server.log_tail(100_000)
     finally:
         pod.close()
 

@@ -31,6 +31,7 @@ with 5 ms, 0.17-0.26 ms with 0.5 ms, 0.17-0.21 ms with scraping off; in-process 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import signal
@@ -122,8 +123,8 @@ class _Server(uvicorn.Server):
     def _start_drain(self) -> None:
         self._drain_started = True
         log.info(
-            "shutting down: /readyz fails from now on; %d request(s) in flight get up to "
-            "%g s (--drain-timeout) to finish",
+            "shutting down: draining; %d request(s) in flight get up to %g s "
+            "(--drain-timeout) to finish",
             len(self.server_state.tasks),
             self._drain_timeout_s,
         )
@@ -145,9 +146,18 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # uvicorn's wait for connections and requests gets what is left of the bound;
         # it cancels whatever still runs when that ends.
-        deadline = self._drain_deadline or time.monotonic() + self._drain_timeout_s
+        deadline = self._drain_deadline
+        if deadline is None:  # not a signal: the lifespan failed, or a test stops it
+            deadline = time.monotonic() + self._drain_timeout_s
         self.config.timeout_graceful_shutdown = max(0.0, deadline - time.monotonic())  # type: ignore[assignment]
+        logging.getLogger("uvicorn.error").addFilter(_no_cancelled_tracebacks)
         await super().shutdown(sockets)
+
+
+def _no_cancelled_tracebacks(record: logging.LogRecord) -> bool:
+    """Drop uvicorn's "Exception in ASGI application" for a request the drain cut (a
+    CancelledError traceback per request): the drain's own line has counted them."""
+    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 def server(

@@ -13,7 +13,6 @@ import difflib
 import logging
 import os
 import re
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
@@ -84,22 +83,27 @@ def _serve(args: argparse.Namespace) -> int:
         from kvindex.api.gateway import Gateway, GatewayApp
 
         app = GatewayApp(Gateway.in_process(service), settings, inner=app)
-    # The app's lifespan stops the service (final snapshot, leases released). The lane
-    # answers /score and /route from the protocol (api/hot_lane.py).
+    # A shutdown signal starts the drain (api/server.py): readiness fails and the
+    # snapshot is written at once; then the app's lifespan stops the service (the final
+    # snapshot, the leases released). The lane answers /score and /route from the
+    # protocol (api/hot_lane.py).
     if workers is not None:
-        # uvicorn ends a SIGTERM's graceful shutdown by raising the signal again, which
-        # with the default action kills the process before `finally`: as an exception
-        # instead, the workers are stopped and the shared memory removed first.
-        signal.signal(signal.SIGTERM, _exit_cleanly)
         workers.start()
+
+    def begin_shutdown() -> None:
+        service.begin_shutdown()
+        if workers is not None:
+            workers.shutting_down()
+
     try:
         serve(
             app,
             sockets,
             header_timeout_s=settings.http.header_timeout,
             keep_alive_timeout_s=settings.http.keep_alive_timeout,
+            drain_timeout_s=settings.http.drain_timeout,
             lane=http.lane,
-            on_exit_signal=workers.shutting_down if workers is not None else None,
+            on_exit_signal=begin_shutdown,
         )
     finally:
         if workers is not None:
@@ -107,12 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_cleanly(signum: int, frame: object) -> None:
-    raise SystemExit(0)
-
-
 # `kvindex gateway` takes these settings of the tree (the rest are the index's).
-_GATEWAY_FLAGS = ("listen", "model_config", "log_format", "log_level")
+_GATEWAY_FLAGS = ("listen", "drain_timeout", "model_config", "log_format", "log_level")
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -140,6 +140,7 @@ def _gateway(args: argparse.Namespace) -> int:
         sock,
         header_timeout_s=settings.http.header_timeout,
         keep_alive_timeout_s=settings.http.keep_alive_timeout,
+        drain_timeout_s=settings.http.drain_timeout,
     )
     return 0
 

@@ -31,9 +31,14 @@ with 5 ms, 0.17-0.26 ms with 0.5 ms, 0.17-0.21 ms with scraping off; in-process 
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import logging
+import signal
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -45,6 +50,8 @@ from kvindex.api.hot_lane import HotLane, lane_protocol
 
 #: How long a thread may hold the GIL while another waits for it (Python's default 5 ms).
 SWITCH_INTERVAL_S = 0.0005
+
+log = logging.getLogger(__name__)
 
 
 class ListenError(OSError):
@@ -71,19 +78,86 @@ def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, telling ``on_exit_signal`` the moment SIGINT/SIGTERM arrives:
-    its graceful shutdown (connections drained, the lifespan's final snapshot) can take
-    seconds, and what runs beside it (the serving workers' supervisor) must know at once
-    that processes exiting now are part of the shutdown, not failures."""
+    """uvicorn's server with a bounded drain.
 
-    def __init__(self, config: uvicorn.Config, on_exit_signal: Callable[[], None] | None) -> None:
+    uvicorn's own shutdown closes the listener at once, then waits for every request
+    without limit (a gateway request to a hung pod: up to its read timeout), and only
+    then runs the lifespan's shutdown (the final snapshot, the leases released): under
+    an orchestrator's grace period, SIGKILL came first. Here the first SIGINT/SIGTERM
+    starts a drain instead: ``on_exit_signal`` is called (from the event loop, never in
+    the signal handler: readiness fails, the snapshot is written, the serving workers
+    are told), the listener stays open, so a probe sees the readiness fail and the
+    requests a load balancer still sends are answered, until no request is in flight
+    or ``drain_timeout_s`` has passed. Then uvicorn's shutdown runs with what is left
+    of the bound and cancels what is still running. A second signal ends the drain at
+    once (still waiting for requests in flight, within the bound); a third SIGINT stops
+    waiting altogether (uvicorn's force exit)."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_exit_signal: Callable[[], None] | None,
+        drain_timeout_s: float,
+    ) -> None:
         super().__init__(config)
         self._on_exit_signal = on_exit_signal
+        self._drain_timeout_s = drain_timeout_s
+        self._drain_deadline: float | None = None
+        self._drain_started = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_deadline is not None:
+            super().handle_exit(sig, frame)
+            return
+        self._drain_deadline = time.monotonic() + self._drain_timeout_s
+        self._captured_signals.append(sig)  # raised again once served, as uvicorn does
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_deadline is not None:
+            if not self._drain_started:
+                self._start_drain()
+            if not self.should_exit:
+                self.should_exit = self._drained(self._drain_deadline)
+        return await super().on_tick(counter)
+
+    def _start_drain(self) -> None:
+        self._drain_started = True
+        log.info(
+            "shutting down: draining; %d request(s) in flight get up to %g s "
+            "(--drain-timeout) to finish",
+            len(self.server_state.tasks),
+            self._drain_timeout_s,
+        )
         if self._on_exit_signal is not None:
             self._on_exit_signal()
-        super().handle_exit(sig, frame)
+
+    def _drained(self, deadline: float) -> bool:
+        """Whether the drain is over: nothing in flight, or the bound reached (then
+        what is still in flight is about to be cut, and the log says how much)."""
+        in_flight = len(self.server_state.tasks)
+        if in_flight and time.monotonic() >= deadline:
+            log.warning(
+                "--drain-timeout %g s reached: cutting %d request(s) still in flight",
+                self._drain_timeout_s,
+                in_flight,
+            )
+        return not in_flight or time.monotonic() >= deadline
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn's wait for connections and requests gets what is left of the bound;
+        # it cancels whatever still runs when that ends.
+        deadline = self._drain_deadline
+        if deadline is None:  # not a signal: the lifespan failed, or a test stops it
+            deadline = time.monotonic() + self._drain_timeout_s
+        self.config.timeout_graceful_shutdown = max(0.0, deadline - time.monotonic())  # type: ignore[assignment]
+        logging.getLogger("uvicorn.error").addFilter(_no_cancelled_tracebacks)
+        await super().shutdown(sockets)
+
+
+def _no_cancelled_tracebacks(record: logging.LogRecord) -> bool:
+    """Drop uvicorn's "Exception in ASGI application" for a request the drain cut (a
+    CancelledError traceback per request): the drain's own line has counted them."""
+    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 def server(
@@ -91,11 +165,13 @@ def server(
     *,
     header_timeout_s: float,
     keep_alive_timeout_s: float,
+    drain_timeout_s: float,
     lane: HotLane | None = None,
     on_exit_signal: Callable[[], None] | None = None,
 ) -> uvicorn.Server:
     """The uvicorn server for ``app`` (not started), with ``lane`` answering the hot paths
-    when given, and ``on_exit_signal`` called when a shutdown signal arrives."""
+    when given, and ``on_exit_signal`` called as a shutdown signal's drain starts (at
+    most ``drain_timeout_s`` seconds: :class:`_Server`)."""
     protocol: type = header_deadline_protocol(header_timeout_s)
     if lane is not None:
         protocol = lane_protocol(protocol, lane)
@@ -106,7 +182,7 @@ def server(
         log_config=None,
         access_log=False,
     )
-    return _Server(config, on_exit_signal)
+    return _Server(config, on_exit_signal, drain_timeout_s)
 
 
 def serve(
@@ -115,11 +191,18 @@ def serve(
     *,
     header_timeout_s: float,
     keep_alive_timeout_s: float,
+    drain_timeout_s: float,
     lane: HotLane | None = None,
     on_exit_signal: Callable[[], None] | None = None,
 ) -> None:
-    """Serve ``app`` on already bound sockets until SIGINT/SIGTERM (``on_exit_signal``
-    is called as one arrives)."""
+    """Serve ``app`` on already bound sockets until SIGINT/SIGTERM and the drain after it
+    (``on_exit_signal`` is called as the drain starts). SIGTERM then ends the process
+    with status 0, SIGINT with KeyboardInterrupt."""
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn raises the signal again once it is done; SIGTERM's default action would
+        # kill the process before any `finally` (the serving workers stopped, the shared
+        # memory removed) and report the clean shutdown as death by signal.
+        signal.signal(signal.SIGTERM, _exit_cleanly)
     gc.collect()  # what startup left behind, then the rest is never walked again
     gc.freeze()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the loop waits at most this for the GIL
@@ -127,6 +210,11 @@ def serve(
         app,
         header_timeout_s=header_timeout_s,
         keep_alive_timeout_s=keep_alive_timeout_s,
+        drain_timeout_s=drain_timeout_s,
         lane=lane,
         on_exit_signal=on_exit_signal,
     ).run(sockets=sock if isinstance(sock, list) else [sock])
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)

@@ -200,6 +200,7 @@ class Service:
         self.bound: list[str] = []
         self.backend_health = BackendHealthLog(self.backend)
         self.started = False
+        self.draining = False
         self._models_cache: tuple[float, frozenset[str]] = (float("-inf"), frozenset())
 
     def start(self) -> None:
@@ -280,6 +281,15 @@ class Service:
             f"listen={self.settings.http.listen} events={'; '.join(events) or 'none'}"
         )
 
+    def begin_shutdown(self) -> None:
+        """A shutdown signal arrived. /readyz fails from now on, so the load balancer
+        stops sending traffic while the requests in flight finish (``--drain-timeout``),
+        and the snapshot is written now rather than after the drain, which the
+        orchestrator's SIGKILL may cut short. Ingest goes on until :meth:`stop`."""
+        self.draining = True
+        if self.snapshotter is not None:
+            self.snapshotter.write_now()
+
     def stop(self) -> None:
         self.load.stop()
         if self.discovery is not None:
@@ -316,6 +326,11 @@ class Service:
 
     def readiness_problems(self) -> list[str]:
         problems = []
+        if self.draining:
+            problems.append(
+                "shutting down: finishing the requests in flight (at most --drain-timeout "
+                f"{self.settings.http.drain_timeout:g} s)"
+            )
         try:
             self.backend.ping()
         except BackendError as exc:

@@ -63,6 +63,19 @@ class HttpSettings(_Section):
     keep_alive_timeout: Annotated[
         float, doc("seconds an idle keep-alive connection stays open")
     ] = 5.0
+    # 20 s: Kubernetes kills a pod terminationGracePeriodSeconds (30 by default) after
+    # SIGTERM; what is left after the drain stops ingest, writes the final snapshot and
+    # releases the Redis leases before SIGKILL can come.
+    drain_timeout: Annotated[
+        float,
+        msgspec.Meta(ge=0),
+        doc(
+            "seconds a shutdown (SIGTERM) lets requests in flight finish, /readyz failing "
+            "meanwhile; what is still running then is cut. Keep it under the orchestrator's "
+            "grace period (terminationGracePeriodSeconds)",
+            metavar="SECONDS",
+        ),
+    ] = 20.0
     max_prompt_tokens: Annotated[int, doc("largest prompt /score accepts, in tokens")] = 262_144
     max_prompt_chars: Annotated[int, doc("largest text prompt /score accepts")] = 4_000_000
     processes: Annotated[

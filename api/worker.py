@@ -231,6 +231,7 @@ def main(argv: list[str]) -> int:
         sock,
         header_timeout_s=http.header_timeout,
         keep_alive_timeout_s=http.keep_alive_timeout,
+        drain_timeout_s=http.drain_timeout,
         lane=HotLane(routes, limits),
     )
     return 0

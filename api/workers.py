@@ -140,8 +140,13 @@ class ServingWorkers:
         )
 
     def shutting_down(self) -> None:
-        """This process got its shutdown signal: workers that exit now stay down."""
+        """This process got its shutdown signal and drains: the workers drain beside it
+        (SIGTERM now, within the same ``--drain-timeout``, not after this process's
+        drain), and workers that exit now stay down."""
         self._shutting_down.set()
+        for worker in self._workers:
+            if worker.process is not None and worker.process.poll() is None:
+                worker.process.terminate()
 
     def stop(self) -> None:
         self._stopping.set()

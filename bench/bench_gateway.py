@@ -170,6 +170,7 @@ def _serve_hop(argv: list[str]) -> int:
         bind(host, int(port)),
         header_timeout_s=settings.http.header_timeout,
         keep_alive_timeout_s=settings.http.keep_alive_timeout,
+        drain_timeout_s=settings.http.drain_timeout,
     )
     return 0
 

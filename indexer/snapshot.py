@@ -6,8 +6,8 @@ entry, and engines that published more than their replay buffer (vLLM keeps 10,0
 batches), or idle pods, would come back incomplete while their streams read ``live``.
 With ``--snapshot PATH`` the service writes the index, the ingestor's per-member state
 and, per stream, the last applied seq and payload digest to one file (every
-``--snapshot-interval`` seconds and at shutdown), restores it at start, and resumes every
-stream by replay after its snapshot seq.
+``--snapshot-interval`` seconds, and at shutdown before and after the drain), restores
+it at start, and resumes every stream by replay after its snapshot seq.
 
 Two parts:
 
@@ -428,17 +428,30 @@ class Snapshotter:
             self._thread = threading.Thread(target=self._run, name="kvindex-snapshot", daemon=True)
             self._thread.start()
 
+    def write_now(self) -> None:
+        """Write a snapshot at once, on a thread of its own (a shutdown's first one:
+        taken before the drain, it cannot be lost to a drain that runs too long)."""
+        thread = threading.Thread(target=self._write_logged, name="kvindex-snapshot-now")
+        thread.daemon = True  # close() waits for it (the write lock), not the interpreter
+        thread.start()
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self.write()
-            except Exception:  # never let the thread die: the next interval tries again
-                self.stats.writes_failed += 1
-                log.exception("snapshot failed")
+            self._write_logged()
+
+    def _write_logged(self) -> None:
+        try:
+            self.write()
+        except Exception:  # never let the thread die: the next write tries again
+            self.stats.writes_failed += 1
+            log.exception("snapshot failed")
 
     def close(self) -> None:
         """Stop the periodic thread and write the final snapshot (call after the
-        subscriber stopped, so the cut is the last state)."""
+        subscriber stopped, so the cut is the last state). A shutdown wrote one before
+        its drain already (:meth:`write_now`); this one adds what was applied during the
+        drain, and a SIGKILL while it is written leaves that one in place (the file is
+        replaced atomically)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

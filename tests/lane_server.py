@@ -40,6 +40,7 @@ def serving(*, lane: bool = True, keep_alive_s: float = 5.0, **flags: object) ->
         http.app,
         header_timeout_s=service.settings.http.header_timeout,
         keep_alive_timeout_s=keep_alive_s,
+        drain_timeout_s=service.settings.http.drain_timeout,
         lane=http.lane if lane else None,
     )
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -169,6 +169,7 @@ class Service:
                     inline=isinstance(self.backend, MemoryBackend),
                 ).get,
                 self.verifier,
+                unheard=lambda: self.directory.unheard_pods(),
             )
         )
         self.registry.register(IndexWorkCollector(self.index_work))
@@ -184,6 +185,7 @@ class Service:
             discovered,
             owners,
             marks=self.snapshot_gate.marks if self.snapshot_gate is not None else None,
+            expected=self.configured_pods,
         )
         self._static_roles = static_roles(settings)  # known pods, before they publish
         self.load, self.router = make_routing(settings, self.known_pods, route_seed)
@@ -317,6 +319,12 @@ class Service:
             return ["no event source configured: answering from the shared index only"]
         return []
 
+    def configured_pods(self) -> set[str]:
+        """Pods named by configuration (``--zmq-connect``, ``--pod-role``)."""
+        pods = {target.pod for target in self._connect if target.pod}
+        pods.update(self._static_roles)
+        return pods
+
     def known_pods(self) -> list[str]:
         """Pods /route chooses among when a request names none, and whose load is
         scraped: configured (--zmq-connect, --pod-role), discovered, or in the index or
@@ -329,8 +337,7 @@ class Service:
             pods = {stream.pod for stream in self.subscriber.streams()}
             if self.discovery is not None:
                 pods.update(self.discovery.discovered())
-        pods.update(target.pod for target in self._connect if target.pod)
-        pods.update(self._static_roles)
+        pods.update(self.configured_pods())
         return sorted(pods)
 
     def roles(self) -> dict[str, Role]:

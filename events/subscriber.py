@@ -237,6 +237,11 @@ class Subscriber:
             except IdentityError:
                 return
             self._post(lambda: self._applier.reconnected(pod))
+            model = target.model or self._config.default_model
+            if model:  # its stream is known before its engine says a word: unheard
+                sid = StreamId(pod, target.rank)
+                replay = target.replay_endpoint
+                self._post(lambda: self._applier.expect(sid, model, replay))
 
     def _on_reconnect(self, pod: str) -> None:
         """The receiver saw ZMQ reconnect one of the pod's endpoints (receiver thread)."""

@@ -229,7 +229,8 @@ class Subscriber:
 
         A pod whose streams exist already (re-subscribed: an address change, a restart
         of discovery) has its position verified against the engine before it reads
-        ``live`` again."""
+        ``live`` again. A target whose pod and model are known has its stream from now
+        on, ``unheard`` until its engine is heard (:meth:`Applier.expect`)."""
         self._receiver.connect(target)
         if target.pod is not None:
             try:

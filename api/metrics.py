@@ -10,7 +10,7 @@ label (and tier or state), so cardinality is bounded by the number of pods.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -44,6 +44,7 @@ _STREAM_STATES = (
     "gapped",
     "incomplete",
     "standby",
+    "unheard",
 )
 
 
@@ -207,12 +208,14 @@ class ServiceCollector(Collector):
         figures: Callable[[], IndexFigures | None],
         verifier: HashVerifier | None,
         clock: Callable[[], float] = time.time,
+        unheard: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         self._subscriber = subscriber
         self._ingestor = ingestor
         self._figures = figures  # bounded: a hung backend cannot hold the scrape
         self._verifier = verifier
         self._clock = clock
+        self._unheard = unheard  # configured or discovered pods with no stream yet
 
     def describe(self) -> list:  # no fixed descriptions: collected fresh at each scrape
         return []
@@ -314,7 +317,8 @@ class ServiceCollector(Collector):
         state = GaugeMetricFamily(
             "kvindex_pod_stream_state",
             "1 for each pod stream's current state (live, verifying, replaying, resync, "
-            "gapped, incomplete, standby).",
+            "gapped, incomplete, standby, unheard: a configured or discovered pod not "
+            "heard from since kvindex started).",
             labels=["pod", "state"],
         )
         age = GaugeMetricFamily(
@@ -332,6 +336,9 @@ class ServiceCollector(Collector):
             if s.last_received_at is not None:
                 age.add_metric([s.member], max(0.0, now - s.last_received_at))
             gaps.add_metric([s.member], s.gaps)
+        for pod in sorted(self._unheard()):
+            for name in _STREAM_STATES:
+                state.add_metric([pod, name], 1.0 if name == "unheard" else 0.0)
         yield state
         yield age
         yield gaps

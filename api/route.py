@@ -29,6 +29,7 @@ from kvindex.api.score_inputs import block_keys, hashed_keys, prompt_form
 from kvindex.events.errors import NotFound, TooManyRequests, Unavailable
 from kvindex.events.identity import member_pod
 from kvindex.indexer.backend import BackendUnavailable
+from kvindex.indexer.pods import UNHEARD, UNHEARD_REASON
 from kvindex.scoring.inflight import InFlight
 from kvindex.scoring.load import PodLoad, Unknown
 from kvindex.scoring.pd import Role, decide_pd, disaggregated, of_role
@@ -129,9 +130,27 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
         if done is not None:
             for pod in done.dropped:  # each a PodLoad with a start time (the loop's rule)
                 _ignore_restarted(view, pod, loads[pod].started)  # type: ignore[union-attr]
-            return _answer_pass(service, req, view, pods, done, block_size)
+            return _with_states(service, _answer_pass(service, req, view, pods, done, block_size))
     _drop_restarted(service, loads, view)
-    return _decide_targets(service, req, view, pods, loads, in_flight, roles, block_size)
+    answer = _decide_targets(service, req, view, pods, loads, in_flight, roles, block_size)
+    return _with_states(service, answer)
+
+
+def _with_states(service: Service, answer: RouteResponse) -> RouteResponse:
+    """Each candidate's stream state, and a warning for each candidate not heard from
+    since kvindex started: its engine may hold the prompt's prefix though the index
+    says nothing of it. (Its entries are not in doubt, only missing, so the other
+    candidates' prefixes still decide.)"""
+    states = service.directory.stream_states()
+    if not states:
+        return answer
+    unheard = set()
+    for candidate in answer.candidates:
+        state = candidate.stream_state = states.get(candidate.pod)
+        if state == UNHEARD:
+            unheard.add(candidate.pod)
+    answer.warnings.extend(f"pod {pod}: {UNHEARD_REASON}" for pod in sorted(unheard))
+    return answer
 
 
 def _drop_restarted(

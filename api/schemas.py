@@ -216,6 +216,14 @@ class RouteCandidate(msgspec.Struct, gc=False):
     cost: Annotated[float, _doc("The sum of the four terms; lower is better.")]
     admitted: Annotated[bool, _doc("False when the pod is over --max-kv-usage or --max-waiting.")]
     refused: Annotated[str | None, _doc("Why the pod was not admitted.")] = None
+    stream_state: Annotated[
+        str | None,
+        _doc(
+            "The pod's event stream state when it is not live, as /index/pods says "
+            "(unheard: not heard from since kvindex started, restored, incomplete, "
+            "gapped, replaying, ...); null: live, or no stream here."
+        ),
+    ] = None
 
 
 class RouteResponse(msgspec.Struct):

@@ -57,8 +57,8 @@ class StreamReport(_Schema):
     state: Annotated[
         str,
         _doc(
-            "live, verifying, replaying, resync, gapped, incomplete, standby or restored "
-            "(see README, 'How it stays right')."
+            "live, verifying, replaying, resync, gapped, incomplete, standby, restored "
+            "or unheard (see README, 'How it stays right')."
         ),
     ]
     rank: Annotated[int, _doc("Data-parallel rank.")] = 0
@@ -106,7 +106,11 @@ class PodReport(_Schema):
     replays: Annotated[Replays, _doc("Replays over its streams.")]
     restarts: Annotated[int, _doc("Engine restarts over its streams.")]
     stream_state: Annotated[
-        str | None, _doc("The worst state of its streams (null: no stream here).")
+        str | None,
+        _doc(
+            "The worst state of its streams; unheard for a configured or discovered pod "
+            "not heard from since kvindex started (null: no stream here)."
+        ),
     ]
     streams: Annotated[list[StreamReport], _doc("Each of its streams in this process.")]
     hash_check: Annotated[dict[str, HashCheckReport], _doc("Hash check per member.")]

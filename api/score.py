@@ -16,7 +16,7 @@ from kvindex.api.json_tokens import decode_prompt
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
 from kvindex.api.score_inputs import hashed_keys, prompt_form, require_known_model
 from kvindex.events.errors import ClientError, KvindexError, TooLarge
-from kvindex.events.identity import normalize_pod
+from kvindex.events.identity import member_pod, normalize_pod
 from kvindex.scoring.scorer import ScoreResult
 from kvindex.scoring.speculative import annotate
 from kvindex.scoring.tokenize import ChatOptions
@@ -63,6 +63,10 @@ def score_answer(
     result, candidates = index
     annotate(result, service.speculative, candidates)  # apart from the confirmed counts
     warnings = [*result.warnings, *service.directory.warnings(req.model, candidates)]
+    states = service.directory.stream_states()
+    if states:
+        for pod in result.pods:
+            pod.stream_state = states.get(pod.pod) or states.get(member_pod(pod.pod))
     response = ScoreResponse(
         result.model,
         result.block_size,

@@ -124,7 +124,7 @@ class Service:
                 default_model=settings.events.model,
                 bind_allow=tuple(settings.events.bind_allow),
                 max_streams_per_sender=settings.events.max_streams_per_sender,
-                pods=tuple(sorted(self._configured_pods())),
+                pods=tuple(sorted(self.configured_pods())),
                 models=tuple(self._configured_models()),
                 max_models=settings.events.max_models,
             )
@@ -173,6 +173,7 @@ class Service:
                     inline=isinstance(self.backend, MemoryBackend),
                 ).get,
                 self.verifier,
+                unheard=lambda: self.directory.unheard_pods(),
             )
         )
         self.registry.register(IndexWorkCollector(self.index_work))
@@ -188,6 +189,7 @@ class Service:
             discovered,
             owners,
             marks=self.snapshot_gate.marks if self.snapshot_gate is not None else None,
+            expected=self.configured_pods,
         )
         self.load, self.router = make_routing(settings, self.known_pods, route_seed)
         self.route_metrics = RouteMetrics(self.registry)
@@ -248,14 +250,8 @@ class Service:
     def _bind_open(self) -> bool:
         """Whether bind mode accepts any pod that sends from its own host: no pods are
         configured or allowlisted and discovery is off (:mod:`kvindex.events.admission`)."""
-        restricted = self._configured_pods() or self.settings.events.bind_allow
+        restricted = self.configured_pods() or self.settings.events.bind_allow
         return self.discovery is None and not restricted
-
-    def _configured_pods(self) -> set[str]:
-        """Pods the operator named: ``--pod-role`` and ``--zmq-connect``."""
-        pods = set(self._static_roles)
-        pods.update(target.pod for target in self._connect if target.pod)
-        return pods
 
     def startup_summary(self) -> str:
         """One line that tells an operator what this process is: version, index, hashing,
@@ -356,6 +352,12 @@ class Service:
             return ["no event source configured: answering from the shared index only"]
         return []
 
+    def configured_pods(self) -> set[str]:
+        """Pods named by configuration (``--zmq-connect``, ``--pod-role``)."""
+        pods = {target.pod for target in self._connect if target.pod}
+        pods.update(self._static_roles)
+        return pods
+
     def known_pods(self) -> list[str]:
         """Pods /route chooses among when a request names none, and whose load is
         scraped: configured (--zmq-connect, --pod-role), discovered, or in the index or
@@ -368,7 +370,7 @@ class Service:
             pods = {stream.pod for stream in self.subscriber.streams()}
             if self.discovery is not None:
                 pods.update(self.discovery.discovered())
-        pods.update(self._configured_pods())
+        pods.update(self.configured_pods())
         return sorted(pods)
 
     def roles(self) -> dict[str, Role]:

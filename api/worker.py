@@ -107,6 +107,12 @@ class SharedFacts:
     def warnings(self, model: str, pods: Collection[str] | None = None) -> list[str]:
         return warnings_of(self.facts.warnings, model, pods)
 
+    def stream_states(self) -> dict[str, str]:
+        return self.facts.states
+
+    def unheard_pods(self) -> frozenset[str]:
+        return frozenset()  # the primary's metrics say so
+
 
 class WorkerService(Service):
     """A Service over the shared index that only scores: it never starts (no streams,
@@ -117,7 +123,7 @@ class WorkerService(Service):
         super().__init__(settings, backend=reader)
         self.reader = reader
         self.facts = SharedFacts(directory, reader, self)
-        self.directory = self.facts  # type: ignore[assignment]  # /score reads warnings only
+        self.directory = self.facts  # type: ignore[assignment]  # /score reads warnings and states only
         self.metrics = ScoreReports()  # type: ignore[assignment]
         self._models_key: tuple[int, int] = (-1, -1)
         self._worker_models: frozenset[str] = frozenset()

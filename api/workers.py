@@ -60,6 +60,7 @@ class Facts(msgspec.Struct, frozen=True):
     models: list[str]
     warnings: dict[str, list[tuple[str, str]]]  # model -> (pod, text)
     layouts: dict[str, dict[int, tuple[str, int | None, int]]]  # model -> group -> spec
+    states: dict[str, str] = {}  # pod or member -> stream state
 
 
 def check_processes(processes: int, backend: str) -> None:
@@ -184,6 +185,7 @@ class ServingWorkers:
                 }
                 for model, groups in service.ingestor.layouts.all().items()
             },
+            service.directory.stream_states(),
         )
         if facts == self._facts:
             return

@@ -17,6 +17,12 @@ from kvindex.events.errors import ClientError
 #: Topic convention for bind mode, where the topic is the only sender identity:
 #: ``kv@<pod>@<model>``. The model may itself contain ``@``; the pod may not.
 TOPIC_PREFIX = "kv@"
+#: Longest host a pod id may name (DNS names are at most 253 characters).
+MAX_HOST_CHARS = 253
+#: Longest index member name: a host, brackets, a port and a data-parallel rank suffix.
+MAX_MEMBER_CHARS = MAX_HOST_CHARS + len("[]:65535/dp4095")
+#: Longest model name a topic may carry (what /score accepts, too).
+MAX_MODEL_CHARS = 512
 
 
 class IdentityError(ClientError):
@@ -37,6 +43,8 @@ def normalize_pod(address: str, default_port: int | None = None) -> str:
     if not text:
         raise IdentityError(f"empty pod address {address!r}")
     host, port = _split_host_port(text)
+    if len(host) > MAX_HOST_CHARS:
+        raise IdentityError(f"pod address {address[:80]!r}... is longer than any host name")
     if port is None:
         if default_port is None:
             raise IdentityError(
@@ -105,6 +113,8 @@ def parse_topic(topic: str, default_port: int | None = None) -> Topic:
     pod, sep, model = rest.partition("@")
     if not sep or not model:
         raise IdentityError(f"topic {topic!r} is not kv@<pod>@<model>")
+    if len(model) > MAX_MODEL_CHARS:
+        raise IdentityError(f"topic {topic[:80]!r}... names a model over {MAX_MODEL_CHARS} chars")
     return Topic(normalize_pod(pod, default_port), model)
 
 

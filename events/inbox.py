@@ -204,6 +204,14 @@ class Inbox:
         with self._cond:
             return self._lanes.get(sid)
 
+    def open(self, sid: StreamId) -> Lane:
+        """``sid``'s lane, opened before its first message (a configured pod's stream)."""
+        with self._cond:
+            lane = self._lanes.get(sid)
+            if lane is None:
+                lane = self._lanes[sid] = Lane(sid)
+            return lane
+
     def peek(self, lane: Lane) -> Arrival | None:
         with self._cond:
             return lane.queue[0] if lane.queue else None

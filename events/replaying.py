@@ -8,6 +8,7 @@ ever touches stream state.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvindex.events.config import SubscriberConfig
+from kvindex.events.identity import IdentityError, parse_topic
 from kvindex.events.recovery import (
     Anchor,
     AnchorCheck,
@@ -31,6 +33,8 @@ from kvindex.events.stream import JobKind, ReplayJob, Stream
 
 if TYPE_CHECKING:
     from kvindex.events.applier import Applier
+
+log = logging.getLogger("kvindex.events.subscriber")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +135,8 @@ class ReplayRecovery:
         epoch = stream.epoch
         if not self._owns(stream) or stream.epoch != epoch:
             return  # nothing applied: the gap is found, and fetched, again once owned
+        if job.kind is JobKind.PROVE and self._named_elsewhere(stream, result.topics):
+            return
         check = check_replay(
             ReplayRequest(job.start, job.need_until, job.anchor, stream.topic, self._live(stream)),
             result.batches,
@@ -150,6 +156,7 @@ class ReplayRecovery:
             self._replay_failed(stream, job, result, "bad_reply")
         else:
             stream.replays_ok += 1
+            stream.heard = True  # the engine answered: what it buffers is known now
         if check.foreign:
             check.batches.clear()  # another engine's batches: never indexed
         elif check.anchor is AnchorCheck.MISMATCH or (
@@ -168,6 +175,26 @@ class ReplayRecovery:
         elif job.kind is JobKind.RESUME and job.anchor is not None:
             self._incomplete(stream, job.anchor.seq, "the engine no longer has the stored seq")
         self._apply_replayed(stream, job, check, result, done.received_at)
+
+    def _named_elsewhere(self: Applier, stream: Stream, topics: list[bytes | None]) -> bool:
+        """Whether an expected stream's engine names itself otherwise: its replies'
+        ``kv@<pod>@<model>`` topic (vLLM >= 0.26) wins over the configured pod, as for
+        its live messages. Then its batches belong to that stream, which opens when it
+        publishes, and this one (which holds nothing) is dropped."""
+        for topic in topics:
+            try:
+                named = parse_topic(topic.decode(), self._config.default_serving_port)
+            except (AttributeError, UnicodeDecodeError, IdentityError):
+                continue  # no topic, or not the convention: the configured pod holds
+            if named.pod != stream.sid.pod or named.model != stream.model:
+                log.info(
+                    "KV events: %s names itself %s (model %s) in its topic; dropping the "
+                    "configured name %s (model %s) until it publishes",
+                    stream.replay_endpoint, named.pod, named.model, stream.sid, stream.model,
+                )  # fmt: skip
+                self._drop_expected(stream)
+                return True
+        return False
 
     def _live(self: Applier, stream: Stream) -> dict[int, bytes]:
         """Digests of the live messages this stream holds, which replies must match."""
@@ -234,7 +261,12 @@ class ReplayRecovery:
         received_at: float,
     ) -> None:
         tracker = stream.tracker
-        incomplete = job.kind in (JobKind.CATCH_UP, JobKind.RESUME, JobKind.RESTARTED)
+        incomplete = job.kind in (
+            JobKind.CATCH_UP,
+            JobKind.RESUME,
+            JobKind.RESTARTED,
+            JobKind.PROVE,
+        )
         pending: list[Delivery] = []
         for seq, payload in check.batches:
             verdict = tracker.position(seq)
@@ -257,7 +289,10 @@ class ReplayRecovery:
         if not self._flush(stream, pending):
             return
         expected = tracker.expected
-        if job.kind is JobKind.RESTARTED:
+        if job.kind is JobKind.PROVE:
+            if not stream.heard:  # nothing is owed, but it is asked again after the cooldown
+                self._verify_at[stream.sid] = stream.recovery.cooldown_until
+        elif job.kind is JobKind.RESTARTED:
             clean = result.complete and not (check.rejected or result.bad_replies or check.foreign)
             if not clean and expected is None:  # nothing known of the new engine's history
                 self._incomplete(stream, job.need_until, f"replay {result.reason}")

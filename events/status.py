@@ -30,6 +30,11 @@ class StreamStatus:
     * ``"incomplete"``: history before some seq cannot be fetched (kvindex joined or
       resumed after the engine's replay buffer, or could not verify the position it
       resumed from): the index may lack some of this engine's blocks;
+    * ``"unheard"``: its pod is configured (connect mode), but nothing of its engine
+      reached kvindex since it started, neither a batch nor a replay: the engine may
+      hold a warm cache the index knows nothing of. With a replay endpoint kvindex
+      asks for the engine's whole buffer at once (``replaying``), and the stream is
+      ``live`` (or ``incomplete``) once it answered;
     * ``"standby"``: another kvindex replica applies this stream; ``not_owner`` counts
       the batches this one dropped for that reason.
 

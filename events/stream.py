@@ -44,6 +44,11 @@ class JobKind(enum.Enum):
     #: fetch whatever it buffers; nothing in particular is owed, but history before its
     #: buffer (or a fetch that failed) is ``incomplete``.
     RESTARTED = "restarted"
+    #: A configured pod not heard from since kvindex started (``unheard``): fetch
+    #: whatever it buffers, from seq 0, so its engine proves what it holds without
+    #: waiting for its next batch. History before its buffer is ``incomplete``; a fetch
+    #: that failed leaves it ``unheard``.
+    PROVE = "prove"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -125,6 +130,10 @@ class Stream:
     topic: bytes | None = None
     #: Its pod is configured (connect mode) or discovered: never evicted for idling.
     pinned: bool = False
+    #: Whether anything of its engine reached kvindex since it started: a live batch
+    #: or a clean replay. A stream opened for a configured pod before either is
+    #: ``unheard``: its engine may hold a warm cache the index knows nothing of.
+    heard: bool = True
     #: Messages taken from the lane that must wait (for a replay, a retry); the flag
     #: says whether the tracker already recorded them as received live.
     held: collections.deque[tuple[Arrival, bool]] = field(default_factory=collections.deque)
@@ -176,14 +185,16 @@ class Stream:
 
     @property
     def state(self) -> str:
-        """``standby``, ``verifying``, ``replaying``, ``resync``, ``gapped``,
-        ``incomplete`` or ``live`` (see StreamStatus)."""
+        """``standby``, ``verifying``, ``replaying``, ``unheard``, ``resync``,
+        ``gapped``, ``incomplete`` or ``live`` (see StreamStatus)."""
         rec = self.recovery
         if self.standby:
             return "standby"
         job = rec.replay_job
         if job is not None:
             return "verifying" if job.anchor is not None else "replaying"
+        if not self.heard:
+            return "unheard"
         if rec.stalled_until is not None:
             return "resync"
         if rec.gapped:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvindex.events.identity import pod_host
 from kvindex.events.recovery import eviction_victim, idle_victims
-from kvindex.events.stream import COUNTERS, Stream
+from kvindex.events.stream import COUNTERS, JobKind, Stream
 
 if TYPE_CHECKING:
     from kvindex.events.applier import Applier
@@ -31,6 +31,8 @@ log = logging.getLogger("kvindex.events.subscriber")
 
 #: How often idle streams are looked for.
 _IDLE_SCAN_S = 1.0
+#: The highest seq the wire can carry: an unheard engine may be anywhere.
+_ANY_SEQ = 2**64 - 1
 
 
 class StreamTable:
@@ -65,7 +67,44 @@ class StreamTable:
             stream = self._admit(sid)
             if stream is None:
                 return
+        stream.heard = True
         self._refresh_ready(stream)
+
+    def expect(self: Applier, sid: StreamId, model: str, replay_endpoint: str | None) -> None:
+        """On the applier thread: a configured pod's stream, before its first message.
+
+        Until its engine is heard (a batch, or a replay) the stream is ``unheard``: after
+        a restart without a snapshot its engine may hold a warm cache the index lacks,
+        and an idle engine would otherwise look empty, without a word, until it next
+        publishes. With a replay endpoint, an engine still silent after
+        ``verify_after_reconnect_s`` (a busy one is heard first, and catches up as on
+        any first contact) is asked for its whole buffer, so it proves what it holds
+        (see :meth:`_verify_when_due`). A stream restored from a snapshot is left to the
+        gate: it resumes from its saved position when heard.
+        """
+        if sid in self._streams or (self._gate is not None and sid in self._gate.unheard(sid.pod)):
+            return
+        now = self._clock()
+        stream = Stream(
+            sid, self._inbox.open(sid), model, replay_endpoint, pinned=True, heard=False,
+            created_at=now,
+        )  # fmt: skip
+        with self._table_lock:
+            self._streams[sid] = stream
+        log.info("KV events: expecting stream %s (model %s), not heard yet", sid, model)
+        if replay_endpoint and self._config.catch_up_on_first_contact:
+            self._verify_at[sid] = now + self._config.verify_after_reconnect_s
+
+    def _prove(self: Applier, stream: Stream) -> None:
+        """Ask an unheard stream's engine to replay its buffer from seq 0."""
+        if not self._owns(stream) or stream.blocked or stream.heard:
+            return
+        if stream.tracker.expected not in (None, 0):
+            return  # the gate placed it: its own resume proves it
+        if not self._can_replay(stream):  # the endpoint failed recently: after the cooldown
+            self._verify_at[stream.sid] = stream.recovery.cooldown_until
+            return
+        self._start_replay(stream, 0, _ANY_SEQ, JobKind.PROVE)
 
     def _admit(self: Applier, sid: StreamId) -> Stream | None:
         """A lane with no stream: open one, unless the pod was just forgotten or the
@@ -107,6 +146,20 @@ class StreamTable:
             self._streams[sid] = stream
         log.info("KV events: new stream %s (model %s)", sid, first.model)
         return stream
+
+    def _drop_expected(self: Applier, stream: Stream) -> None:
+        """Drop a stream opened for a configured pod before its engine was heard (it
+        holds nothing: no reset)."""
+        with self._table_lock:
+            if self._streams.get(stream.sid) is not stream:
+                return
+            del self._streams[stream.sid]
+            for name in COUNTERS:
+                self._retired[name] += getattr(stream, name)
+        self._inbox.close(stream.sid)
+        self._stream_closed(stream.sid)
+        self._ready.pop(stream.sid, None)
+        self._verify_at.pop(stream.sid, None)
 
     def _victim(self: Applier, now: float) -> StreamId | None:
         """The stream a full table gives up for a newcomer (None: none may go)."""
@@ -225,6 +278,9 @@ class StreamTable:
                 continue
             del self._verify_at[sid]
             stream = self._streams.get(sid)
+            if stream is not None and not stream.heard:
+                self._guarded(stream, self._prove)
+                continue
             if stream is None or not stream.recovery.unverified:
                 continue
             if stream.blocked or stream.held or stream.lane.queue:

@@ -229,7 +229,8 @@ class Subscriber:
 
         A pod whose streams exist already (re-subscribed: an address change, a restart
         of discovery) has its position verified against the engine before it reads
-        ``live`` again."""
+        ``live`` again. A target whose pod and model are known has its stream from now
+        on, ``unheard`` until its engine is heard (:meth:`Applier.expect`)."""
         self._receiver.connect(target)
         if target.pod is not None:
             try:
@@ -237,6 +238,11 @@ class Subscriber:
             except IdentityError:
                 return
             self._post(lambda: self._applier.reconnected(pod))
+            model = target.model or self._config.default_model
+            if model:  # its stream is known before its engine says a word: unheard
+                sid = StreamId(pod, target.rank)
+                replay = target.replay_endpoint
+                self._post(lambda: self._applier.expect(sid, model, replay))
 
     def _on_reconnect(self, pod: str) -> None:
         """The receiver saw ZMQ reconnect one of the pod's endpoints (receiver thread)."""

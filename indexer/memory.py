@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvindex.events.identity import MAX_MEMBER_CHARS, MAX_MODEL_CHARS
 from kvindex.indexer import compiled
 from kvindex.indexer.backend import (
     TIERS,
@@ -354,16 +355,26 @@ class MemoryBackend(_MemberIds, _Sharing):
         width = int(state["width"])
         if not all(n is None or isinstance(n, str) for n in names) or len(names) > 64 * width:
             raise ValueError("member names do not fit the mask width")
+        if any(n is not None and not 0 < len(n) <= MAX_MEMBER_CHARS for n in names):
+            raise ValueError(f"a member name is empty or over {MAX_MEMBER_CHARS} characters")
         ids = {name: mid for mid, name in enumerate(names) if name is not None}
         if len(ids) != sum(n is not None for n in names):
             raise ValueError("a member name appears twice")
+        if not 0 <= int(state["tick"]) <= STAMP_MAX or int(state["evictions"]) < 0:
+            raise ValueError("the stamp clock or the eviction count is out of range")
+        unnamed = np.ones(64 * width, np.bool_)
+        unnamed[list(ids.values())] = False
         stamped = self._capacity is not None
         tables = {}
         for model, table_state in state["tables"].items():
+            if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_CHARS:
+                raise ValueError(f"a model name is empty or over {MAX_MODEL_CHARS} characters")
             table = BlockTable.from_state(table_state, stamped=stamped)
             if table.width != width or int(table.seed) != int(state["seed"]) & WORD:
                 raise ValueError(f"table of model {model!r} does not match the index")
-            tables[str(model)] = table
+            if table.held[unnamed].any():  # a lookup would answer a member with no name
+                raise ValueError(f"table of model {model!r} has blocks of unnamed members")
+            tables[model] = table
         if self._zeros is not np.zeros:  # shared with other processes
             for table in tables.values():
                 table.use_storage(self._zeros)

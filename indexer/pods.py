@@ -17,6 +17,15 @@ from kvindex.events.status import StreamStatus
 from kvindex.indexer.backend import IndexBackend, MemberStats, Tier
 from kvindex.indexer.verify import CheckState, HashVerifier
 
+#: A configured or discovered pod nothing was heard from since kvindex started.
+UNHEARD = "unheard"
+#: Why an unheard pod's entries say nothing of its cache (in warnings, /route, docs).
+UNHEARD_REASON = (
+    "not heard from since kvindex started: its engine may hold cached blocks the index "
+    "does not know of until it publishes or replays its events"
+)
+#: Warnings of pods whose model is not known yet (every model's answer carries them).
+_ANY_MODEL = ""
 #: States in which a stream's entries may differ from what its engine holds.
 _UNHEALTHY_STREAMS = frozenset({"gapped", "incomplete", "resync"})
 #: States in which a stream is not known to be in step with its engine right now.
@@ -27,6 +36,7 @@ _STATE_ORDER = (
     "incomplete",
     "resync",
     "restored",
+    UNHEARD,
     "verifying",
     "replaying",
     "live",
@@ -50,6 +60,7 @@ class _Snapshot(NamedTuple):
     members: dict[str, set[str]]  # pod -> its index members (the pod, its DP ranks)
     owners: Mapping[str, str]
     marks: Mapping[str, Mark]
+    unheard: frozenset[str]  # expected pods with no stream here and nothing restored
 
 
 def _stream_dict(s: StreamStatus) -> dict[str, Any]:
@@ -83,8 +94,10 @@ def _stream_dict(s: StreamStatus) -> dict[str, Any]:
 def warnings_of(
     by_model: dict[str, list[tuple[str, str]]], model: str, pods: Collection[str] | None
 ) -> list[str]:
-    """The texts of ``model``'s (pod, text) warnings, only those of ``pods`` when given."""
-    return [text for pod, text in by_model.get(model, []) if pods is None or pod in pods]
+    """The texts of ``model``'s (pod, text) warnings, and of those whose model is not
+    known yet; only those of ``pods`` when given."""
+    found = [*by_model.get(model, []), *by_model.get(_ANY_MODEL, [])]
+    return [text for pod, text in found if pods is None or pod in pods]
 
 
 class PodDirectory:
@@ -95,7 +108,10 @@ class PodDirectory:
     ``owners`` (optional) returns which replica applies each member's stream when
     several kvindex replicas share one backend; ``marks`` (optional) returns streams
     whose entries are not known complete for reasons the subscriber cannot see (a
-    restored snapshot), which override the stream's own state.
+    restored snapshot), which override the stream's own state. ``expected`` (optional)
+    returns the pods configured (``--zmq-connect``, ``--pod-role``) or discovered: one
+    with no stream in this process and nothing restored is ``unheard``, its cache
+    unknown, and says so like a stream that is.
     """
 
     def __init__(
@@ -109,6 +125,7 @@ class PodDirectory:
         warnings_ttl_s: float = 1.0,
         *,
         marks: Callable[[], Mapping[str, Mark]] | None = None,
+        expected: Callable[[], Collection[str]] | None = None,
     ) -> None:
         self._backend = backend
         self._streams = streams
@@ -116,9 +133,11 @@ class PodDirectory:
         self._discovered = discovered or dict
         self._owners = owners or dict
         self._marks = marks or dict
+        self._expected = expected or frozenset
         self._clock = clock
         self._warnings_ttl = warnings_ttl_s
         self._warnings: tuple[float, dict[str, list[tuple[str, str]]]] = (float("-inf"), {})
+        self._states: dict[str, str] = {}  # computed with the warnings
 
     def members_of(self, pod: str) -> list[str]:
         """Index members of ``pod`` (itself and its data-parallel ranks)."""
@@ -126,12 +145,12 @@ class PodDirectory:
 
     def reports(self) -> list[dict[str, Any]]:
         snap = self._snapshot()
-        pods = set(snap.members) | set(snap.discovered)
+        pods = set(snap.members) | set(snap.discovered) | snap.unheard
         return [self._report(pod, snap) for pod in sorted(pods)]
 
     def report(self, pod: str) -> dict[str, Any] | None:
         snap = self._snapshot()
-        known = pod in snap.members or pod in snap.discovered
+        known = pod in snap.members or pod in snap.discovered or pod in snap.unheard
         return self._report(pod, snap) if known else None
 
     def _snapshot(self) -> _Snapshot:
@@ -146,7 +165,19 @@ class PodDirectory:
         marks = self._marks()
         for member in marks:
             members.setdefault(member_pod(member), set()).add(member)
-        return _Snapshot(streams, self._discovered(), members, self._owners(), marks)
+        discovered = self._discovered()
+        unheard = self._unheard(streams, marks, discovered)
+        return _Snapshot(streams, discovered, members, self._owners(), marks, unheard)
+
+    def _unheard(
+        self,
+        streams: Sequence[StreamStatus],
+        marks: Mapping[str, Mark],
+        discovered: Mapping[str, Mapping[str, Any]],
+    ) -> frozenset[str]:
+        """Configured or discovered pods with no stream here and nothing restored."""
+        heard = {s.pod for s in streams} | {member_pod(m) for m in marks}
+        return frozenset(set(self._expected()) | set(discovered)) - heard
 
     def _report(self, pod: str, snap: _Snapshot) -> dict[str, Any]:
         own_streams = [s for s in snap.streams if s.pod == pod]
@@ -178,7 +209,7 @@ class PodDirectory:
                 "failed": sum(s.replays_failed for s in own_streams),
             },
             "restarts": sum(s.restarts for s in own_streams),
-            "stream_state": _worst_state(own_streams, marks),
+            "stream_state": UNHEARD if pod in snap.unheard else _worst_state(own_streams, marks),
             "streams": _stream_dicts(own_streams, marks),
             "hash_check": {m: self._verifier.status(m).as_dict() for m in sorted(members)}
             if self._verifier is not None
@@ -199,22 +230,47 @@ class PodDirectory:
         return warnings_of(self.all_warnings(), model, pods)
 
     def all_warnings(self) -> dict[str, list[tuple[str, str]]]:
-        """Every model's warnings as (pod, text) pairs, cached for a second."""
+        """Every model's warnings as (pod, text) pairs (those of pods whose model is
+        not known under ``""``), cached for a second."""
         now = self._clock()
         expires, cached = self._warnings
         if now >= expires:
-            cached = self._compute_warnings()
+            cached, self._states = self._compute_warnings()
             self._warnings = (now + self._warnings_ttl, cached)
         return cached
 
-    def _compute_warnings(self) -> dict[str, list[tuple[str, str]]]:
+    def stream_states(self) -> dict[str, str]:
+        """The stream state of each pod (the worst of its streams, as /index/pods
+        says) and member not ``live``, for the candidates of /score and /route (a
+        live one is left out: the answer is then the same from every replica, whichever
+        holds the stream); cached with the warnings."""
+        self.all_warnings()
+        return self._states
+
+    def _compute_warnings(self) -> tuple[dict[str, list[tuple[str, str]]], dict[str, str]]:
         out: dict[str, list[tuple[str, str]]] = {}
         marks = self._marks()
+        streams = self._streams()
+        states: dict[str, str] = {}
+        by_pod: dict[str, set[str]] = {}
+        for stream in streams:
+            state = marks[stream.member].state if stream.member in marks else stream.state
+            states[stream.member] = state
+            by_pod.setdefault(stream.pod, set()).add(state)
+        for mark in marks.values():
+            states[mark.member] = mark.state
+            by_pod.setdefault(member_pod(mark.member), set()).add(mark.state)
+        for pod, pod_states in by_pod.items():
+            states[pod] = _worst_of(pod_states)
+        states = {name: state for name, state in states.items() if state != "live"}
+        for pod in self._unheard(streams, marks, self._discovered()):
+            states[pod] = UNHEARD
+            out.setdefault(_ANY_MODEL, []).append((pod, f"pod {pod}: {UNHEARD_REASON}"))
         for mark in marks.values():
             out.setdefault(mark.model, []).append(
                 (member_pod(mark.member), f"pod {mark.member}: stream {mark.state} ({mark.reason})")
             )
-        for stream in self._streams():
+        for stream in streams:
             problems = []
             if self._verifier is not None:
                 check = self._verifier.status(stream.member)
@@ -223,15 +279,22 @@ class PodDirectory:
                         f"pod {stream.member}: block hashes do not match ({check.diagnosis}); "
                         f"{check.action}"
                     )
-            if stream.state in _UNHEALTHY_STREAMS and stream.member not in marks:
+            unmarked = stream.member not in marks
+            if unmarked and stream.state in _UNHEALTHY_STREAMS:
                 problems.append(
                     f"pod {stream.member}: event stream {stream.state} "
                     f"({stream.missed_batches} batches missed); its entries may be stale "
                     "or missing until the engine clears or restarts"
                 )
+            elif unmarked and stream.state == UNHEARD:
+                problems.append(f"pod {stream.member}: event stream {UNHEARD} ({UNHEARD_REASON})")
             if problems:
                 out.setdefault(stream.model, []).extend((stream.pod, p) for p in problems)
-        return out
+        return out, states
+
+    def unheard_pods(self) -> frozenset[str]:
+        """Configured or discovered pods with no stream here and nothing restored."""
+        return self._unheard(self._streams(), self._marks(), self._discovered())
 
     def known_pods(self) -> set[str]:
         """Every pod the index, its streams or discovery know of (the owners of streams
@@ -289,7 +352,8 @@ def _stream_dicts(streams: Sequence[StreamStatus], marks: Sequence[Mark]) -> lis
 def _worst_state(streams: Sequence[StreamStatus], marks: Sequence[Mark] = ()) -> str | None:
     marked = {m.member: m.state for m in marks}
     states = {marked.get(s.member, s.state) for s in streams} | set(marked.values())
-    for state in _STATE_ORDER:
-        if state in states:
-            return state
-    return next(iter(states), None)
+    return _worst_of(states) if states else None
+
+
+def _worst_of(states: set[str]) -> str:
+    return next((state for state in _STATE_ORDER if state in states), min(states))

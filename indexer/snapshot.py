@@ -40,10 +40,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvindex.events.gate import Claim, Ownership
-from kvindex.events.identity import StreamId
+from kvindex.events.identity import MAX_MEMBER_CHARS, MAX_MODEL_CHARS, StreamId, normalize_pod
+from kvindex.events.recovery import DIGEST_BYTES
 from kvindex.events.runs import CLEARED, tag_counts
 from kvindex.events.sink import BatchSink, Delivery
 from kvindex.events.status import StreamStatus
+from kvindex.events.wire import MAX_DP_RANK
 from kvindex.indexer.snapshot_file import SnapshotError, read_snapshot, write_snapshot
 
 if TYPE_CHECKING:
@@ -54,6 +56,8 @@ log = logging.getLogger(__name__)
 
 #: Subscriber stream states whose history is known to be missing.
 INCOMPLETE_STATES = frozenset({"gapped", "incomplete"})
+#: The largest seq the wire's 8-byte frame can carry.
+_MAX_SEQ = 2**64 - 1
 #: The epoch of every claim: one replica applies everything, ownership never changes.
 _EPOCH = 1
 
@@ -464,12 +468,25 @@ class Snapshotter:
 
 
 def _streams_of(tree: dict[str, Any]) -> list[tuple[StreamId, StreamPosition, bool]]:
+    """The saved stream positions; ValueError unless each could have been written: a
+    canonical pod id, a rank and seq the wire allows, a digest of the right size, a
+    model name within bounds, each stream once."""
     out = []
+    seen: set[StreamId] = set()
     for entry in tree["streams"]:
-        digest = entry["digest"]
-        if digest is not None and not isinstance(digest, bytes):
-            raise ValueError("a stream digest is not bytes")
-        position = StreamPosition(int(entry["seq"]), digest, str(entry["model"]))
-        stream = StreamId(str(entry["pod"]), int(entry["rank"]))
-        out.append((stream, position, bool(entry["incomplete"])))
+        digest, pod, model = entry["digest"], entry["pod"], entry["model"]
+        if digest is not None and not (isinstance(digest, bytes) and len(digest) == DIGEST_BYTES):
+            raise ValueError("a stream digest is not a payload digest")
+        if not isinstance(pod, str) or len(pod) > MAX_MEMBER_CHARS or normalize_pod(pod) != pod:
+            raise ValueError(f"stream pod {str(pod)[:80]!r} is not a pod id")
+        if not isinstance(model, str) or len(model) > MAX_MODEL_CHARS:
+            raise ValueError(f"stream model {str(model)[:80]!r} is not a model name")
+        seq, rank = int(entry["seq"]), int(entry["rank"])
+        if not -1 <= seq <= _MAX_SEQ or not 0 <= rank <= MAX_DP_RANK:
+            raise ValueError(f"stream {pod} has seq {seq} or rank {rank} out of range")
+        stream = StreamId(pod, rank)
+        if stream in seen:
+            raise ValueError(f"stream {stream} is saved twice")
+        seen.add(stream)
+        out.append((stream, StreamPosition(seq, digest, model), bool(entry["incomplete"])))
     return out

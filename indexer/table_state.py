@@ -13,7 +13,16 @@ import numpy as np
 
 from kvindex.indexer.backend import TIERS, Tier
 from kvindex.indexer.table_copies import _code_fields
-from kvindex.indexer.table_layout import MIN_CAP, PAD, _Layout
+from kvindex.indexer.table_layout import (
+    _BIT,
+    MAX_DISPLACEMENT,
+    MIN_CAP,
+    PAD,
+    TableFull,
+    _bit_counts,
+    _Layout,
+    _nonzero_rows,
+)
 from kvindex.indexer.table_members import _SlotLog
 
 
@@ -126,4 +135,68 @@ class _State:
         layout.copies = _copies_from_state(state, size, width)
         table.install(layout)
         table.n_used = int(state["n_used"])
+        table.check_invariants()
         return table
+
+    def check_invariants(self) -> None:
+        """Raise ValueError unless the invariants of BlockTable's docstring hold.
+
+        A snapshot's checksum proves the file is the one written, not that what was
+        written (or forged with a fresh checksum) is a table: wrong counters would be
+        served as block counts, and a key outside its probe range is never found. Every
+        derived number is recomputed from the keys and masks and compared, in passes
+        linear in the table's slots (plus its reverse records and extra copies).
+        """
+        keys, width = self.keys, self.width
+        if not 0 <= self.max_disp <= MAX_DISPLACEMENT:
+            raise ValueError(f"largest probe displacement {self.max_disp} is out of range")
+        if keys[self.zero_slot] != 0:
+            raise ValueError("the slot reserved for key 0 holds another key")
+        slots = np.flatnonzero(keys)
+        # Each key is found where it sits: within max_disp of its home with no empty
+        # slot between (the probe invariant), and no copy of it earlier on its path.
+        try:
+            found = self.find(keys[slots])
+        except TableFull:
+            found = np.full(slots.size, -1, np.intp)
+        misplaced = np.flatnonzero(found != slots)
+        if misplaced.size:
+            raise ValueError(
+                f"{misplaced.size} key(s) are not where probing finds them (first at slot "
+                f"{int(slots[misplaced[0]])}): a broken probe invariant or a duplicate key"
+            )
+        if slots.size + self.zero_used != self.n_used:
+            raise ValueError(f"{self.n_used} slots said used, {slots.size + self.zero_used} are")
+        any_tier = np.zeros((keys.size, width), np.uint64)
+        for tier, masks in enumerate(self.masks):
+            if masks is None:
+                recount = np.zeros(64 * width, np.int64)
+            else:
+                recount = _bit_counts(masks, width)
+                np.bitwise_or(any_tier, masks, out=any_tier)
+            if not np.array_equal(recount, self.counts[tier]):
+                raise ValueError(f"{TIERS[tier].label} block counts do not match the table")
+        if not np.array_equal(_bit_counts(any_tier, width), self.held):
+            raise ValueError("blocks held per member do not match the table")
+        live = _nonzero_rows(any_tier)
+        occupied = keys != 0
+        occupied[self.zero_slot] = self.zero_used
+        if (live & ~occupied).any():
+            raise ValueError("members hold blocks in empty slots")
+        if int(np.count_nonzero(live)) != self.n_live:
+            raise ValueError(f"{self.n_live} slots said live, {int(live.sum())} are")
+        recorded = np.zeros_like(any_tier)
+        for mid, log in self.logs.items():
+            recorded[log.view(), mid >> 6] |= _BIT[mid & 63]
+        if (any_tier & ~recorded).any():
+            raise ValueError("a member holds blocks its reverse record does not list")
+        if self.copies:
+            codes = np.fromiter(self.copies, np.int64, len(self.copies))
+            slot, mid, tier = _code_fields(codes)
+            for t in np.unique(tier).tolist():
+                masks, mine = self.masks[t], tier == t
+                if (
+                    masks is None
+                    or not (masks[slot[mine], mid[mine] >> 6] & _BIT[mid[mine] & 63]).all()
+                ):
+                    raise ValueError("extra copies of blocks their member does not hold")

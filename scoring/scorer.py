@@ -63,6 +63,14 @@ class PodScore(msgspec.Struct, gc=False):
             "and its events have not confirmed yet; never counted in the fields above."
         ),
     ] = 0
+    stream_state: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="The pod's event stream state when it is not live, as "
+            "/index/pods says (unheard: not heard from since kvindex started, restored, "
+            "incomplete, gapped, replaying, ...); null: live, or no stream here."
+        ),
+    ] = None
 
 
 @dataclass(slots=True)

@@ -87,6 +87,9 @@ def served(tmp_path: Path) -> Iterator[tuple[ServeProcess, Fleet]]:
             lambda: _score(server.url, longest)["pods"][0]["matched_blocks"] == len(longest),
             "the events to reach the index",
         )
+        # Before their first batch the engines were unheard, which answers said; the
+        # workers learn they were heard with the primary's next facts.
+        eventually(lambda: _score(server.url, longest)["warnings"] == [], "every pod heard")
         yield server, fleet
     finally:
         if server.process.poll() is None:

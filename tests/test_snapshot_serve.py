@@ -309,9 +309,14 @@ def test_sigterm_writes_a_final_snapshot_and_idle_pods_come_back_restored(make) 
         f"{cluster.url}/index/pods/{idle.pod}", headers={"Authorization": "Bearer t0ken"}
     )
     assert purged.json()["entries_removed"] == len(idle.held)
-    assert cluster.state(idle) is None  # no longer known at all
+    # Its entries and mark are gone; still configured and never heard since the
+    # restart, it is unheard: its engine's cache is unknown, not empty.
+    assert cluster.state(idle) == "unheard"
     assert 'kvindex_streams_unverified{state="restored"} 0.0' in cluster.metrics()
-    eventually(lambda: cluster.warnings(idle) == [], "no warning once purged")
+    eventually(
+        lambda: ["not heard from" in w for w in cluster.warnings(idle)] == [True],
+        "only the unheard warning once purged",
+    )
 
 
 def test_a_corrupt_snapshot_is_refused_and_nothing_is_reported_live_falsely(make) -> None:
@@ -334,3 +339,73 @@ def test_a_corrupt_snapshot_is_refused_and_nothing_is_reported_live_falsely(make
     eventually(lambda: cluster.exact(whole) and cluster.state(whole) == "live", "whole one exact")
     assert any(short.pod in w for w in cluster.warnings(short))
     assert 'kvindex_snapshot_restore{result="corrupt"} 1.0' in cluster.metrics()
+
+
+def _tamper_count(tree: dict, mid: int) -> None:
+    tree["index"]["tables"][MODEL]["counts"][0, mid] = 18  # GPU blocks of the pod
+
+
+def _tamper_probe(tree: dict, mid: int) -> None:
+    """Move one key (its masks and reverse record with it) half the table away from its
+    home: every counter still agrees, but probing can never find it there."""
+    table = tree["index"]["tables"][MODEL]
+    keys, masks, cap = table["keys"], table["masks"][0], table["cap"]
+    slot = int(np.flatnonzero(keys)[0])
+    to = (slot + cap // 2) % cap
+    while keys[to]:
+        to = (to + 1) % cap
+    keys[to], keys[slot] = keys[slot], 0
+    masks[to], masks[slot] = masks[slot], 0
+    table["log_slots"][table["log_slots"] == slot] = to
+
+
+def _tamper_long_name(tree: dict, mid: int) -> None:
+    tree["index"]["names"][mid] = "x" * 5000 + ":8000"
+
+
+def _tamper_unnamed(tree: dict, mid: int) -> None:
+    tree["index"]["names"][mid] = None  # its blocks stay: a lookup finds no name for them
+
+
+@pytest.mark.parametrize(
+    "tamper", [_tamper_count, _tamper_probe, _tamper_long_name, _tamper_unnamed],
+    ids=["count", "probe-invariant", "overlong-name", "unnamed-member"],
+)  # fmt: skip
+def test_a_snapshot_forged_with_a_valid_checksum_is_refused_and_scores_stay_sound(
+    make, tamper: Callable[[dict, int], None]
+) -> None:
+    """The checksum only proves the file is what was written: a table whose counters,
+    probe invariant or names do not hold is refused and moved aside like a damaged file,
+    and the index is rebuilt from the engine's replay instead of served wrong."""
+    cluster = make(10_000)
+    (engine,) = cluster.engines
+    cluster.start()
+    cluster.wait_connected()
+    for _ in range(5):
+        engine.step(stores=8, removes=0)
+    eventually(lambda: cluster.exact(engine), "40 blocks indexed")
+    held = sorted(engine.held)[:1]
+    cluster.stop(signal.SIGTERM)  # the final snapshot
+    tree = read_snapshot(cluster.path)
+    tamper(tree, tree["index"]["names"].index(engine.pod))
+    write_snapshot(cluster.path, tree)  # the writer's own checksum: the file reads fine
+    read_snapshot(cluster.path)
+    server = cluster.start()
+
+    def scores() -> list[int]:
+        body = {"model": MODEL, "block_hashes": held}  # lookups that reach its entries
+        return [
+            httpx.post(f"{cluster.url}/score", json={**body, "pods": pods}, timeout=5).status_code
+            for pods in (None, [engine.pod])
+        ]
+
+    assert set(scores()) <= {200, 404}  # nothing known of the model yet: never a 500
+    assert "cannot use snapshot" in server.log_tail()
+    assert (cluster.path.parent / "kvindex.snap.refused").exists()
+    assert 'kvindex_snapshot_restore{result="invalid"} 1.0' in cluster.metrics()
+    cluster.wait_connected()
+    engine.step(stores=1, removes=0)  # heard again: its whole history is replayed from seq 0
+    eventually(lambda: cluster.exact(engine), "what the engine holds, from its replay")
+    assert cluster.pod(engine)["blocks"]["gpu"] == 41
+    eventually(lambda: cluster.state(engine) == "live", "live after the replay")
+    assert scores() == [200, 200]

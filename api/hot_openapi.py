@@ -151,7 +151,9 @@ def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
                 "no_capacity: no pod admissible (KV cache or queue over the limit), see "
                 "Retry-After; or too many requests in flight (--max-in-flight)"
             ),
-            "503": described("no_pods: no pods given and none known"),
+            "503": described(
+                "no_pods: no pods given and none known, or none of the pods named is known"
+            ),
         },
     }
     route_id = "The route_id /route answered"

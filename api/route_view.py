@@ -52,12 +52,22 @@ class RouteView:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pods = _Recent(known_pods, max_age_s, clock)
+        self._known: tuple[list[str], frozenset[str]] = ([], frozenset())
         self._doubts_of = doubts
         self._max_age, self._clock = max_age_s, clock
         self._doubts: dict[str, _Recent[Mapping[str, str]]] = {}
 
     def pods(self) -> list[str]:
         return self._pods.get()
+
+    def known(self) -> frozenset[str]:
+        """:meth:`pods` as a set, built once per read of them: the pods a request may
+        name (/route checks every named pod against it)."""
+        pods = self._pods.get()
+        cached = self._known
+        if cached[0] is not pods:
+            cached = self._known = (pods, frozenset(pods))  # one assignment, as in _Recent
+        return cached[1]
 
     def last_pods(self) -> list[str]:
         """The known pods as last read (none before the first read): what /route

@@ -80,7 +80,9 @@ async def route_inputs(service: Service, req: RouteRequest) -> RouteInputs:
         return await service.index_work.run(index_inputs, service, req)
     except (BackendTimeout, BackendBusy) as exc:
         known = service.route_view.last_pods()
-        pods, ignored = _candidates(service, req, known, lambda: frozenset(known))
+        pods, ignored = _candidates(
+            service, req, known, lambda: {*known, *service.known_without_index()}
+        )
         given = len(req.token_ids or [])
         view = _IndexView(given, fallback=DOWN, warnings=[*ignored, exc.detail])
         return RouteInputs(pods, view)

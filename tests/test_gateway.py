@@ -252,6 +252,32 @@ def test_a_dead_pod_is_skipped_before_any_byte(cluster) -> None:
     eventually(written_off, "the dead pod's load no longer read as known")
 
 
+def test_a_pod_page_with_an_impossible_figure_does_not_fail_the_gateway(cluster) -> None:
+    """Issue 26, item 2: ``vllm:num_requests_running 1e30`` on one pod's page made every
+    gateway request a 500 (the route loop's OverflowError) while that pod was a
+    candidate. Now the page is that pod's scrape error: its load is unknown, and the
+    gateway answers."""
+    broken = cluster.pods[0]
+
+    def load_of_broken() -> str:
+        probe = cluster.index.route(model="probe/unknown", token_ids=[7] * 16, request_id="bp")
+        cluster.index.done("bp")
+        return next(c.load for c in probe.candidates if c.pod == broken.pod)
+
+    broken.running = 10**30
+    try:
+        eventually(lambda: load_of_broken() != "known", "the broken page refused")
+        answer = cluster.openai().completions.with_raw_response.create(
+            model=MODEL, prompt="An ordinary request. " * 4, max_tokens=2
+        )
+        assert answer.http_response.status_code == 200
+        assert answer.parse().choices[0].text == "w0 w1 "
+        cluster.wait_released()
+    finally:
+        broken.running = 0
+    eventually(lambda: load_of_broken() == "known", "the mended page scraped")
+
+
 def test_models_health_and_refusals_in_openai_shape(cluster) -> None:
     client = cluster.openai()
     assert [m.id for m in client.models.list()] == [MODEL]

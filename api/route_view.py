@@ -2,11 +2,11 @@
 
 Which pods exist (the candidates when a request names none, and the only pods it may
 name) and which pods' streams are not in step with their engines (the stale-index
-check) come from the subscriber and the index: a snapshot of every stream is a few µs per stream, so at 64 pods reading them
-per request cost more than the whole routing decision. A pod that appeared, or a stream
-that gapped, in the last half second is seen at the next refresh: as late as the load
-figures (scraped every second), and a stream's gap is itself detected only when the
-next batch arrives.
+check) come from the subscriber and the index: a snapshot of every stream is a few µs
+per stream, so at 64 pods reading them per request cost more than the whole routing
+decision. A pod that appeared, or a stream that gapped, in the last half second is seen
+at the next refresh: as late as the load figures (scraped every second), and a stream's
+gap is itself detected only when the next batch arrives.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ from kvindex.api.schemas import (
 from kvindex.api.score_inputs import binary_parameters, request_body
 
 ROUTE_DESCRIPTION = """\
+The candidates are the pods kvindex knows (configured, discovered or publishing KV
+events); with `pods` given, those of them it knows: a named pod it does not know is left
+out with a `warnings` line and never contacted.
+
 The pod with the lowest **cost** wins (`scoring/route_cost.py`): the latency the request
 adds there, its own and what it inflicts, in units of this prompt's full prefill:
 
@@ -151,7 +155,9 @@ def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
                 "no_capacity: no pod admissible (KV cache or queue over the limit), see "
                 "Retry-After; or too many requests in flight (--max-in-flight)"
             ),
-            "503": described("no_pods: no pods given and none known"),
+            "503": described(
+                "no_pods: no pods given and none known, or none of the pods named is known"
+            ),
         },
     }
     route_id = "The route_id /route answered"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,23 +80,66 @@ async def route_inputs(service: Service, req: RouteRequest) -> RouteInputs:
     try:
         return await service.index_work.run(index_inputs, service, req)
     except (BackendTimeout, BackendBusy) as exc:
-        settings = service.settings
-        named = candidate_pods(req.pods, settings.events.serving_port, settings.http.max_pods)
-        pods = list(dict.fromkeys(named)) if named else service.route_view.last_pods()
+        known = service.route_view.last_pods()
+        pods, ignored = _candidates(
+            service, req, known, lambda: {*known, *service.known_without_index()}
+        )
         given = len(req.token_ids or [])
-        return RouteInputs(pods, _IndexView(given, fallback=DOWN, warnings=[exc.detail]))
+        view = _IndexView(given, fallback=DOWN, warnings=[*ignored, exc.detail])
+        return RouteInputs(pods, view)
 
 
 def index_inputs(service: Service, req: RouteRequest) -> RouteInputs:
     """The candidate pods (named, or known: that may read the index) and the index's
     view of ``req``: the part of a route that may wait on the backend or the tokenizer.
     Thread-safe: it reads caches and the backend, and writes only memos."""
+    route_view = service.route_view
+    pods, ignored = _candidates(service, req, route_view.pods(), route_view.known)
+    view = _index_view(service, req, pods) if pods else _IndexView(0)
+    if ignored:
+        view.warnings[:0] = ignored
+    return RouteInputs(pods, view)
+
+
+def _candidates(
+    service: Service,
+    req: RouteRequest,
+    known_pods: list[str],
+    known: Callable[[], Collection[str]],
+) -> tuple[list[str], list[str]]:
+    """The candidate pods (the named ones kvindex knows, else every known pod) and the
+    warning for named pods it does not know, which are left out.
+
+    kvindex scrapes its candidates' metrics and sends traffic to the chosen one, so a
+    pod only a request names is never one: it would make kvindex GET any address a
+    client writes (cloud metadata, internal services), answer with what it found, and
+    count the failures per address for anyone reading /metrics. Pods are known by
+    configuration (--zmq-connect, --pod-role), discovery, or the KV events they
+    published (:meth:`kvindex.api.service.Service.known_pods`). Raises Unavailable
+    (503 ``no_pods``, as when none is known) when no named pod is known."""
     settings = service.settings
     named = candidate_pods(req.pods, settings.events.serving_port, settings.http.max_pods)
-    pods = list(dict.fromkeys(named)) if named else service.route_view.pods()  # known: unique
-    if named:  # scraped from now on, even a pod kvindex has not heard from
-        service.load.ask(pods)
-    return RouteInputs(pods, _index_view(service, req, pods) if pods else _IndexView(0))
+    if not named:
+        return known_pods, []
+    allowed = known()
+    pods: list[str] = []
+    unknown: list[str] = []
+    for pod in dict.fromkeys(named):
+        (pods if pod in allowed else unknown).append(pod)
+    if not unknown:
+        return pods, []
+    shown = ", ".join(unknown[:_SHOWN_UNKNOWN])
+    if len(unknown) > _SHOWN_UNKNOWN:
+        shown += f" and {len(unknown) - _SHOWN_UNKNOWN} more"
+    why = "not configured, discovered or publishing KV events"
+    if not pods:
+        raise Unavailable(
+            f"none of the pods named is known to kvindex ({why}): {shown}", code="no_pods"
+        )
+    return pods, [f"pods not known to kvindex ({why}), ignored: {shown}"]
+
+
+_SHOWN_UNKNOWN = 8  # unknown pods a warning names (the rest are counted): answers stay small
 
 
 def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> RouteResponse:

@@ -1,12 +1,12 @@
 """What ``/route`` reads about the cluster on every request, read at most every 0.5 s.
 
-Which pods exist (the candidates when a request names none) and which pods' streams are
-not in step with their engines (the stale-index check) come from the subscriber and
-the index: a snapshot of every stream is a few µs per stream, so at 64 pods reading them
-per request cost more than the whole routing decision. A pod that appeared, or a stream
-that gapped, in the last half second is seen at the next refresh: as late as the load
-figures (scraped every second), and a stream's gap is itself detected only when the
-next batch arrives.
+Which pods exist (the candidates when a request names none, and the only pods it may
+name) and which pods' streams are not in step with their engines (the stale-index
+check) come from the subscriber and the index: a snapshot of every stream is a few µs
+per stream, so at 64 pods reading them per request cost more than the whole routing
+decision. A pod that appeared, or a stream that gapped, in the last half second is seen
+at the next refresh: as late as the load figures (scraped every second), and a stream's
+gap is itself detected only when the next batch arrives.
 """
 
 from __future__ import annotations
@@ -52,12 +52,22 @@ class RouteView:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pods = _Recent(known_pods, max_age_s, clock)
+        self._known: tuple[list[str], frozenset[str]] = ([], frozenset())
         self._doubts_of = doubts
         self._max_age, self._clock = max_age_s, clock
         self._doubts: dict[str, _Recent[Mapping[str, str]]] = {}
 
     def pods(self) -> list[str]:
         return self._pods.get()
+
+    def known(self) -> frozenset[str]:
+        """:meth:`pods` as a set, built once per read of them: the pods a request may
+        name (/route checks every named pod against it)."""
+        pods = self._pods.get()
+        cached = self._known
+        if cached[0] is not pods:
+            cached = self._known = (pods, frozenset(pods))  # one assignment, as in _Recent
+        return cached[1]
 
     def last_pods(self) -> list[str]:
         """The known pods as last read (none before the first read): what /route

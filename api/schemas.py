@@ -108,6 +108,12 @@ class ScoreResponse(msgspec.Struct):
     ] = []
 
 
+#: The largest ``max_tokens`` /route takes. The longest contexts models serve are ~10M
+#: tokens; a count past 2^31 is no request's, and would only inflate the blocks its route
+#: holds in the ledger. Past it is a 400, not a clamp: the client's number is wrong.
+MAX_OUTPUT_TOKENS = 2**31 - 1
+
+
 class RouteRequest(ScoreRequest, forbid_unknown_fields=True):
     """POST /route: the /score body, plus the request's id and expected output."""
 
@@ -127,7 +133,9 @@ class RouteRequest(ScoreRequest, forbid_unknown_fields=True):
         Annotated[
             int,
             msgspec.Meta(
-                ge=0, description="Expected output tokens, counted in the blocks the route holds."
+                ge=0,
+                le=MAX_OUTPUT_TOKENS,
+                description="Expected output tokens, counted in the blocks the route holds.",
             ),
         ]
         | None

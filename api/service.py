@@ -367,9 +367,17 @@ class Service:
         try:
             pods = self.directory.known_pods()
         except BackendError:  # the index is down: the pods this process hears from
-            pods = {stream.pod for stream in self.subscriber.streams()}
-            if self.discovery is not None:
-                pods.update(self.discovery.discovered())
+            return self.known_without_index()
+        pods.update(self.configured_pods())
+        return sorted(pods)
+
+    def known_without_index(self) -> list[str]:
+        """The known pods this process can name without reading the index: those it
+        hears from, discovered or configured. /route's candidates while the backend is
+        down or too slow to ask."""
+        pods = {stream.pod for stream in self.subscriber.streams()}
+        if self.discovery is not None:
+            pods.update(self.discovery.discovered())
         pods.update(self.configured_pods())
         return sorted(pods)
 

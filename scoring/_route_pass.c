@@ -21,8 +21,15 @@
  * passed through to the rows (a pod's kv_usage as its load holds it), None where the
  * Python loop answers None (a pod with several engines: the general path decides).
  * consts = (load_only, prompt_tokens, block_size, total_blocks, cap, w_prefix, w_queue,
- * w_decode, w_kv, max_kv, max_waiting, pending_waiting, future). Integers the Python loop would
- * hold beyond 64 bits raise OverflowError (no scraped gauge or prompt comes near).
+ * w_decode, w_kv, max_kv, max_waiting, pending_waiting, future).
+ *
+ * No input can overflow the loop: every per-pod count (requests running and waiting,
+ * in-flight routes, their prefill tokens, matched and speculative blocks) is read
+ * clamped to 0..COUNT_MAX, as the Python loop clamps it (route_pass.COUNT_MAX), so a
+ * sum of two is far inside 64 bits and a count times a prompt's tokens (which the
+ * request limits bound far below 2^32) too. Real counts are far below the bound (the
+ * scraper refuses a page past a million requests): the clamp is what keeps a figure
+ * that got past those checks from failing every /route, not a rule that decides.
  * tests/test_route_pass.py runs both and compares every row.
  */
 #define PY_SSIZE_T_CLEAN
@@ -75,13 +82,28 @@ static PyObject *get(PyObject *obj, Field *f) {
     return PyObject_GetAttr(obj, f->name);
 }
 
-/* An attribute as a long long; -1 with an exception set on failure. */
-static int attr_ll(PyObject *obj, Field *name, long long *out) {
+/* route_pass.COUNT_MAX: the largest per-pod count the loop reads as it is. */
+#define COUNT_MAX 2147483647LL
+
+/* An integer clamped to 0..COUNT_MAX (route_pass._count); -1 with an exception set when
+ * it is no integer. */
+static int as_count(PyObject *v, long long *out) {
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (value == -1 && !overflow && PyErr_Occurred()) return -1;
+    if (overflow > 0 || value > COUNT_MAX) value = COUNT_MAX;
+    else if (overflow < 0 || value < 0) value = 0;
+    *out = value;
+    return 0;
+}
+
+/* An attribute as a count (as_count); -1 with an exception set on failure. */
+static int attr_count(PyObject *obj, Field *name, long long *out) {
     PyObject *v = get(obj, name);
     if (v == NULL) return -1;
-    *out = PyLong_AsLongLong(v);
+    int rc = as_count(v, out);
     Py_DECREF(v);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+    return rc;
 }
 
 /* An attribute as a double (an int or a float); -1 with an exception set on failure. */
@@ -150,7 +172,8 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
                 goto done;
             }
             state = Py_NewRef(s_known);
-            if (attr_ll(load, &f_running, &running) < 0 || attr_ll(load, &f_waiting, &waiting) < 0)
+            if (attr_count(load, &f_running, &running) < 0 ||
+                attr_count(load, &f_waiting, &waiting) < 0)
                 goto pod_failed;
             kv_usage = get(load, &f_kv_usage);
             kv_max = kv_usage ? get(load, &f_kv_usage_max) : NULL;
@@ -185,10 +208,7 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         long long extra = 0;
         PyObject *extra_obj = PyDict_GetItemWithError(speculative, pod);
         if (extra_obj == NULL && PyErr_Occurred()) goto pod_failed;
-        if (extra_obj != NULL) {
-            extra = PyLong_AsLongLong(extra_obj);
-            if (extra == -1 && PyErr_Occurred()) goto pod_failed;
-        }
+        if (extra_obj != NULL && as_count(extra_obj, &extra) < 0) goto pod_failed;
         if (have_started && (match != NULL || extra_obj != NULL)) {
             PyObject *lag = PyDict_GetItemWithError(heard, pod);
             if (lag == NULL && PyErr_Occurred()) goto pod_failed;
@@ -215,16 +235,16 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         PyObject *entry = PyDict_GetItemWithError(in_flight, pod);
         if (entry == NULL && PyErr_Occurred()) goto pod_failed;
         if (entry != NULL) {
-            if (attr_ll(entry, &f_requests, &flying) < 0 ||
-                attr_ll(entry, &f_prefilling, &prefilling) < 0 ||
-                attr_ll(entry, &f_prefill_tokens, &prefill_tokens) < 0 ||
+            if (attr_count(entry, &f_requests, &flying) < 0 ||
+                attr_count(entry, &f_prefilling, &prefilling) < 0 ||
+                attr_count(entry, &f_prefill_tokens, &prefill_tokens) < 0 ||
                 attr_double(entry, &f_sessions, &sessions) < 0)
                 goto pod_failed;
         }
         long long confirmed = 0;
         double weighted = 0.0;
         if (match != NULL) {
-            if (attr_ll(match, &f_matched_blocks, &confirmed) < 0) goto pod_failed;
+            if (attr_count(match, &f_matched_blocks, &confirmed) < 0) goto pod_failed;
             PyObject *score = get(match, &f_score);
             if (score == NULL) goto pod_failed;
             weighted = PyFloat_AsDouble(score);

@@ -4,7 +4,7 @@ last good scrape, plus what kvindex routed to it since (the in-flight ledger).
 Interface for the router (``/route``, issue 11)::
 
     view = LoadView(interval_s=1.0, timeout_s=0.5, stale_after_s=3.0)
-    view.set_pods(["127.0.0.7:8000", "127.0.0.8:8000"])  # from discovery, any time
+    view.set_pods(["127.0.0.7:8000", "127.0.0.8:8000"])  # the known pods, any time
     view.start()                                        # background scraping
     loads = view.snapshot(candidate_pods)               # per request, no I/O
     for pod, load in loads.items():
@@ -23,12 +23,14 @@ Interface for the router (``/route``, issue 11)::
   The one exception is ``pending``: a pod to be scraped whose first scrape has not been
   tried yet. Nothing is known against it, so the router may choose it (see
   :mod:`kvindex.scoring.targets`); once a scrape fails it is ``not_scraped``.
-- Pods a request names (``ask``) are scraped too, from a round started at once, until
-  they go unnamed for ``asked_ttl_s``: in bind mode without discovery kvindex knows
-  only the pods that have published, and a pod that has not must not stay unscraped,
-  and so never chosen, while a gateway keeps naming it.
-- Scrape failures (connection, timeout, HTTP status, unreadable text, no vLLM gauges)
-  are counted per pod (``scrape_errors``) and never raise.
+- Only the pods ``set_pods`` (or ``pods_source``) gives are scraped: the pods kvindex
+  knows. A name taken from a request is never dialled (it would make kvindex a proxy
+  for GETs to any address, and its per-pod error counter a port scanner).
+- Scrape failures (connection, timeout, HTTP status, unreadable text, no vLLM gauges,
+  impossible values) are counted per pod (``scrape_errors``) and never raise: one pod's
+  page cannot stop the others' scrapes. A page that answers with impossible values also
+  drops the pod's last good figures at once (its load is unknown): the pod spoke, and
+  what it said is no load.
 - Requests are summed over a pod's engines (data-parallel ranks, the ``engine`` label);
   KV usage is reported as the mean and the max over engines, and per engine.
 - ``process_start_time_seconds`` (when the pod's server process started) is kept with
@@ -67,7 +69,6 @@ from kvindex.scoring.load_metrics import (
 log = logging.getLogger(__name__)
 
 _MAX_BODY_BYTES = 8 * 1024 * 1024  # a vLLM metrics page is ~100 KB
-_MAX_ASKED = 16_384  # pods remembered from requests; beyond it, new names are not scraped
 
 
 class PodLoad(msgspec.Struct, frozen=True, gc=False):
@@ -122,7 +123,6 @@ class LoadView:
         clock: Callable[[], float] = time.monotonic,
         ledger: InFlightLedger | None = None,
         pods_source: Callable[[], Iterable[str]] | None = None,
-        asked_ttl_s: float = 300.0,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("interval_s and timeout_s must be positive")
@@ -139,11 +139,6 @@ class LoadView:
         self._states: dict[str, _PodState] = {}
         self._max_workers = max_workers
         self._stop = threading.Event()
-        self._wake = threading.Event()  # a request named a pod never scraped: scrape now
-        # Pods requests named -> when last named. Written by request threads, read and
-        # expired by the scraper thread (single dict operations, atomic under the GIL).
-        self._asked: dict[str, float] = {}
-        self.asked_ttl_s = asked_ttl_s
         self._thread: threading.Thread | None = None
         self._client = None
         self._pool: ThreadPoolExecutor | None = None
@@ -152,33 +147,6 @@ class LoadView:
         """The pods to scrape from the next round on; pods no longer listed are forgotten
         at that round (the scraper thread is the only writer of their state)."""
         self._pods = tuple(dict.fromkeys(pods))
-
-    def ask(self, pods: Iterable[str]) -> None:
-        """Pods a request names: scraped from now on (a round starts at once for new
-        ones) until none names them for ``asked_ttl_s``. Runs per /route request that
-        names pods: one dict write per pod."""
-        now = self._clock()
-        asked = self._asked
-        new = False
-        for pod in pods:
-            if pod not in asked:
-                if len(asked) >= _MAX_ASKED:
-                    continue
-                new = True
-            asked[pod] = now
-        if new:
-            self._wake.set()
-
-    def _asked_pods(self) -> list[str]:
-        """The named pods still wanted; the expired ones forgotten."""
-        now = self._clock()
-        keep = []
-        for pod, at in list(self._asked.items()):
-            if now - at > self.asked_ttl_s:
-                self._asked.pop(pod, None)
-            else:
-                keep.append(pod)
-        return keep
 
     @property
     def pods(self) -> tuple[str, ...]:
@@ -194,7 +162,6 @@ class LoadView:
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s + 5)
             self._thread = None
@@ -208,7 +175,7 @@ class LoadView:
     def scrape_once(self) -> None:
         """One round over every pod, concurrently; returns when all have answered or
         timed out. The background thread calls this every ``interval_s``."""
-        pods = tuple(dict.fromkeys((*self._pods, *self._asked_pods())))
+        pods = self._pods
         wanted = set(pods)
         for gone in [p for p in self._states if p not in wanted]:
             del self._states[gone]
@@ -231,6 +198,8 @@ class LoadView:
                 kind, message = result
                 state.failures_by_kind[kind] = state.failures_by_kind.get(kind, 0) + 1
                 state.last_error = message
+                if kind == "bad_metrics":
+                    state.good = None
 
     def snapshot(self, pods: Iterable[str]) -> dict[str, PodLoad | Unknown]:
         """Each of ``pods`` as a PodLoad, or Unknown when its figures are missing or older
@@ -258,13 +227,13 @@ class LoadView:
         error = state.last_error if state is not None else None
         if good is None:
             # Never tried yet, but about to be: nothing known against it.
-            untried = state is None and (pod in self._asked or pod in self._pods)
+            untried = state is None and pod in self._pods
             return Unknown(pod, "pending" if untried else "not_scraped", error, None)
         return Unknown(pod, "stale", error, max(0.0, now - good.scraped_at))
 
     def scrape_errors(self) -> dict[str, dict[str, int]]:
         """Failed scrapes per pod, by kind (connect, timeout, http_status, too_large,
-        bad_metrics)."""
+        bad_metrics: unreadable, or impossible values)."""
         return {
             pod: dict(state.failures_by_kind)
             for pod, state in list(self._states.items())
@@ -281,8 +250,7 @@ class LoadView:
             except Exception:  # a bug, not a pod's failure (those are counted): keep going
                 log.exception("load scrape round failed")
             elapsed = self._clock() - started
-            self._wake.wait(max(0.0, self.interval_s - elapsed))
-            self._wake.clear()
+            self._stop.wait(max(0.0, self.interval_s - elapsed))
 
     def _http(self):  # -> httpx.Client
         if self._client is None:
@@ -315,14 +283,22 @@ class LoadView:
                         return ("timeout", f"GET {url}: body not read within {self.timeout_s}s")
                     chunks.append(chunk)
             text = b"".join(chunks).decode("utf-8", errors="replace")
-            engines = parse_engine_loads(text)
         except httpx.TimeoutException:
             return ("timeout", f"GET {url}: no answer within {self.timeout_s}s")
         except httpx.HTTPError as exc:
             return ("connect", f"GET {url}: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # never the round's failure: the other pods go on
+            log.warning("scraping %s failed: %r", pod, exc)
+            return ("connect", f"GET {url}: {type(exc).__name__}")
+        try:
+            engines = parse_engine_loads(text)
+            total = totals(engines)  # over the engines, once per scrape, not per request
+            started = parse_start_time(text)
         except MetricsError as exc:
             return ("bad_metrics", f"GET {url}: {exc}")
-        total = totals(engines)  # over the engines, once per scrape rather than per request
+        except Exception as exc:  # a page the checks missed is still this pod's failure
+            log.warning("reading %s's metrics page failed: %r", pod, exc)
+            return ("bad_metrics", f"GET {url}: unreadable page ({type(exc).__name__})")
         return PodLoad(
             pod,
             total.running,
@@ -331,5 +307,5 @@ class LoadView:
             total.kv_usage_max,
             engines,
             self._clock(),
-            parse_start_time(text),
+            started,
         )

@@ -28,6 +28,17 @@ class MetricsError(ValueError):
     """A metrics page kvindex cannot read a load from; the message says why."""
 
 
+#: The most requests one pod's page may report running, or waiting (each sample, and
+#: their sum over the page). vLLM runs at most ``max_num_seqs`` requests per engine (256
+#: by default, a few thousand at most) and holds its waiting queue in memory, so a
+#: million is no real pod's figure but a broken or hostile page. The bound also keeps
+#: every figure the route cost multiplies by a prompt's length far inside 64 bits.
+MAX_REQUESTS = 1_000_000
+#: KV usage is a fraction (0..1); a little above 1 is float rounding, read as 1.0, and
+#: anything further is not a fraction.
+MAX_KV_USAGE = 1.01
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
     """One engine core's scheduler state (one data-parallel rank)."""
@@ -42,7 +53,9 @@ def parse_engine_loads(text: str) -> dict[str, EngineLoad]:
 
     Requests are summed over the other labels (``model_name``); KV usage is the largest
     value seen for the engine. Raises MetricsError for text that does not parse, holds no
-    vLLM scheduler gauges, or holds values that cannot be a load (negative, NaN).
+    vLLM scheduler gauges, or holds values that cannot be a load (NaN, infinite,
+    negative, more than :data:`MAX_REQUESTS` requests, KV usage above
+    :data:`MAX_KV_USAGE`).
     """
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -63,7 +76,8 @@ def parse_engine_loads(text: str) -> dict[str, EngineLoad]:
                 if sample.name != family.name:
                     continue
                 value = sample.value
-                if math.isnan(value) or value < 0:
+                limit = MAX_REQUESTS if family.name in sums else MAX_KV_USAGE
+                if not (0.0 <= value <= limit):  # NaN fails every comparison
                     raise MetricsError(f"{sample.name} has impossible value {value}")
                 engine = sample.labels.get("engine", "0")
                 if family.name in sums:
@@ -78,6 +92,9 @@ def parse_engine_loads(text: str) -> dict[str, EngineLoad]:
         raise MetricsError(f"not Prometheus text: {exc}") from None
     if not running and not waiting:
         raise MetricsError(f"no {RUNNING} or {WAITING}: is this a vLLM metrics endpoint?")
+    for name, per_engine in sums.items():
+        if sum(per_engine.values()) > MAX_REQUESTS:
+            raise MetricsError(f"{name} sums to more than {MAX_REQUESTS} requests")
     kv = kv_new or kv_old
     engines = sorted(set(running) | set(waiting) | set(kv), key=_engine_order)
     return {

@@ -47,6 +47,18 @@ compiled = _compiled
 
 R = TypeVar("R")
 
+#: The largest per-pod count (requests, in-flight routes and their prefill tokens,
+#: matched and speculative blocks) the candidate loop reads as it is; beyond it, and
+#: below 0, a count is clamped. Real counts are far below it (the scraper refuses a page
+#: past a million requests); the bound keeps the compiled loop's 64-bit arithmetic from
+#: overflowing on a figure that got past those checks, which would fail every /route.
+COUNT_MAX = 2**31 - 1
+
+
+def _count(value: int) -> int:
+    """``value`` clamped to 0..COUNT_MAX (``as_count`` in scoring/_route_pass.c)."""
+    return value if 0 <= value <= COUNT_MAX else (0 if value < 0 else COUNT_MAX)
+
 
 def implementation() -> str:
     """``"compiled"`` or ``"python"``: which candidate loop ``/route`` runs."""
@@ -168,8 +180,8 @@ def _rows_python(
         if type(load) is PodLoad:
             if len(load.engines) > 1:  # one target per engine: the general path
                 return None
-            state, running = "known", load.running
-            waiting, kv_usage, kv_max = load.waiting, load.kv_usage, load.kv_usage_max
+            state, running = "known", _count(load.running)
+            waiting, kv_usage, kv_max = _count(load.waiting), load.kv_usage, load.kv_usage_max
             started = load.started
         else:
             state, kv_max = load.reason, None
@@ -178,7 +190,7 @@ def _rows_python(
             else:
                 running = waiting = kv_usage = None
         match = get_match(pod)
-        extra = get_extra(pod, 0)
+        extra = _count(get_extra(pod, 0))
         if started is not None and (match is not None or pod in speculative):
             lag = heard.get(pod)
             if lag is not None and lag.ts is not None and lag.ts < started:
@@ -189,12 +201,13 @@ def _rows_python(
             flying = prefilling = prefill_tokens = 0
             sessions = 0.0
         else:
-            flying, prefilling = flying_entry.requests, flying_entry.prefilling
-            prefill_tokens, sessions = flying_entry.prefill_tokens, flying_entry.sessions
+            flying, prefilling = _count(flying_entry.requests), _count(flying_entry.prefilling)
+            prefill_tokens = _count(flying_entry.prefill_tokens)
+            sessions = flying_entry.sessions
         if match is None:
             confirmed, weighted = 0, 0.0
         else:
-            confirmed, weighted = match.matched_blocks, match.score
+            confirmed, weighted = _count(match.matched_blocks), match.score
         # route_cost.pod_costs, term for term
         matched = confirmed + extra
         weighted = weighted + extra

@@ -10,8 +10,8 @@ are those its index entries, speculative entries or metrics page show; rank 0 al
 A ``pending`` pod (to be scraped, its first scrape not tried yet:
 :mod:`kvindex.scoring.load`) is costed as a pod with one request waiting, none running
 and an empty cache: no better than a known idle pod, but far from the "busy" an unknown pod is
-costed as, so on a fresh cluster the first requests spread over the pods a gateway
-names instead of all going to the first pod kvindex heard from. Its in-flight routes
+costed as, so on a fresh cluster the first requests spread over the configured pods
+instead of all going to the first pod kvindex heard from. Its in-flight routes
 count as for any pod, so a burst before the first scrape spreads too.
 
 Speculative blocks (:mod:`kvindex.scoring.speculative`) extend a rank's confirmed prefix

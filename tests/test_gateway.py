@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvindex.api.client import Client
+from kvindex.api.client import ApiError, Client
 from kvindex.api.testing import ServeProcess, free_port
 from tests.chat_models import model_directory
 
@@ -214,9 +214,14 @@ def test_a_dead_pod_is_skipped_before_any_byte(cluster) -> None:
         def scraped() -> bool:
             # Asked about the doomed pod alone: a route is also a speculative entry on
             # the pod it names, which must not make another pod hold this prompt.
-            route = cluster.index.route(
-                model=MODEL, token_ids=tokens, request_id="d", pods=[doomed.pod]
-            )
+            try:
+                route = cluster.index.route(
+                    model=MODEL, token_ids=tokens, request_id="d", pods=[doomed.pod]
+                )
+            except ApiError as exc:  # /route reads the known pods at most every 0.5 s
+                if exc.code == "no_pods":
+                    return False
+                raise
             cluster.index.done("d")
             return route.candidates[0].load == "known"
 
@@ -245,6 +250,32 @@ def test_a_dead_pod_is_skipped_before_any_byte(cluster) -> None:
     # kvindex keeps the dead pod (its stream stays); until its scrape is seen failing, its
     # last load reads idle and a load-only pick in a later test could still land on it.
     eventually(written_off, "the dead pod's load no longer read as known")
+
+
+def test_a_pod_page_with_an_impossible_figure_does_not_fail_the_gateway(cluster) -> None:
+    """Issue 26, item 2: ``vllm:num_requests_running 1e30`` on one pod's page made every
+    gateway request a 500 (the route loop's OverflowError) while that pod was a
+    candidate. Now the page is that pod's scrape error: its load is unknown, and the
+    gateway answers."""
+    broken = cluster.pods[0]
+
+    def load_of_broken() -> str:
+        probe = cluster.index.route(model="probe/unknown", token_ids=[7] * 16, request_id="bp")
+        cluster.index.done("bp")
+        return next(c.load for c in probe.candidates if c.pod == broken.pod)
+
+    broken.running = 10**30
+    try:
+        eventually(lambda: load_of_broken() != "known", "the broken page refused")
+        answer = cluster.openai().completions.with_raw_response.create(
+            model=MODEL, prompt="An ordinary request. " * 4, max_tokens=2
+        )
+        assert answer.http_response.status_code == 200
+        assert answer.parse().choices[0].text == "w0 w1 "
+        cluster.wait_released()
+    finally:
+        broken.running = 0
+    eventually(lambda: load_of_broken() == "known", "the mended page scraped")
 
 
 def test_models_health_and_refusals_in_openai_shape(cluster) -> None:

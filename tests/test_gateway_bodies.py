@@ -10,7 +10,7 @@ import pytest
 
 from kvindex.api.gateway.bodies import Endpoint, RouteRequests, lora_adapters, read_body
 from kvindex.api.gateway.upstream import _rank_header
-from kvindex.api.schemas import RouteCandidate, RouteResponse
+from kvindex.api.schemas import MAX_OUTPUT_TOKENS, RouteCandidate, RouteResponse
 from kvindex.api.settings import Settings
 from kvindex.events.errors import ClientError
 from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
@@ -52,6 +52,25 @@ def test_bodies_that_cannot_be_routed_are_client_errors(body: bytes) -> None:
     endpoint = Endpoint.CHAT if b"messages" in body else Endpoint.COMPLETIONS
     with pytest.raises(ClientError):
         build(endpoint, body)
+
+
+@pytest.mark.parametrize(
+    ("given", "estimate"),
+    [(2**63, MAX_OUTPUT_TOKENS), (2**70, MAX_OUTPUT_TOKENS), (-5, 0), (64, 64)],
+)
+def test_the_output_estimate_is_clamped_and_the_body_left_to_the_pod(
+    given: int, estimate: int
+) -> None:
+    """Issue 26, item 2: the gateway forwards the body as it is (the pod refuses a
+    max_tokens it cannot serve); /route's estimate of the output is clamped, so an
+    absurd count cannot fail the routing (a negative one made the ledger raise)."""
+    bodies = [
+        (Endpoint.COMPLETIONS, f'{{"model": "m", "prompt": [1, 2], "max_tokens": {given}}}'),
+        (Endpoint.CHAT, f'{{"model": "m", "messages": [], "max_tokens": {given}}}'),
+        (Endpoint.CHAT, f'{{"model": "m", "messages": [], "max_completion_tokens": {given}}}'),
+    ]
+    for endpoint, body in bodies:
+        assert build(endpoint, body.encode()).max_tokens == estimate
 
 
 def test_without_a_tokenizer_the_text_and_chat_fields_go_to_route() -> None:

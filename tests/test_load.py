@@ -21,17 +21,24 @@ import pytest
 from kvindex.events.testing import wait_until
 from kvindex.scoring.inflight import InFlight, InFlightLedger
 from kvindex.scoring.load import LoadView, PodLoad, Unknown
-from kvindex.scoring.load_metrics import MetricsError, parse_engine_loads, parse_start_time
+from kvindex.scoring.load_metrics import (
+    MAX_REQUESTS,
+    MetricsError,
+    parse_engine_loads,
+    parse_start_time,
+)
 
 METRICS = Path(__file__).parent / "fixtures" / "metrics"
 DP2 = (METRICS / "vllm-0.33-dp2-busy.txt").read_text()
 DP1_IDLE = (METRICS / "vllm-0.33-dp1-idle.txt").read_text()
 
 
-def with_values(page: str, metric: str, engine: str, value: float) -> str:
-    """``page`` with the sample of ``metric`` for ``engine`` set to ``value``."""
+def with_values(page: str, metric: str, engine: str, value: float | str) -> str:
+    """``page`` with the sample of ``metric`` for ``engine`` set to ``value`` (a string
+    is written as it is: ``+Inf``, ``NaN``, ``1e30``)."""
+    text = value if isinstance(value, str) else repr(float(value))
     pattern = re.compile(rf'^({re.escape(metric)}\{{engine="{engine}",[^}}]*\}}) \S+$', re.M)
-    changed, count = pattern.subn(rf"\g<1> {float(value)!r}", page)
+    changed, count = pattern.subn(rf"\g<1> {text}", page)
     assert count == 1, f"{metric} engine {engine} not in page"
     return changed
 
@@ -124,6 +131,53 @@ def test_requests_are_summed_over_model_label_sets() -> None:
 def test_pages_without_a_vllm_load_are_refused(page: str, needle: str) -> None:
     with pytest.raises(MetricsError, match=needle):
         parse_engine_loads(page)
+
+
+IMPOSSIBLE = ["1e30", "+Inf", "NaN", "-5", str(MAX_REQUESTS + 1)]
+
+
+@pytest.mark.parametrize("metric", ["vllm:num_requests_running", "vllm:num_requests_waiting"])
+@pytest.mark.parametrize("value", IMPOSSIBLE)
+def test_request_counts_that_no_pod_has_are_refused(metric: str, value: str) -> None:
+    """Issue 26: ``+Inf`` escaped the parser as int(inf)'s OverflowError, 1e30 reached
+    the route loop as an int past 64 bits."""
+    with pytest.raises(MetricsError, match="impossible"):
+        parse_engine_loads(with_values(DP1_IDLE, metric, "0", value))
+
+
+@pytest.mark.parametrize("value", ["1.5", "+Inf", "NaN", "-0.1"])
+def test_kv_usage_that_is_no_fraction_is_refused(value: str) -> None:
+    with pytest.raises(MetricsError, match="impossible"):
+        parse_engine_loads(with_values(DP1_IDLE, "vllm:kv_cache_usage_perc", "0", value))
+
+
+def test_request_counts_are_bounded_over_the_page_too() -> None:
+    half = MAX_REQUESTS // 2 + 1  # each engine's figure possible, the pod's sum not
+    page = with_values(DP2, "vllm:num_requests_waiting", "0", half)
+    with pytest.raises(MetricsError, match="sums to more than"):
+        parse_engine_loads(with_values(page, "vllm:num_requests_waiting", "1", half))
+
+
+@pytest.mark.parametrize("value", IMPOSSIBLE)
+def test_a_bad_page_is_its_pods_scrape_error_alone(servers, value: str) -> None:
+    """One round over three pods, one serving an impossible figure: the others are
+    scraped, the bad one counted (bad_metrics) and its earlier good load dropped."""
+    busy, idle = servers
+    bad = MetricsServer(DP1_IDLE)
+    view = LoadView(interval_s=1.0, timeout_s=2.0)
+    view.set_pods([busy.pod, bad.pod, idle.pod])
+    try:
+        view.scrape_once()
+        assert isinstance(view.snapshot([bad.pod])[bad.pod], PodLoad)
+        bad.page = with_values(DP1_IDLE, "vllm:num_requests_running", "0", value)
+        view.scrape_once()
+        loads = view.snapshot([busy.pod, bad.pod, idle.pod])
+    finally:
+        view.stop()
+        bad.close()
+    assert isinstance(loads[busy.pod], PodLoad) and isinstance(loads[idle.pod], PodLoad)
+    assert loads[bad.pod].reason == "not_scraped" and "impossible" in loads[bad.pod].last_error
+    assert view.scrape_errors() == {bad.pod: {"bad_metrics": 1}}
 
 
 def test_scrape_reports_each_pods_load_and_in_flight(servers) -> None:
@@ -301,31 +355,3 @@ def test_ledger_stays_consistent_under_concurrent_use() -> None:
     assert sum(c.requests for c in counts.values()) == 8 * 1000 == len(ledger)
     # odd i are left open: i % 4 == 1 on pod1, i % 4 == 3 on pod3, 500 each per worker
     assert counts == {"pod1": InFlight(4000, 12000, 4000), "pod3": InFlight(4000, 12000, 4000)}
-
-
-def test_named_pods_are_pending_then_scraped_then_forgotten_when_no_longer_named(
-    servers,
-) -> None:
-    busy, _ = servers
-    clock = FakeClock()
-    view = LoadView(interval_s=1.0, timeout_s=1.0, clock=clock, asked_ttl_s=60.0)
-    dead = "127.0.0.1:9"  # nothing listens there
-    try:
-        assert view.snapshot([busy.pod])[busy.pod].reason == "not_scraped"  # nobody asked
-        view.ask([busy.pod, dead])
-        before = view.snapshot([busy.pod, dead])
-        assert {load.reason for load in before.values()} == {"pending"}
-        view.scrape_once()
-        after = view.snapshot([busy.pod, dead])
-        assert isinstance(after[busy.pod], PodLoad)
-        assert after[dead].reason == "not_scraped" and after[dead].last_error
-        clock.now += 30.0
-        view.ask([busy.pod])  # still named; the dead pod is not
-        clock.now += 40.0
-        view.scrape_once()
-        assert isinstance(view.snapshot([busy.pod])[busy.pod], PodLoad)
-        # Unnamed for over asked_ttl_s: no longer scraped, its state forgotten.
-        assert view.snapshot([dead])[dead].reason == "not_scraped"
-        assert dead not in view.scrape_errors()
-    finally:
-        view.stop()

@@ -111,8 +111,9 @@ def _score(client: httpx.Client, **extra: object) -> httpx.Response:
 
 
 def test_a_stuck_lookup_answers_503_at_its_deadline_and_the_cap_refuses_at_once() -> None:
+    known = [f"{POD}=both"]  # configured: /route takes only pods it knows
     with (
-        hung_redis(backend_deadline=0.3, backend_max_in_flight=2) as (url, _),
+        hung_redis(backend_deadline=0.3, backend_max_in_flight=2, pod_role=known) as (url, _),
         httpx.Client(base_url=url, timeout=20) as client,
     ):
         # Two lookups reach the hung Redis and stay stuck there past their deadline...
@@ -275,7 +276,7 @@ def test_the_in_process_gateway_routes_off_the_event_loop() -> None:
     service = Service(
         from_flags(
             model=M, backend=f"redis://127.0.0.1:{port}/0?cluster=no&timeout=5",
-            backend_deadline=0.3,
+            backend_deadline=0.3, pod_role=[f"{POD}=both"],  # known without the index
         )
     )  # fmt: skip
     request = RouteRequest(model=M, block_hashes=KEYS, pods=[POD])

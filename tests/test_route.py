@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.api.testing import ServeProcess, free_port
 from kvindex.events.publisher import EnginePublisher
@@ -34,6 +37,36 @@ def page(running: int = 0, waiting: int = 0, kv: float = 0.0) -> str:
     text = with_values(DP1_IDLE, "vllm:num_requests_running", "0", running)
     text = with_values(text, "vllm:num_requests_waiting", "0", waiting)
     return with_values(text, "vllm:kv_cache_usage_perc", "0", kv)
+
+
+class ConnectionCounter:
+    """A TCP listener on loopback that counts the connections made to it (and closes
+    them): proof that kvindex did or did not dial an address."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.pod = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(5.0)
+        self.sock.close()
 
 
 def eventually(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
@@ -266,31 +299,101 @@ def test_no_admissible_pod_is_429_with_retry_after(cluster: Cluster) -> None:
     cluster.set_pages()
 
 
-def test_unknown_model_and_unknown_pods_fall_back_to_load(cluster: Cluster) -> None:
+def test_an_unknown_model_falls_back_to_load(cluster: Cluster) -> None:
     cluster.set_pages(a=page(waiting=3))
     answer = cluster.route(model="nobody/knows", request_id="unk-1").json()
     assert answer["reason"] == "fallback_unknown_model" and answer["pod"] != cluster.a
     cluster.done("unk-1")
-    stranger = "127.0.0.9:8000"  # named by the request, nothing listens there
-    answer = cluster.route(COLD, pods=[stranger, cluster.b], request_id="unk-2").json()
-    # Named, not scraped yet: eligible, but no better than an idle pod with one request.
-    assert answer["pod"] == cluster.b
-    s = next(c for c in answer["candidates"] if c["pod"] == stranger)
-    assert s["load"] == "pending" and s["waiting"] == 1 and s["kv_cost"] == 0.0
-    cluster.done("unk-2")
-
-    def stranger_row() -> dict:
-        answer = cluster.route(COLD, pods=[stranger, cluster.b], request_id="unk-3").json()
-        cluster.done("unk-3")
-        assert answer["pod"] == cluster.b
-        return next(c for c in answer["candidates"] if c["pod"] == stranger)
-
-    # Its first scrape fails: not idle, costed busy from then on.
-    eventually(lambda: stranger_row()["load"] == "not_scraped", "the stranger's scrape failing")
-    s = stranger_row()
-    assert s["waiting"] is None and s["kv_cost"] == 1.0
     bad = cluster.route(model=MODEL, token_ids=None)
     assert bad.status_code == 400 and bad.json()["error"] == "invalid_request"
+
+
+def test_pods_kvindex_does_not_know_are_ignored_and_never_dialled(cluster: Cluster) -> None:
+    """Issue 26, item 3: a pod named in /route's ``pods`` was scraped (GET
+    http://HOST:PORT/metrics every load interval for 5 minutes), could be chosen, and
+    its scrape errors were a /metrics label: kvindex dialled any address a client wrote.
+    Now a named pod kvindex does not know (not configured, discovered or publishing) is
+    left out with a warning and never dialled; naming only such pods is a 503 no_pods."""
+    cluster.set_pages()
+    stranger = ConnectionCounter()  # listens on loopback: a dial would be counted
+    known_server = cluster.metrics[1]  # pod b: scraped every load interval
+    try:
+        answer = cluster.route(COLD, pods=[stranger.pod, cluster.b], request_id="ssrf-1")
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["pod"] == cluster.b and [c["pod"] for c in body["candidates"]] == [cluster.b]
+        assert any(stranger.pod in w and "not known" in w for w in body["warnings"])
+        cluster.done("ssrf-1")
+        alone = cluster.route(COLD, pods=[stranger.pod, "127.0.0.1:9"])
+        assert alone.status_code == 503 and alone.json()["error"] == "no_pods"
+        assert stranger.pod in alone.json()["detail"]
+        # Several load intervals (0.5 s each): b scraped four more times, the stranger
+        # not once, and no metric names it.
+        scrapes = known_server.requests
+        eventually(lambda: known_server.requests >= scrapes + 4, "four more scrapes of b")
+        assert stranger.connections == 0
+        metrics = httpx.get(f"{cluster.url}/metrics", timeout=5).text
+        assert stranger.pod not in metrics and "127.0.0.1:9" not in metrics
+    finally:
+        stranger.close()
+
+
+def scrape_errors(url: str) -> dict[tuple[str, str], float]:
+    """kvindex's ``kvindex_load_scrape_errors_total`` by (pod, kind)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return {
+        (sample.labels["pod"], sample.labels["kind"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "kvindex_load_scrape_errors"
+        for sample in family.samples
+        if sample.name == "kvindex_load_scrape_errors_total"
+    }
+
+
+@pytest.mark.parametrize("value", ["1e30", "+Inf", "NaN", "-5"])
+def test_a_pod_page_with_an_impossible_figure_is_that_pods_scrape_error_alone(
+    cluster: Cluster, value: str
+) -> None:
+    """Issue 26, item 2: ``vllm:num_requests_running 1e30`` on one pod's page made
+    every /route naming it a 500 (OverflowError in the route loop), and ``+Inf`` aborted
+    every scrape round (all pods' load went stale). Now that page is that pod's scrape
+    error (bad_metrics), its load unknown, while the others are scraped and routed."""
+    cluster.set_pages()
+    bad = (cluster.c, "bad_metrics")
+    before = scrape_errors(cluster.url)
+    cluster.metrics[2].page = with_values(page(), "vllm:num_requests_running", "0", value)
+    eventually(
+        lambda: scrape_errors(cluster.url).get(bad, 0) >= before.get(bad, 0) + 2,
+        "c's page counted as bad twice",
+    )
+    # The other pods are still scraped: a new figure on a's page is seen.
+    cluster.metrics[0].page = page(waiting=2)
+
+    def rows() -> dict[str, dict]:
+        answer = cluster.route(COLD, request_id="bad-page")
+        assert answer.status_code == 200, answer.text
+        cluster.done("bad-page")
+        return {c["pod"]: c for c in answer.json()["candidates"]}
+
+    eventually(lambda: rows()[cluster.a]["waiting"] == 2, "a's new page scraped")
+    got = rows()
+    assert got[cluster.c]["load"] == "not_scraped" and got[cluster.c]["running"] is None
+    assert got[cluster.a]["load"] == got[cluster.b]["load"] == "known"
+    after = scrape_errors(cluster.url)
+    assert {key: n for key, n in after.items() if n != before.get(key, 0)}.keys() == {bad}
+    cluster.set_pages()
+
+
+@pytest.mark.parametrize("max_tokens", [2**63, 1e30, 2**64 * 10, -1])
+def test_max_tokens_out_of_range_is_a_clear_400(cluster: Cluster, max_tokens: float) -> None:
+    """Issue 26, item 2: a /route body's ``max_tokens`` past any output (2^63, 1e30)
+    is refused, naming the field, not taken into the ledger's counts."""
+    answer = cluster.route(COLD, max_tokens=max_tokens, request_id="huge-output")
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == "invalid_request" and "max_tokens" in answer.text
+    most = cluster.route(COLD, max_tokens=2**31 - 1, request_id="long-output")
+    assert most.status_code == 200, most.text
+    assert cluster.done("long-output").status_code == 200
 
 
 def test_a_gapped_stream_makes_the_decision_load_only(cluster: Cluster) -> None:
@@ -322,6 +425,8 @@ def test_backend_down_falls_back_to_load(redis_server: RedisServer) -> None:
         "--backend", redis_server.url,
         "--model", MODEL,
         "--load-interval", "0.5",
+        # Configured: nothing publishes here, and kvindex routes only to pods it knows.
+        *(arg for m in metrics for arg in ("--pod-role", f"{m.pod}=both")),
         env={**os.environ},
     )  # fmt: skip
     try:
@@ -346,49 +451,20 @@ def test_backend_down_falls_back_to_load(redis_server: RedisServer) -> None:
             m.close()
 
 
-def test_pods_a_request_names_are_scraped_and_chosen_before_they_publish(cluster) -> None:
-    """Bind mode, no discovery: kvindex knows only pods that published. Pods a gateway
-    names that have not published yet are scraped from that request on, and are
-    eligible before their first scrape, so a fresh cluster's first requests spread
-    instead of all landing on the one pod kvindex heard from (bench/README.md)."""
-    cluster.set_pages()
-    silent = [MetricsServer(page()) for _ in range(3)]  # serve /metrics, never publish
-    named = [cluster.a, *(m.pod for m in silent)]
-    ids = [f"fresh-{i}" for i in range(6)]
-    try:
-        picks = []
-        for route_id in ids:  # held, not released: the in-flight ledger counts them
-            answer = cluster.route(COLD, pods=named, request_id=route_id)
-            assert answer.status_code == 200, answer.text
-            picks.append(answer.json()["pod"])
-        assert picks.count(cluster.a) <= 2 and len(set(picks)) >= 3, picks
-
-        def all_known() -> bool:
-            answer = cluster.route(COLD, pods=named, request_id="fresh-probe").json()
-            cluster.done("fresh-probe")
-            return all(c["load"] == "known" for c in answer["candidates"])
-
-        eventually(all_known, "the named pods scraped")
-    finally:
-        for route_id in ids:
-            cluster.done(route_id)
-        for m in silent:
-            m.close()
-
-
 def test_a_session_between_turns_counts_on_its_pod_until_its_next_turn() -> None:
     """A finished route homes its session on its pod (``sessions`` in the row, counted
     in ``decode_cost``), so a new session goes elsewhere; the session's next turn, whose
     prompt extends the last one, claims the home before its own decision."""
     metrics = [MetricsServer(page()) for _ in range(2)]
+    a, b = (m.pod for m in metrics)
     server = ServeProcess(
         "--zmq-bind", f"tcp://127.0.0.1:{free_port()}",
         "--model", MODEL,
         "--load-interval", "0.5",
         "--speculative-ttl", "0",
+        "--pod-role", f"{a}=both", "--pod-role", f"{b}=both",  # known: nothing publishes
         env={**os.environ},
     )  # fmt: skip
-    a, b = (m.pod for m in metrics)
     turns = [list(range(200_000, 200_000 + 40 * n)) for n in (1, 2, 3)]  # one chat, growing
 
     def route(tokens: list[int], rid: str, pods: list[str]) -> dict:

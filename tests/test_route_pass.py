@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from kvindex.api.route import _candidates_of
@@ -176,3 +177,64 @@ def test_pods_with_data_parallel_ranks_take_the_general_path(loop: str) -> None:
     for loads, matches, speculative in cases:
         args = ([pod], matches, speculative, loads, {}, 64, BS, None, RouteCandidate)
         assert one_pass(router, *args) is None
+
+
+BIG = route_pass.COUNT_MAX
+EXTREME_COUNTS = [0, 3, BIG, BIG + 1, 2**63, 2**64 + 5, 10**30, -5]
+
+
+def extreme_fleet(rng: random.Random, pods: list[str]):
+    """A fleet whose counts are far past anything real (2^63, 10^30, negative): what a
+    figure that got past the scraper's and the request's checks would look like."""
+    loads: dict[str, PodLoad | Unknown] = {}
+    matches: dict[str, PodScore] = {}
+    speculative: dict[str, int] = {}
+    in_flight: dict[str, InFlight] = {}
+    for pod in pods:
+        count = lambda: rng.choice(EXTREME_COUNTS)  # noqa: E731
+        kv = rng.choice([None, 0.5, 1e30, -1e30, float("inf")])
+        if rng.random() < 0.8:
+            loads[pod] = PodLoad(pod, count(), count(), kv, kv, {}, 0.2, None)
+        else:
+            loads[pod] = Unknown(pod, rng.choice(["pending", "stale"]), None, None)
+        if rng.random() < 0.7:
+            matches[pod] = PodScore(pod, count(), 0, 0, 0, 0, float(rng.choice([0, 3, 1e30])))
+        if rng.random() < 0.3:
+            speculative[pod] = count()
+        if rng.random() < 0.7:
+            in_flight[pod] = InFlight(count(), count(), count(), count(), rng.choice([0.0, 1e30]))
+    return loads, matches, speculative, in_flight
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_extreme_counts_neither_overflow_nor_split_the_compiled_and_python_loops(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26: a pod page saying 1e30 requests running made the compiled loop raise
+    OverflowError (a 500 for every /route naming the pod). Both loops clamp a count to
+    0..COUNT_MAX, so neither raises and both still give the same rows."""
+    if route_pass.compiled is None:
+        pytest.skip("scoring/_route_pass.c was not built (no C compiler)")
+    rng = random.Random(seed)
+    admission = Admission(max_kv_usage=0.95, max_waiting=rng.choice([0, 10]))
+    compiled_router = Router(CostWeights(), admission, seed=seed, least_bad=True)
+    python_router = Router(CostWeights(), admission, seed=seed, least_bad=True)
+    for step in range(60):
+        pods = [f"10.0.0.{i}:8000" for i in range(rng.choice([1, 3, 9]))]
+        tokens = rng.choice([0, 1, 17, 262_144])
+        loads, matches, speculative, in_flight = extreme_fleet(rng, pods)
+        fallback = rng.choice([None, Reason.FALLBACK_STALE_INDEX])
+        args = (pods, matches, speculative, loads, in_flight, tokens, BS, fallback, RouteCandidate)
+        fast = one_pass(compiled_router, *args, {}, 1e30)
+        with monkeypatch.context() as patch:
+            patch.setattr(route_pass, "compiled", None)
+            slow = one_pass(python_router, *args, {}, 1e30)
+        assert fast is not None and slow is not None
+        assert (fast.chosen, fast.reason, fast.refused) == (slow.chosen, slow.reason, slow.refused)
+        for mine, theirs in zip(fast.rows, slow.rows, strict=True):
+            assert msgspec.json.encode(mine) == msgspec.json.encode(theirs), f"step {step}"
+        for row in fast.rows:
+            assert all(
+                0 <= getattr(row, name) <= route_pass.COUNT_MAX
+                for name in ("matched_blocks", "speculative_blocks", "in_flight", "queued_tokens")
+            )

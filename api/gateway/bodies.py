@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from kvindex.api.schemas import RouteRequest, TokenId
+from kvindex.api.schemas import MAX_OUTPUT_TOKENS, RouteRequest, TokenId
 from kvindex.api.settings import Settings
 from kvindex.events.errors import ClientError, KvindexError
 from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
@@ -65,6 +65,16 @@ class ChatBody(msgspec.Struct):
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
+
+
+def expected_output(max_tokens: int | None) -> int | None:
+    """The body's ``max_tokens`` as /route's estimate of the output, clamped to
+    0..MAX_OUTPUT_TOKENS: the gateway forwards the body as it is and the pod refuses a
+    count it cannot serve, so an absurd one must not fail the routing first (/route
+    itself answers it with a 400)."""
+    if max_tokens is None:
+        return None
+    return min(max(max_tokens, 0), MAX_OUTPUT_TOKENS)
 
 
 _decoders: dict[Endpoint, msgspec.json.Decoder[Any]] = {
@@ -165,7 +175,7 @@ class RouteRequests:
             token_ids=tokens,
             prompt=None if tokens is not None else prompt,
             request_id=request_id,
-            max_tokens=body.max_tokens,
+            max_tokens=expected_output(body.max_tokens),
             cache_salt=body.cache_salt,
         )
 
@@ -180,7 +190,7 @@ class RouteRequests:
         common: dict[str, Any] = {
             "model": body.model,
             "request_id": request_id,
-            "max_tokens": body.max_completion_tokens or body.max_tokens,
+            "max_tokens": expected_output(body.max_completion_tokens or body.max_tokens),
             "cache_salt": body.cache_salt,
         }
         tokens = self._tokens(

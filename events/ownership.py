@@ -215,6 +215,11 @@ class OwnershipHandling:
         stream.epoch = claim.epoch
         stream.standby = False
         self._forget_recovery(stream)
+        if claim.rebuild and self._can_replay(stream):
+            # Batches applied between the loss and its notice come again in the replay:
+            # start from nothing, or their blocks would count two copies. (A failed
+            # reset is counted; the replay is still the better index.)
+            self._try_reset(sid, "index_lost")
         # Batches at or below the position were applied by the previous owner.
         fresh = [a for a in self._waiting(stream) if after is None or a.seq > after]
         plan = plan_takeover(

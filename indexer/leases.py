@@ -288,6 +288,7 @@ class RedisLeases:
         lost = False
         if isinstance(checked, BackendError):
             self.errors += 1
+            rebuilt = {}  # not written: sent again next round
         else:
             marks = self.incarnation.marks()
             lost = self.incarnation.settle(checked)

@@ -62,12 +62,8 @@ def kill_and_restart_empty(redis: RedisServer) -> None:
     redis.process.send_signal(signal.SIGKILL)
     redis.process.wait(timeout=10)
     redis.process = None
+    assert list(redis.directory.iterdir()) == []  # no RDB, no AOF: nothing to load
     redis.start()
-    client = redis.client()
-    try:
-        assert client.dbsize() == 0
-    finally:
-        client.close()
 
 
 class Answers:
@@ -116,8 +112,7 @@ def test_redis_restarted_empty_is_rebuilt_by_replay_and_warned_about_until_then(
     pod_publisher.publish([stored(8, BLOCKS)])
     for replica in (a, b):
         eventually(lambda r=replica: r.matched() == {POD: BLOCKS}, f"{replica.name} indexed", 15.0)
-    owner = a if a.pod()["owners"][POD] == "replica-a" else b
-    replays_before = owner.pod()["replays"]["ok"]
+    replays_before = sum(r.pod()["replays"]["ok"] for r in (a, b))
 
     kill_and_restart_empty(redis)
     answers = Answers([a, b])
@@ -133,8 +128,9 @@ def test_redis_restarted_empty_is_rebuilt_by_replay_and_warned_about_until_then(
         report = replica.pod()
         assert report["blocks"]["gpu"] == BLOCKS
         assert report["stream_state"] in ("live", "standby")
-    assert owner.pod()["replays"]["ok"] > replays_before  # rebuilt by replay, not by luck
-    assert stream_state(owner) == "live"
+    # Rebuilt by replay, by whichever replica won the stream's lease back.
+    assert sum(r.pod()["replays"]["ok"] for r in (a, b)) > replays_before
+    assert sorted(stream_state(r) for r in (a, b)) == ["live", "standby"]
 
     pod_publisher.publish([stored(BLOCKS, 40)])  # and ingest goes on
     for replica in (a, b):

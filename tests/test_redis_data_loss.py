@@ -121,7 +121,7 @@ def test_redis_restarted_empty_is_rebuilt_by_replay_and_warned_about_until_then(
         f"the blocks rebuilt on both replicas:\n{a.log()}\n{b.log()}",
         30.0,
     )
-    assert answers.silent == [], f"answers without the blocks and without a warning: {answers}"
+    assert answers.silent == [], f"answers without the blocks, without a warning: {answers.silent}"
     for replica in (a, b):
         assert "kvindex_redis_index_losses_total 1.0" in replica.metrics(), replica.name
         eventually(replica.ready, f"{replica.name} ready again:\n{replica.log()}", 10.0)
@@ -161,7 +161,7 @@ def test_redis_restarted_empty_without_replay_is_incomplete_never_silent(
         "both replicas warn",
         10.0,
     )
-    assert answers.silent == [], f"answers without the blocks and without a warning: {answers}"
+    assert answers.silent == [], f"answers without the blocks, without a warning: {answers.silent}"
     for replica in (a, b):
         eventually(replica.ready, f"{replica.name} ready again:\n{replica.log()}", 10.0)
         warnings = replica.score().json()["warnings"]

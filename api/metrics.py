@@ -403,6 +403,12 @@ class RedisCollector(Collector):
         for member, is_owned in sorted(self._leases.owned().items()):
             owned.add_metric([member], 1.0 if is_owned else 0.0)
         yield owned
+        yield CounterMetricFamily(
+            "kvindex_redis_index_losses",
+            "Times this replica found the Redis index lost (its incarnation token gone: "
+            "Redis restarted without persistence, or was flushed).",
+            value=self._leases.incarnation.losses,
+        )
 
 
 class SnapshotCollector(Collector):

@@ -51,7 +51,7 @@ from kvindex.indexer.backend import BackendError, IndexBackend
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.kv_groups import is_group_namespace
 from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.pods import PodDirectory
+from kvindex.indexer.pods import Mark, PodDirectory
 from kvindex.indexer.snapshot import SnapshotGate, Snapshotter
 from kvindex.indexer.verify import HashVerifier
 from kvindex.scoring.event_lag import EventLag
@@ -188,7 +188,7 @@ class Service:
             self.verifier,
             discovered,
             owners,
-            marks=self.snapshot_gate.marks if self.snapshot_gate is not None else None,
+            marks=self._marks(),
             expected=self.configured_pods,
         )
         self.load, self.router = make_routing(settings, self.known_pods, route_seed)
@@ -209,7 +209,7 @@ class Service:
         self.started = True
         self.backend_health.start()
         if self.leases is not None:
-            self.leases.start()
+            self.leases.start(on_marks_changed=self.directory.marks_changed)
         if self.snapshotter is not None:
             self.snapshotter.restore()  # before any batch is applied
         self.subscriber.start()
@@ -298,6 +298,13 @@ class Service:
         self.backend_health.stop()
         self.index_work.close()
         self.backend.close()
+
+    def _marks(self) -> Callable[[], Mapping[str, Mark]] | None:
+        """Streams whose entries are not known complete for reasons their own state
+        does not show: restored from a snapshot, or lost with the Redis index."""
+        if self.snapshot_gate is not None:
+            return self.snapshot_gate.marks
+        return self.leases.marks if self.leases is not None else None
 
     def _forget_vanished_restored(self, discovered: frozenset[str]) -> None:
         """Discovery's first full list is in: a pod restored from the snapshot that is

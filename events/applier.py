@@ -214,6 +214,11 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery, InOrderRun
             self._ready[stream.sid] = None
         else:
             self._ready.pop(stream.sid, None)
+        if self._gate is not None and stream.epoch is not None and not stream.blocked:
+            settled = (stream.epoch, stream.state)
+            if settled != stream.settled:  # the gate hears of changes only
+                stream.settled = settled
+                self._gate.settled(stream.sid, stream.epoch, stream.model, stream.state)
 
     def _drain(self, stream: Stream) -> None:
         if stream.blocked or not self._owns(stream) or stream.blocked:

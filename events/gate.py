@@ -38,12 +38,17 @@ class Claim:
     that batch when the gate stored it: the subscriber then replays from
     ``resume_after`` itself and checks the digest, so a position that belongs to an
     earlier engine incarnation is detected (reset) instead of trusted.
+
+    ``rebuild``: the shared index lost this stream's entries (Redis came back empty):
+    the whole history is owed again, so the subscriber catches up from the engine's
+    first buffered batch, and what it cannot fetch leaves the stream ``incomplete``.
     """
 
     ownership: Ownership
     epoch: int = 0
     resume_after: int | None = None
     resume_digest: bytes | None = None
+    rebuild: bool = False
 
 
 OWNED = Claim(Ownership.OWNED)
@@ -63,6 +68,11 @@ class StreamGate(Protocol):
         """Batches of ``stream`` up to ``seq`` are applied to the index; ``digest`` is
         the payload digest of batch ``seq`` (:func:`kvindex.events.recovery.payload_digest`),
         to be handed back as ``Claim.resume_digest``."""
+
+    def settled(self, stream: StreamId, epoch: int, model: str, state: str) -> None:
+        """``stream``, owned under ``epoch``, is between recoveries in ``state``
+        (``live``, ``verifying``, ``gapped`` or ``incomplete``); called when that
+        changes. A gate shared by several replicas tells the others how a rebuild ends."""
 
     def release(self, stream: StreamId) -> None:
         """This replica no longer wants ``stream`` (its pod was removed)."""

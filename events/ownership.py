@@ -10,7 +10,9 @@ stream. What it then does is decided here, without I/O:
   (:func:`plan_takeover`), fetching by replay what went by meanwhile. When the gate
   also stored that batch's digest, the replay starts *at* that seq and must repeat the
   digest: a mismatch is a restart (reset), an engine that no longer has it leaves the
-  stream ``incomplete`` (its entries are kept, but not reported complete);
+  stream ``incomplete`` (its entries are kept, but not reported complete). A
+  **rebuild** (the shared index lost the stream's entries) owes the whole history:
+  caught up from the engine's first buffered batch, ``incomplete`` without a replay;
 * **not owned**: another replica applies it; drop its batches (counted ``not_owner``),
   remember the last seq seen, stand by;
 * **unknown** (the gate's store is unreachable): keep everything queued, apply
@@ -85,11 +87,14 @@ def plan_takeover(
     seen: int | None,
     last_waiting: int | None,
     can_replay: bool,
+    rebuild: bool = False,
 ) -> TakeoverPlan:
     """Plan a takeover that resumes after ``after`` (None: nothing stored, catch up from
     the engine's first buffered batch) with the stored batch's ``digest`` (None: not
     stored). ``seen`` is the newest seq this replica knows the engine published;
-    ``last_waiting`` the newest of the live messages still waiting to be applied."""
+    ``last_waiting`` the newest of the live messages still waiting to be applied.
+    ``rebuild``: the index lost everything up to ``seen``, so history that cannot be
+    fetched is ``incomplete`` (waiting messages catch up on first contact)."""
     highest: int | None = None
     if after is not None or seen is not None:
         highest = max(-1 if after is None else after, -1 if seen is None else seen)
@@ -112,7 +117,7 @@ def plan_takeover(
             expected, highest, (after + 1, seen), JobKind.GAP, incomplete_through=incomplete
         )
     if after is None:
-        return TakeoverPlan(expected, highest)
+        return TakeoverPlan(expected, highest, incomplete_through=seen if rebuild else None)
     return TakeoverPlan(
         expected, highest, lost=seen - after, skip_to=seen + 1, incomplete_through=incomplete
     )
@@ -199,14 +204,22 @@ class OwnershipHandling:
         known = (stream.standby_seq, tracker.highest_live, stream.recovery.resync_until, dropped)
         seen = max((s for s in known if s is not None), default=None)
         stream.standby_seq = None
-        log.info(
-            "KV events: applying %s from here on (resuming after seq %s)",
-            sid,
-            "none" if after is None else after,
-        )
+        if claim.rebuild:
+            log.info("KV events: rebuilding %s: the index lost its entries", sid)
+        else:
+            log.info(
+                "KV events: applying %s from here on (resuming after seq %s)",
+                sid,
+                "none" if after is None else after,
+            )
         stream.epoch = claim.epoch
         stream.standby = False
         self._forget_recovery(stream)
+        if claim.rebuild and self._can_replay(stream):
+            # Batches applied between the loss and its notice come again in the replay:
+            # start from nothing, or their blocks would count two copies. (A failed
+            # reset is counted; the replay is still the better index.)
+            self._try_reset(sid, "index_lost")
         # Batches at or below the position were applied by the previous owner.
         fresh = [a for a in self._waiting(stream) if after is None or a.seq > after]
         plan = plan_takeover(
@@ -215,6 +228,7 @@ class OwnershipHandling:
             seen,
             fresh[-1].seq if fresh else None,
             self._can_replay(stream),
+            claim.rebuild,
         )
         tracker.restart()
         tracker.expected, tracker.highest_live = plan.expected, plan.highest_live
@@ -222,7 +236,10 @@ class OwnershipHandling:
         if plan.dropped_until is not None:
             self._inbox.set_dropped(stream.lane, plan.dropped_until)
         if plan.incomplete_through is not None:
-            self._incomplete(stream, plan.incomplete_through, "cannot verify the stored position")
+            why = "cannot verify the stored position"
+            if claim.rebuild:
+                why = f"the index lost its entries; {self._no_replay_reason(stream)}"
+            self._incomplete(stream, plan.incomplete_through, why)
         if plan.replay is not None and plan.kind is not None:
             start, until = plan.replay
             anchor = Anchor(after, digest=claim.resume_digest) if plan.anchored else None

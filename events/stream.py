@@ -161,6 +161,8 @@ class Stream:
     epoch: int | None = None
     standby: bool = False
     standby_seq: int | None = None
+    #: (epoch, state) last told to the gate's ``settled``.
+    settled: tuple[int, str] | None = None
 
     @property
     def received(self) -> int:

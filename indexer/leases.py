@@ -13,6 +13,10 @@ Keys (one hash tag per stream, so both live in one slot of a cluster):
 ``...:digest`` = the payload digest (hex) of that batch when known, so the next owner can
 check that the engine still is the incarnation that published it.
 
+When Redis loses the index (:mod:`kvindex.indexer.incarnation`, checked in the same
+round trip as the renewals), every stream this replica owns is re-acquired as a
+rebuild: a new epoch whose claim says the whole history is owed again.
+
 Safety: the holder stops applying once ``0.8 * ttl_s`` has passed since its last
 successful renewal was *sent* (a fence on the local monotonic clock), before anyone else
 can acquire; positions are written only by the lease holder, in the same script that
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from kvindex.events.gate import NOT_OWNED, UNKNOWN, Claim, Ownership
 from kvindex.events.identity import StreamId
 from kvindex.indexer.backend import BackendError
+from kvindex.indexer.incarnation import INCOMPLETE, LIVE, IndexIncarnation, RebuildMark
 from kvindex.indexer.redis_backend import RedisBackend
 from kvindex.indexer.redis_scripts import SCRIPTS
 
@@ -68,6 +73,9 @@ class _Lease:
     holder: str | None = None  # last known holder when not ours
     pending: _Position | None = None  # applied position not yet written
     releasing: bool = False
+    rebuild: bool = False  # the index lost its entries: the next epoch rebuilds them
+    rebuilding: bool = False  # the current epoch is such a rebuild
+    rebuild_state: tuple[str, str] | None = None  # (state, model) not yet written
 
 
 class RedisLeases:
@@ -102,6 +110,8 @@ class RedisLeases:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._owners: tuple[float, dict[str, str]] = (float("-inf"), {})
+        self.incarnation = IndexIncarnation(backend.keys)
+        self._on_marks_changed: Callable[[], None] | None = None
         self.errors = 0
 
     def keys(self, member: str) -> tuple[str, str, str]:
@@ -129,7 +139,11 @@ class RedisLeases:
             if lease.owned:
                 if now - lease.renewed_at < _FENCE * self.ttl_s:
                     return Claim(
-                        Ownership.OWNED, lease.epoch, lease.resume_after, lease.resume_digest
+                        Ownership.OWNED,
+                        lease.epoch,
+                        lease.resume_after,
+                        lease.resume_digest,
+                        rebuild=lease.rebuilding,
                     )
                 return UNKNOWN  # our lease may have lapsed: apply nothing until renewed
             return NOT_OWNED if lease.holder is not None else UNKNOWN
@@ -140,6 +154,23 @@ class RedisLeases:
             if lease is not None and lease.owned:
                 lease.pending = (seq, digest)
 
+    def settled(self, stream: StreamId, epoch: int, model: str, state: str) -> None:
+        """Record where an owned stream's rebuild stands (written at the next round):
+        only streams rebuilding, or marked in Redis, are reported."""
+        if state in ("gapped", "incomplete"):
+            rebuild_state = INCOMPLETE
+        elif state == "live":
+            rebuild_state = LIVE
+        else:
+            return  # still verifying: not settled yet
+        member = stream.member
+        with self._lock:
+            lease = self._leases.get(member)
+            if lease is None or not lease.owned or lease.epoch != epoch:
+                return
+            if lease.rebuilding or member in self.incarnation.marks():
+                lease.rebuild_state = (rebuild_state, model)
+
     def release(self, stream: StreamId) -> None:
         with self._lock:
             lease = self._leases.get(stream.member)
@@ -148,6 +179,11 @@ class RedisLeases:
         self._wake.set()
 
     # -- what operators and metrics see ----------------------------------------------------
+
+    def marks(self) -> dict[str, RebuildMark]:
+        """Member -> why its entries are not known complete since Redis lost the index,
+        for every stream any replica rebuilds (as read at the last round; no Redis call)."""
+        return self.incarnation.marks()
 
     def owned(self) -> dict[str, bool]:
         """Per stream this replica knows, whether it applies it now (no Redis call)."""
@@ -176,7 +212,10 @@ class RedisLeases:
 
     # -- the lease thread ------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, on_marks_changed: Callable[[], None] | None = None) -> None:
+        """Start the lease thread; ``on_marks_changed`` is called (on it) when the
+        rebuild marks change, so that answers cached from the old ones are dropped."""
+        self._on_marks_changed = on_marks_changed
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name="kvindex-leases", daemon=True)
@@ -215,8 +254,9 @@ class RedisLeases:
                 log.exception("stream lease round failed")
 
     def tick(self) -> None:
-        """One round: renew what is held (writing positions), try to acquire what is
-        wanted, release what is no longer wanted. One pipeline."""
+        """One round: check the index's incarnation (writing rebuild states), renew
+        what is held (writing positions), try to acquire what is wanted, release what
+        is no longer wanted. One pipeline."""
         now = self._clock()
         interest_s = max(30.0, 3 * self.ttl_s)
         ttl_ms = str(int(self.ttl_s * 1000))
@@ -225,7 +265,12 @@ class RedisLeases:
                 if not lease.owned and now - lease.wanted_at > interest_s:
                     del self._leases[member]  # the stream is gone from here
             plan = [(lease, lease.pending) for lease in self._leases.values()]
-        commands = []
+            rebuilt = {
+                lease.member: lease.rebuild_state
+                for lease in self._leases.values()
+                if lease.rebuild_state is not None
+            }
+        commands = [self.incarnation.command([lease.member for lease, _ in plan], rebuilt)]
         for lease, pending in plan:
             keys = self.keys(lease.member)
             if lease.releasing:
@@ -233,16 +278,33 @@ class RedisLeases:
             else:
                 position = _pos(pending) if lease.owned else ("", "")
                 commands.append(_LEASE.args(keys, [self.replica_id, ttl_ms, *position]))
-        if not commands:
-            return
         sent_at = self._clock()
         try:
-            results = self._connection.pipeline("leases", commands, partial=True)
+            checked, *results = self._connection.pipeline("leases", commands, partial=True)
         except BackendError as exc:
             self.errors += 1
             log.debug("stream leases: Redis unreachable: %s", exc)
             return
+        lost = False
+        if isinstance(checked, BackendError):
+            self.errors += 1
+            rebuilt = {}  # not written: sent again next round
+        else:
+            marks = self.incarnation.marks()
+            lost = self.incarnation.settle(checked)
+            if self.incarnation.marks() != marks and self._on_marks_changed is not None:
+                self._on_marks_changed()
+        if lost:  # after the marks are in place: reads answer again, with warnings
+            self.backend.index_lost()
         with self._lock:
+            for lease in self._leases.values():
+                if lost:
+                    lease.rebuild = True
+                    lease.rebuild_state = None  # of the index that is gone
+                elif lease.rebuild_state is not None and lease.rebuild_state == rebuilt.get(
+                    lease.member
+                ):
+                    lease.rebuild_state = None  # written
             for (lease, pending), result in zip(plan, results, strict=True):
                 if isinstance(result, BackendError):
                     self.errors += 1
@@ -264,8 +326,9 @@ class RedisLeases:
                 log.warning("lost the lease of %s to replica %s", lease.member, value.decode())
             lease.owned = False
             lease.holder = value.decode()
+            lease.rebuild = lease.rebuilding = False  # the holder rebuilds it
             return
-        if status == 1 and lease.owned:  # extended: same epoch, local state still valid
+        if status == 1 and lease.owned and not lease.rebuild:  # same epoch, still valid
             lease.renewed_at = sent_at
             if lease.pending == pending:
                 lease.pending = None
@@ -278,11 +341,16 @@ class RedisLeases:
         lease.epoch = next(self._epochs)
         lease.renewed_at = sent_at
         lease.pending = None
-        lease.resume_after, lease.resume_digest = _parse_pos(value, *stored_digest)
+        lease.rebuilding, lease.rebuild = lease.rebuild, False
+        if lease.rebuilding:  # a position stored since the loss says nothing of the rest
+            lease.resume_after, lease.resume_digest = None, None
+        else:
+            lease.resume_after, lease.resume_digest = _parse_pos(value, *stored_digest)
+        after = "none" if lease.resume_after is None else lease.resume_after
         log.info(
-            "acquired the lease of %s (resuming after seq %s)",
+            "acquired the lease of %s (%s)",
             lease.member,
-            "none" if lease.resume_after is None else lease.resume_after,
+            "rebuilding: the index was lost" if lease.rebuilding else f"resuming after seq {after}",
         )
 
 

@@ -46,7 +46,8 @@ _STATE_ORDER = (
 
 class Mark(Protocol):
     """Why a stream's entries are not known complete, from outside the subscriber
-    (a restored snapshot): ``state`` overrides the stream's own."""
+    (a restored snapshot, an index lost in Redis): ``state`` overrides the stream's
+    own; ``model`` empty: not known, the mark concerns every model."""
 
     member: str
     model: str
@@ -94,9 +95,9 @@ def _stream_dict(s: StreamStatus) -> dict[str, Any]:
 def warnings_of(
     by_model: dict[str, list[tuple[str, str]]], model: str, pods: Collection[str] | None
 ) -> list[str]:
-    """The texts of ``model``'s (pod, text) warnings, and of those whose model is not
-    known yet; only those of ``pods`` when given."""
-    found = [*by_model.get(model, []), *by_model.get(_ANY_MODEL, [])]
+    """The texts of ``model``'s (pod, text) warnings, only those of ``pods`` when given;
+    warnings of no known model (``""``) concern every model."""
+    found = [*by_model.get(model, []), *(by_model.get(_ANY_MODEL, []) if model else [])]
     return [text for pod, text in found if pods is None or pod in pods]
 
 
@@ -229,6 +230,10 @@ class PodDirectory:
         means its entries may be stale or missing."""
         return warnings_of(self.all_warnings(), model, pods)
 
+    def marks_changed(self) -> None:
+        """The marks changed: the next warnings are computed afresh, not cached."""
+        self._warnings = (float("-inf"), {})
+
     def all_warnings(self) -> dict[str, list[tuple[str, str]]]:
         """Every model's warnings as (pod, text) pairs (those of pods whose model is
         not known under ``""``), cached for a second."""
@@ -316,7 +321,7 @@ class PodDirectory:
         marks = self._marks()
         for mark in marks.values():
             pod = member_pod(mark.member)
-            if (wanted is None or pod in wanted) and mark.model == model:
+            if (wanted is None or pod in wanted) and mark.model in (model, ""):
                 doubts.setdefault(pod, f"stream {mark.member} {mark.state} ({mark.reason})")
         for stream in self._streams():
             if wanted is not None and stream.pod not in wanted:

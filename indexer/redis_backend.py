@@ -84,6 +84,9 @@ class RedisBackend:
         self._reader = BlockReader(connection, self.keys)
         self._write_buckets: dict[str, int] = {}  # per model, as its meta said
         self._layout_checked = False
+        # Redis lost the index: entries this replica wrote before it noticed may sit
+        # there without the layout key; the next write claims it again.
+        self._layout_lost = False
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "kvindex") -> RedisBackend:
@@ -201,13 +204,24 @@ class RedisBackend:
         layout, models = self.connection.pipeline(
             "layout", [("GET", self.keys.layout), ("EXISTS", self._models_key)]
         )
-        if layout is None and models:
+        if layout is None and models and not self._layout_lost:
             raise RedisLayoutError.found(self.prefix, None, None)
         if layout is not None and layout != _LAYOUT:
             raise RedisLayoutError.found(self.prefix, None, layout)
         if claim and layout is None:
             self.connection.call("layout", "SET", self.keys.layout, LAYOUT, "NX")
-        self._layout_checked = claim or self._layout_checked
+        if claim:
+            self._layout_checked, self._layout_lost = True, False
+
+    def index_lost(self) -> None:
+        """Redis lost the index (:mod:`kvindex.indexer.incarnation`): forget what was
+        read of it (a model written again restarts its member ids) and claim the layout
+        again at the next write."""
+        self._reader.forget_all()
+        self._write_buckets.clear()
+        self._known_models = []
+        self._layout_checked = False
+        self._layout_lost = True
 
     # -- reads -------------------------------------------------------------------------------
 

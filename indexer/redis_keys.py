@@ -136,10 +136,12 @@ class StreamKeys:
 
 class KeySpace:
     """Every key under ``prefix``: ``models`` (a set of the model names written),
-    ``layout`` (the layout version of everything under the prefix), each model's
-    :class:`ModelKeys` and each stream's :class:`StreamKeys`."""
+    ``layout`` (the layout version of everything under the prefix), ``incarnation``
+    and ``rebuilds`` (:mod:`kvindex.indexer.incarnation`; one hash tag, so one script
+    touches both in a cluster), each model's :class:`ModelKeys` and each stream's
+    :class:`StreamKeys`."""
 
-    __slots__ = ("_models", "layout", "models", "prefix")
+    __slots__ = ("_models", "incarnation", "layout", "models", "prefix", "rebuilds")
 
     def __init__(self, prefix: str) -> None:
         if not prefix or "{" in prefix or "}" in prefix:
@@ -147,6 +149,10 @@ class KeySpace:
         self.prefix = prefix
         self.models = f"{prefix}:models"
         self.layout = f"{prefix}:layout"
+        # string: a token written with the index; gone or changed = Redis lost the index
+        self.incarnation = f"{prefix}:{{index}}:incarnation"
+        # hash: member -> how its stream's rebuild after the last loss stands
+        self.rebuilds = f"{prefix}:{{index}}:rebuilds"
         self._models: dict[str, ModelKeys] = {}
 
     def model(self, model: str) -> ModelKeys:

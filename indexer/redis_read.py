@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvindex.indexer.backend import BackendError
+from kvindex.indexer.backend import BackendError, BackendUnavailable
 from kvindex.indexer.redis_compiled import kernels
 from kvindex.indexer.redis_conn import RedisConnection
 from kvindex.indexer.redis_keys import LAYOUT, KeySpace, ModelKeys, RedisLayoutError
@@ -38,6 +38,16 @@ from kvindex.indexer.redis_wire import EXEC, MULTI, command, key_array, pack_rea
 #: Reads of one lookup at most: a stale name map, then a model that just gained tiers.
 _ATTEMPTS = 3
 _LAYOUT = str(LAYOUT).encode()
+
+
+class IndexLost(BackendUnavailable):
+    """A model this reader has read is gone from Redis: its ``meta`` key is never
+    deleted, so Redis lost the index (restarted empty, flushed). Raised until the loss
+    is taken in (:meth:`BlockReader.forget_all`: every replica then says which streams
+    are being rebuilt) or the model is written again, instead of answering that nobody
+    holds anything."""
+
+    code = "redis_index_lost"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +104,7 @@ class BlockReader:
         self._connection = connection
         self._keyspace = keyspace
         self._views: dict[str, ModelView] = {}
+        self._vanished: set[str] = set()  # models read before that Redis no longer has
         self._packed_heads: dict[str, tuple[bytes, bytes, bytes]] = {}
         self._bucket_prefixes: dict[str, bytes] = {}
 
@@ -111,7 +122,10 @@ class BlockReader:
                 kernels.pack_reads(keys, 1, b"", False)  # type: ignore[union-attr]  # checks the keys
             view = self._header(model, names)
             if view is None:
+                if model in self._vanished:
+                    raise self._lost(model)
                 return None
+            self._vanished.discard(model)
         tiers, fresh_names = view.tiers, False
         for attempt in range(_ATTEMPTS):
             last = attempt == _ATTEMPTS - 1
@@ -119,7 +133,8 @@ class BlockReader:
             got = self._transaction(model, names, view, keys, tiers, fresh_names)
             if got is None:
                 self._views.pop(model, None)
-                return None
+                self._vanished.add(model)
+                raise self._lost(model)
             now, blocks, stale_names = got
             self._views[model] = now
             if now.buckets == view.buckets and not stale_names and (tiers or not now.tiers):
@@ -131,6 +146,19 @@ class BlockReader:
 
     def forget(self, model: str) -> None:
         self._views.pop(model, None)
+
+    def forget_all(self) -> None:
+        """Redis lost the index, and the replica knows: no cached view describes what
+        it holds now, and reads answer what is there again."""
+        self._views.clear()
+        self._vanished.clear()
+
+    def _lost(self, model: str) -> IndexLost:
+        return IndexLost(
+            f"Redis {self._connection.options.url.rpartition('@')[2]} no longer holds "
+            f"model {model!r}: it lost the index (restarted without persistence, or "
+            "flushed); the streams are being rebuilt"
+        )
 
     # -- one transaction --------------------------------------------------------------------
 

@@ -60,9 +60,9 @@ def _source(name: str) -> str:
 
 
 #: Scripts over one model's keys (KEYS[1] is its ``meta`` key): each runs after the
-#: prelude. The stream-lease scripts stand alone.
+#: prelude. The stream-lease and incarnation scripts stand alone.
 INDEX_SCRIPTS = ("apply", "clear", "member_stats", "model_stats")
-LEASE_SCRIPTS = ("lease", "lease_release")
+LEASE_SCRIPTS = ("lease", "lease_release", "incarnation")
 
 
 class Script:

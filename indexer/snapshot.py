@@ -144,6 +144,9 @@ class SnapshotGate:
             self._positions[stream] = StreamPosition(seq, digest, model)
             self._cond.notify_all()
 
+    def settled(self, stream: StreamId, epoch: int, model: str, state: str) -> None:
+        """Nothing to share: one replica applies every stream."""
+
     def release(self, stream: StreamId) -> None:
         with self._cond:
             self._claims.pop(stream, None)

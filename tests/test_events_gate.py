@@ -43,6 +43,9 @@ class FakeGate:
             self.commits.append((stream, seq))
             self.digests.append(digest)
 
+    def settled(self, stream: StreamId, epoch: int, model: str, state: str) -> None:
+        pass
+
     def release(self, stream: StreamId) -> None:
         with self._lock:
             self.released.append(stream)

@@ -153,6 +153,17 @@ def test_takeover_without_digest_replays_what_went_by() -> None:
     assert plan.replay is None and plan.dropped_until == 6  # fetched after the waiting ones
 
 
+def test_a_rebuild_owes_the_whole_history() -> None:
+    """The shared index lost the stream's entries: caught up from seq 0 by replay, and
+    without one the history is incomplete (never a takeover that claims nothing is owed)."""
+    plan = plan_takeover(None, None, seen=4, last_waiting=None, can_replay=True, rebuild=True)
+    assert (plan.replay, plan.kind, plan.incomplete_through) == ((0, 4), JobKind.CATCH_UP, None)
+    plan = plan_takeover(None, None, seen=4, last_waiting=None, can_replay=False, rebuild=True)
+    assert (plan.replay, plan.incomplete_through) == (None, 4)
+    plan = plan_takeover(None, None, seen=4, last_waiting=None, can_replay=False)
+    assert plan.incomplete_through is None  # nothing was stored, nothing is known lost
+
+
 def test_takeover_with_digest_verifies_from_the_stored_seq() -> None:
     plan = plan_takeover(after=7, digest=b"d", seen=None, last_waiting=None, can_replay=True)
     assert (plan.replay, plan.kind, plan.anchored) == ((7, 7), JobKind.RESUME, True)

@@ -168,3 +168,92 @@ def test_leases_on_redis_cluster(redis_cluster) -> None:
         for leases in (a, b):
             leases.backend.close()
         delete_prefix(redis_cluster.client, prefix)
+
+
+def test_a_lost_index_is_rebuilt_and_every_replica_marks_it_until_it_is(make_leases) -> None:
+    """Redis forgot the index (here: every key of the prefix deleted, as an empty restart
+    leaves it): the owner re-acquires its stream as a rebuild owing the whole history,
+    and both replicas mark the stream until the owner says it is live again."""
+    a, b = make_leases("replica-a"), make_leases("replica-b")
+    a.claim(STREAM)
+    a.tick()
+    before = a.claim(STREAM)
+    b.claim(STREAM)
+    b.tick()
+    a.committed(STREAM, 5, b"\x01" * 16)
+    a.tick()
+    assert not before.rebuild and a.marks() == b.marks() == {}
+
+    delete_prefix(shared_redis(), a.backend.prefix)
+    a.tick()
+    claim = a.claim(STREAM)
+    assert (claim.ownership, claim.rebuild, claim.resume_after) == (Ownership.OWNED, True, None)
+    assert claim.epoch != before.epoch
+    b.tick()
+    assert b.claim(STREAM).ownership is Ownership.NOT_OWNED
+    for leases in (a, b):
+        mark = leases.marks()[STREAM.member]
+        assert (mark.state, mark.model) == ("resync", "")  # every model, until reported
+        assert leases.incarnation.losses == 1
+
+    a.settled(STREAM, claim.epoch, "m", "incomplete")
+    a.tick()
+    b.tick()
+    mark = b.marks()[STREAM.member]
+    assert (mark.state, mark.model) == ("incomplete", "m")
+    a.settled(STREAM, claim.epoch, "m", "live")  # its engine cleared: nothing owed
+    a.tick()
+    b.tick()
+    assert a.marks() == b.marks() == {}
+    a.tick()
+    assert a.claim(STREAM).epoch == claim.epoch  # one rebuild per loss
+    assert a.incarnation.losses == b.incarnation.losses == 1
+
+
+def test_a_replica_that_notices_late_does_not_undo_a_finished_rebuild(make_leases) -> None:
+    a, b = make_leases("replica-a"), make_leases("replica-b")
+    a.claim(STREAM)
+    a.tick()
+    b.claim(STREAM)
+    b.tick()
+    delete_prefix(shared_redis(), a.backend.prefix)
+    a.tick()
+    claim = a.claim(STREAM)
+    a.settled(STREAM, claim.epoch, "m", "live")
+    a.tick()
+    b.tick()  # b learns of the loss only now
+    assert b.incarnation.losses == 1
+    assert a.marks() == b.marks() == {}
+
+
+def test_a_redis_restarted_with_its_data_is_no_loss(redis_server) -> None:
+    leases = RedisLeases(RedisBackend.from_url(redis_server.url, prefix="kvtest"), "replica-a")
+    try:
+        leases.claim(STREAM)
+        leases.tick()
+        first = leases.claim(STREAM)
+        redis_server.restart()  # append-only file: everything comes back
+        leases.tick()
+        claim = leases.claim(STREAM)
+        assert (claim.epoch, claim.rebuild, leases.incarnation.losses) == (first.epoch, False, 0)
+    finally:
+        leases.close()
+        leases.backend.close()
+
+
+def test_a_lost_index_on_redis_cluster(redis_cluster) -> None:
+    prefix = f"kvtest-leases-{uuid.uuid4().hex[:8]}"
+    streams = [StreamId(f"127.10.0.{i}:8000") for i in range(6)]  # spread over the slots
+    a = RedisLeases(RedisBackend.from_url(redis_cluster.url, prefix=prefix), "replica-a")
+    try:
+        for stream in streams:
+            a.claim(stream)
+        a.tick()
+        delete_prefix(redis_cluster.client, prefix)
+        a.tick()
+        assert all(a.claim(s).rebuild for s in streams)
+        assert sorted(a.marks()) == sorted(s.member for s in streams)
+    finally:
+        a.close()
+        a.backend.close()
+        delete_prefix(redis_cluster.client, prefix)

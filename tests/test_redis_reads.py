@@ -10,6 +10,7 @@ from kvindex.indexer.backend import Change, MemberMatch, Op, Tier
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.redis_backend import RedisBackend
 from kvindex.indexer.redis_conn import RedisConnection, RedisOptions
+from kvindex.indexer.redis_read import IndexLost
 from tests.redis_fixtures import RedisServer
 
 M = "acme/model-7b"
@@ -53,12 +54,22 @@ def test_a_model_that_gains_cpu_entries_is_read_in_every_tier(replicas) -> None:
     assert reader.lookup(M, KEYS)[0] == MemberMatch(A, 4, (2, 0, 2))
 
 
-def test_a_model_deleted_under_a_reader_reads_as_empty(replicas, redis_server: RedisServer) -> None:
+def test_a_model_deleted_under_a_reader_means_a_lost_index(
+    replicas, redis_server: RedisServer
+) -> None:
+    """Nothing kvindex does deletes a model's meta: one gone under a reader means Redis
+    lost the index. The reader says so rather than answer that nobody holds anything,
+    until the loss is taken in (the lease round that notices it); then it reads empty."""
     reader, writer = replicas
     writer.apply([store(A, KEYS)])
     assert reader.lookup(M, KEYS)
     writer.clear_member(A)
     redis_server.client().delete(writer.keys.model(M).meta)
+    with pytest.raises(IndexLost):
+        reader.lookup(M, KEYS)
+    with pytest.raises(IndexLost):
+        reader.presence(M, KEYS)
+    reader.index_lost()
     assert reader.lookup(M, KEYS) == []
     assert reader.presence(M, KEYS) == []
 

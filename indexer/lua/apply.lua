@@ -11,7 +11,12 @@
 -- bucket count is not the one assumed.
 if not nbuckets then
   nbuckets = tonumber(ARGV[1])
-  call('HSET', META, 'buckets', nbuckets, 'layout', LAYOUT)
+  -- A model written anew (first write, or again after Redis lost the index) starts its
+  -- epoch at the server's clock in microseconds, so no reader can take the member names
+  -- it cached of the lost model for the new one's.
+  local now = call('TIME')
+  local epoch = now[1] .. string.format('%06d', tonumber(now[2]))
+  call('HSET', META, 'buckets', nbuckets, 'layout', LAYOUT, 'epoch', epoch)
 elseif nbuckets ~= tonumber(ARGV[1]) then
   return {1, nbuckets}
 end

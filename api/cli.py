@@ -15,8 +15,10 @@ import os
 import re
 import signal
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvindex.api import settings_load
 from kvindex.api.cli_score import UsageError, format_score_table, run_score
@@ -30,9 +32,21 @@ from kvindex.api.settings_load import (
 )
 from kvindex.api.version import VERSION, implementations
 
+if TYPE_CHECKING:
+    from kvindex.api.service import Service
+    from kvindex.api.workers import ServingWorkers
+
 __all__ = ["build_parser", "format_score_table", "main", "unknown_variables"]
 
 log = logging.getLogger("kvindex")
+
+#: The exit status of a ``kvindex serve`` whose KV-event ingestion stopped (EX_SOFTWARE).
+INGEST_STOPPED_EXIT = 70
+#: How long a ``kvindex serve`` whose ingestion stopped keeps answering (503 on /healthz,
+#: a warning on every /score) before it exits: long enough for a probe or a scrape under
+#: way to see why, short beside a liveness probe's minute, so the orchestrator restarts
+#: it about as soon as it would a crash.
+EXIT_AFTER_INGEST_STOPPED_S = 10.0
 
 
 def _settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
@@ -92,6 +106,13 @@ def _serve(args: argparse.Namespace) -> int:
         # instead, the workers are stopped and the shared memory removed first.
         signal.signal(signal.SIGTERM, _exit_cleanly)
         workers.start()
+    stop = threading.Event()
+    threading.Thread(
+        target=_exit_when_ingest_stops,
+        args=(service, workers, stop),
+        name="kvindex-ingest-watch",
+        daemon=True,
+    ).start()
     try:
         serve(
             app,
@@ -100,11 +121,41 @@ def _serve(args: argparse.Namespace) -> int:
             keep_alive_timeout_s=settings.http.keep_alive_timeout,
             lane=http.lane,
             on_exit_signal=workers.shutting_down if workers is not None else None,
+            stop=stop,
         )
     finally:
         if workers is not None:
             workers.stop()
+    if service.subscriber.failure is not None:
+        log.error("exiting with status %d: KV-event ingestion had stopped", INGEST_STOPPED_EXIT)
+        return INGEST_STOPPED_EXIT
     return 0
+
+
+def _exit_when_ingest_stops(
+    service: Service, workers: ServingWorkers | None, stop: threading.Event
+) -> None:
+    """When an ingest thread dies, shut down (gracefully) and exit non-zero.
+
+    Exit, not restart the thread: the thread died where nothing expected an error (every
+    message's own errors are caught and counted), so the state it shared with the others
+    (stream table, inbox, sockets) may be half-updated, and a restarted thread would
+    serve it as live. A new process starts from the snapshot or the engines' replay,
+    known state; the exit status and the log line tell the orchestrator and the
+    operator. Until then /healthz fails and every /score warns."""
+    failure = service.subscriber.wait_for_failure()
+    log.error(
+        "KV-event ingestion stopped (%s): the index no longer follows the pods; /healthz "
+        "answers 503 and /score warns; exiting with status %d in %.0fs so the "
+        "orchestrator restarts kvindex",
+        failure,
+        INGEST_STOPPED_EXIT,
+        EXIT_AFTER_INGEST_STOPPED_S,
+    )
+    time.sleep(EXIT_AFTER_INGEST_STOPPED_S)
+    if workers is not None:
+        workers.shutting_down()  # its workers exiting now are part of the shutdown
+    stop.set()
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:

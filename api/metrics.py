@@ -44,6 +44,7 @@ _STREAM_STATES = (
     "gapped",
     "incomplete",
     "standby",
+    "stopped",
 )
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -117,16 +118,25 @@ def serve(
     keep_alive_timeout_s: float,
     lane: HotLane | None = None,
     on_exit_signal: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
     """Serve ``app`` on already bound sockets until SIGINT/SIGTERM (``on_exit_signal``
-    is called as one arrives)."""
+    is called as one arrives) or ``stop`` is set (the same graceful shutdown)."""
     gc.collect()  # what startup left behind, then the rest is never walked again
     gc.freeze()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the loop waits at most this for the GIL
-    server(
+    running = server(
         app,
         header_timeout_s=header_timeout_s,
         keep_alive_timeout_s=keep_alive_timeout_s,
         lane=lane,
         on_exit_signal=on_exit_signal,
-    ).run(sockets=sock if isinstance(sock, list) else [sock])
+    )
+    if stop is not None:
+
+        def stop_when_set() -> None:
+            stop.wait()
+            running.should_exit = True  # uvicorn's main loop reads it every 0.1 s
+
+        threading.Thread(target=stop_when_set, name="kvindex-stop", daemon=True).start()
+    running.run(sockets=sock if isinstance(sock, list) else [sock])

@@ -184,6 +184,7 @@ class Service:
             discovered,
             owners,
             marks=self.snapshot_gate.marks if self.snapshot_gate is not None else None,
+            ingest_failure=lambda: self.subscriber.failure,
         )
         self._static_roles = static_roles(settings)  # known pods, before they publish
         self.load, self.router = make_routing(settings, self.known_pods, route_seed)
@@ -296,7 +297,9 @@ class Service:
             self.backend.ping()
         except BackendError as exc:
             problems.append(f"index backend unavailable: {exc}")
-        if not self.subscriber.is_running():
+        if self.subscriber.failure is not None:
+            problems.append(f"KV-event ingestion stopped: {self.subscriber.failure}")
+        elif not self.subscriber.is_running():
             problems.append("event subscriber is not running")
         if not self.has_event_source() and self.settings.index.backend == "memory":
             problems.append(

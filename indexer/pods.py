@@ -20,9 +20,13 @@ from kvindex.indexer.verify import CheckState, HashVerifier
 #: States in which a stream's entries may differ from what its engine holds.
 _UNHEALTHY_STREAMS = frozenset({"gapped", "incomplete", "resync"})
 #: States in which a stream is not known to be in step with its engine right now.
-_NOT_IN_STEP = _UNHEALTHY_STREAMS | {"verifying", "replaying"}
+_NOT_IN_STEP = _UNHEALTHY_STREAMS | {"verifying", "replaying", "stopped"}
+#: The key of warnings that concern every model and every pod (no model is named "":
+#: a topic's model is never empty).
+EVERY_MODEL = ""
 #: Worst first: the state a pod shows when its streams differ.
 _STATE_ORDER = (
+    "stopped",
     "gapped",
     "incomplete",
     "resync",
@@ -83,8 +87,10 @@ def _stream_dict(s: StreamStatus) -> dict[str, Any]:
 def warnings_of(
     by_model: dict[str, list[tuple[str, str]]], model: str, pods: Collection[str] | None
 ) -> list[str]:
-    """The texts of ``model``'s (pod, text) warnings, only those of ``pods`` when given."""
-    return [text for pod, text in by_model.get(model, []) if pods is None or pod in pods]
+    """The texts of ``model``'s (pod, text) warnings, only those of ``pods`` when given,
+    after the warnings that concern every model and pod."""
+    general = [text for _, text in by_model.get(EVERY_MODEL, [])]
+    return general + [text for pod, text in by_model.get(model, []) if pods is None or pod in pods]
 
 
 class PodDirectory:
@@ -95,7 +101,8 @@ class PodDirectory:
     ``owners`` (optional) returns which replica applies each member's stream when
     several kvindex replicas share one backend; ``marks`` (optional) returns streams
     whose entries are not known complete for reasons the subscriber cannot see (a
-    restored snapshot), which override the stream's own state.
+    restored snapshot), which override the stream's own state; ``ingest_failure``
+    (optional) why ingestion stopped for good, a warning on every answer.
     """
 
     def __init__(
@@ -109,7 +116,9 @@ class PodDirectory:
         warnings_ttl_s: float = 1.0,
         *,
         marks: Callable[[], Mapping[str, Mark]] | None = None,
+        ingest_failure: Callable[[], str | None] | None = None,
     ) -> None:
+        self._ingest_failure = ingest_failure or (lambda: None)
         self._backend = backend
         self._streams = streams
         self._verifier = verifier
@@ -209,6 +218,15 @@ class PodDirectory:
 
     def _compute_warnings(self) -> dict[str, list[tuple[str, str]]]:
         out: dict[str, list[tuple[str, str]]] = {}
+        failure = self._ingest_failure()
+        if failure is not None:
+            out[EVERY_MODEL] = [
+                (
+                    "",
+                    f"KV-event ingestion stopped ({failure}): the index no longer follows "
+                    "any pod, scores may be stale; kvindex exits to be restarted",
+                )
+            ]
         marks = self._marks()
         for mark in marks.values():
             out.setdefault(mark.model, []).append(

@@ -41,7 +41,7 @@ from kvindex.events.recovery import Anchor
 from kvindex.events.replaying import ReplayDone, ReplayRecovery, ReplayWorkers
 from kvindex.events.resync import Resync
 from kvindex.events.runs import TAG_NAMES, event_count, tag_counts
-from kvindex.events.sequence import Action
+from kvindex.events.sequence import Action, plausible_gap
 from kvindex.events.sink import BatchSink, Delivery
 from kvindex.events.status import IngestHealth, ReasonCounts
 from kvindex.events.stream import COUNTERS, JobKind, Stream
@@ -359,6 +359,8 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery, InOrderRun
         expected = stream.tracker.expected
         if dropped is None or expected is None or expected > dropped:
             return
+        if not plausible_gap(expected, dropped + 1):
+            return  # no engine got that far: nothing to fetch; its next message will say
         stream.gaps += 1
         if self._can_replay(stream):
             anchor = self._anchor(stream)

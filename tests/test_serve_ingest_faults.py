@@ -124,6 +124,27 @@ def test_a_deeply_nested_batch_is_counted_and_the_next_one_applied(
         assert "thread failed" not in server.log_tail(100_000)
 
 
+def test_seq_2_to_the_64_is_a_restart_not_missed_batches(tmp_path: Path, engine: Engine) -> None:
+    before, hostile, after = chain(1), chain(3), chain(2)
+    with serve(tmp_path, *engine.flags) as server:
+        assert engine.pub.wait_for_subscribers(1, timeout_s=10.0)
+        engine.store(before)
+        eventually(lambda: matched(server.url, before) == len(before), "the first batch")
+        topic = engine.pub.topic.encode()
+        payload = engine.pub.encode([BlockStored(hostile, None, [], 16)])
+        engine.pub.send_frames([topic, (2**64 - 1).to_bytes(8, "big"), payload])
+        engine.store(after)  # seq 1: the engine goes on as if nothing happened
+        eventually(lambda: matched(server.url, after) == len(after), "the batch after it")
+        stream = stream_of(server.url)
+        assert stream["missed_batches"] == 0
+        assert metric(server.url, "kvindex_missed_batches_total") == 0
+        # 2**64 - 1 read as a new engine (its entries cleared), then seq 1 as another:
+        # what kvindex held before is gone, and the stream says its history is missing.
+        assert stream["restarts"] == 2
+        assert matched(server.url, before) == 0 and matched(server.url, hostile) == 0
+        assert stream["state"] == "incomplete"
+
+
 # -- a dead ingest thread --------------------------------------------------------------
 
 #: ``kvindex serve`` with one fault injected at an ingest thread's top level (below every

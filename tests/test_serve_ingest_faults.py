@@ -229,3 +229,4 @@ def test_a_dead_ingest_thread_fails_healthz_warns_and_exits(
         server.stop()
         engine.close()
         faulty.close()
+        print(server.log_tail())  # shown when the test fails

@@ -102,11 +102,12 @@ def serve(tmp_path: Path, *flags: str, command: list[str] | None = None) -> Serv
     return server
 
 
+@pytest.mark.parametrize("processes", [1, 2])
 def test_a_deeply_nested_batch_is_counted_and_the_next_one_applied(
-    tmp_path: Path, engine: Engine
+    tmp_path: Path, engine: Engine, processes: int
 ) -> None:
     before, after = chain(1), chain(2)
-    with serve(tmp_path, *engine.flags) as server:
+    with serve(tmp_path, *engine.flags, "--processes", str(processes)) as server:
         assert engine.pub.wait_for_subscribers(1, timeout_s=10.0)
         engine.store(before)
         eventually(lambda: matched(server.url, before) == len(before), "the first batch")

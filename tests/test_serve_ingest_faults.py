@@ -211,8 +211,8 @@ def test_a_dead_ingest_thread_fails_healthz_warns_and_exits(
         assert f"{thread} thread failed" in health["problems"][0]
         assert "injected fault" in health["problems"][0]
 
-        def every_score_warns() -> bool:  # fresh connections: either process answers
-            for _ in range(4 * processes):
+        def every_score_warns(requests: int = 8) -> bool:  # fresh connections: any process
+            for _ in range(requests):
                 with httpx.Client(base_url=server.url, timeout=10) as client:
                     body = {"model": MODEL, "block_hashes": before}
                     warnings = client.post("/score", json=body).json()["warnings"]
@@ -221,6 +221,8 @@ def test_a_dead_ingest_thread_fails_healthz_warns_and_exits(
             return True
 
         eventually(every_score_warns, "every /score to warn")
+        # Once the warning has reached every process it stays: no answer goes without it.
+        assert every_score_warns(16)
         assert stream_of(server.url)["state"] == "stopped"
         exit_code = server.process.wait(timeout=EXIT_AFTER_INGEST_STOPPED_S + 30)
         assert exit_code == INGEST_STOPPED_EXIT

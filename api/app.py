@@ -194,10 +194,19 @@ def create_http(service: Service, *, manage_lifecycle: bool = True) -> Http:
 
     @app.get(
         "/healthz",
-        summary="Liveness: the process answers",
-        responses={"200": ok("Alive", health_schema)},
+        summary="Liveness: the process answers and its KV-event ingestion runs",
+        responses={
+            "200": ok("Alive", health_schema),
+            "503": ok("An ingest thread died; `problems` says why", health_schema),
+        },
     )
     async def healthz() -> Response:  # on the loop: no thread to wait for, ever
+        # A dead ingest thread freezes the index while everything else answers: not
+        # alive, whatever the HTTP side says (kvindex serve exits soon after, too).
+        failure = service.subscriber.failure
+        if failure is not None:
+            problems = [f"KV-event ingestion stopped: {failure}"]
+            return _json({"status": "failed", "problems": problems}, 503)
         return _json({"status": "ok"})
 
     @app.get(

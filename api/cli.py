@@ -14,8 +14,10 @@ import logging
 import os
 import re
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvindex.api import settings_load
 from kvindex.api.cli_score import UsageError, format_score_table, run_score
@@ -29,9 +31,20 @@ from kvindex.api.settings_load import (
 )
 from kvindex.api.version import VERSION, implementations
 
+if TYPE_CHECKING:
+    from kvindex.api.service import Service
+
 __all__ = ["build_parser", "format_score_table", "main", "unknown_variables"]
 
 log = logging.getLogger("kvindex")
+
+#: The exit status of a ``kvindex serve`` whose KV-event ingestion stopped (EX_SOFTWARE).
+INGEST_STOPPED_EXIT = 70
+#: How long a ``kvindex serve`` whose ingestion stopped keeps answering (503 on /healthz,
+#: a warning on every /score) before it exits: long enough for a probe or a scrape under
+#: way to see why, short beside a liveness probe's minute, so the orchestrator restarts
+#: it about as soon as it would a crash.
+EXIT_AFTER_INGEST_STOPPED_S = 10.0
 
 
 def _settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
@@ -95,6 +108,13 @@ def _serve(args: argparse.Namespace) -> int:
         if workers is not None:
             workers.shutting_down()
 
+    stop = threading.Event()
+    threading.Thread(
+        target=_exit_when_ingest_stops,
+        args=(service, stop),
+        name="kvindex-ingest-watch",
+        daemon=True,
+    ).start()
     try:
         serve(
             app,
@@ -104,11 +124,37 @@ def _serve(args: argparse.Namespace) -> int:
             drain_timeout_s=settings.http.drain_timeout,
             lane=http.lane,
             on_exit_signal=begin_shutdown,
+            stop=stop,
         )
     finally:
         if workers is not None:
             workers.stop()
+    if service.subscriber.failure is not None:
+        log.error("exiting with status %d: KV-event ingestion had stopped", INGEST_STOPPED_EXIT)
+        return INGEST_STOPPED_EXIT
     return 0
+
+
+def _exit_when_ingest_stops(service: Service, stop: threading.Event) -> None:
+    """When an ingest thread dies, shut down (gracefully) and exit non-zero.
+
+    Exit, not restart the thread: the thread died where nothing expected an error (every
+    message's own errors are caught and counted), so the state it shared with the others
+    (stream table, inbox, sockets) may be half-updated, and a restarted thread would
+    serve it as live. A new process starts from the snapshot or the engines' replay,
+    known state; the exit status and the log line tell the orchestrator and the
+    operator. Until then /healthz fails and every /score warns."""
+    failure = service.subscriber.wait_for_failure()
+    log.error(
+        "KV-event ingestion stopped (%s): the index no longer follows the pods; /healthz "
+        "answers 503 and /score warns; exiting with status %d in %.0fs so the "
+        "orchestrator restarts kvindex",
+        failure,
+        INGEST_STOPPED_EXIT,
+        EXIT_AFTER_INGEST_STOPPED_S,
+    )
+    time.sleep(EXIT_AFTER_INGEST_STOPPED_S)
+    stop.set()  # the drain of a shutdown signal; it tells the workers too
 
 
 # `kvindex gateway` takes these settings of the tree (the rest are the index's).

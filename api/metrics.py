@@ -45,6 +45,7 @@ _STREAM_STATES = (
     "incomplete",
     "standby",
     "unheard",
+    "stopped",
 )
 
 

@@ -57,8 +57,8 @@ class StreamReport(_Schema):
     state: Annotated[
         str,
         _doc(
-            "live, verifying, replaying, resync, gapped, incomplete, standby, restored "
-            "or unheard (see README, 'How it stays right')."
+            "live, verifying, replaying, resync, gapped, incomplete, standby, stopped, "
+            "restored or unheard (see README, 'How it stays right')."
         ),
     ]
     rank: Annotated[int, _doc("Data-parallel rank.")] = 0
@@ -141,7 +141,12 @@ class PodBlocks(_Schema):
 
 
 class Health(_Schema):
-    status: Annotated[str, _doc("Always ok: the process answers.")]
+    status: Annotated[
+        str, _doc("ok: the process answers; failed (with a 503): KV-event ingestion stopped.")
+    ]
+    problems: Annotated[
+        list[str] | None, _doc("Failed: why (the ingest thread that died and its error).")
+    ] = None
 
 
 class Readiness(_Schema):

@@ -112,6 +112,12 @@ class _Server(uvicorn.Server):
         self._drain_deadline = time.monotonic() + self._drain_timeout_s
         self._captured_signals.append(sig)  # raised again once served, as uvicorn does
 
+    def drain_and_stop(self) -> None:
+        """Start the same drain as a signal, from any thread, and stop after it without
+        raising a signal again (the caller chooses the exit status)."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self._drain_timeout_s
+
     async def on_tick(self, counter: int) -> bool:
         if self._drain_deadline is not None:
             if not self._drain_started:
@@ -168,7 +174,7 @@ def server(
     drain_timeout_s: float,
     lane: HotLane | None = None,
     on_exit_signal: Callable[[], None] | None = None,
-) -> uvicorn.Server:
+) -> _Server:
     """The uvicorn server for ``app`` (not started), with ``lane`` answering the hot paths
     when given, and ``on_exit_signal`` called as a shutdown signal's drain starts (at
     most ``drain_timeout_s`` seconds: :class:`_Server`)."""
@@ -194,10 +200,12 @@ def serve(
     drain_timeout_s: float,
     lane: HotLane | None = None,
     on_exit_signal: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
-    """Serve ``app`` on already bound sockets until SIGINT/SIGTERM and the drain after it
-    (``on_exit_signal`` is called as the drain starts). SIGTERM then ends the process
-    with status 0, SIGINT with KeyboardInterrupt."""
+    """Serve ``app`` on already bound sockets until SIGINT/SIGTERM or ``stop`` is set,
+    and the drain after it (``on_exit_signal`` is called as the drain starts). SIGTERM
+    then ends the process with status 0, SIGINT with KeyboardInterrupt; after ``stop``
+    this returns, and the caller chooses the exit status."""
     if threading.current_thread() is threading.main_thread():
         # uvicorn raises the signal again once it is done; SIGTERM's default action would
         # kill the process before any `finally` (the serving workers stopped, the shared
@@ -206,14 +214,22 @@ def serve(
     gc.collect()  # what startup left behind, then the rest is never walked again
     gc.freeze()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the loop waits at most this for the GIL
-    server(
+    running = server(
         app,
         header_timeout_s=header_timeout_s,
         keep_alive_timeout_s=keep_alive_timeout_s,
         drain_timeout_s=drain_timeout_s,
         lane=lane,
         on_exit_signal=on_exit_signal,
-    ).run(sockets=sock if isinstance(sock, list) else [sock])
+    )
+    if stop is not None:
+
+        def stop_when_set() -> None:
+            stop.wait()
+            running.drain_and_stop()
+
+        threading.Thread(target=stop_when_set, name="kvindex-stop", daemon=True).start()
+    running.run(sockets=sock if isinstance(sock, list) else [sock])
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:

@@ -190,6 +190,7 @@ class Service:
             owners,
             marks=self._marks(),
             expected=self.configured_pods,
+            ingest_failure=lambda: self.subscriber.failure,
         )
         self.load, self.router = make_routing(settings, self.known_pods, route_seed)
         self.route_metrics = RouteMetrics(self.registry)
@@ -338,7 +339,9 @@ class Service:
             self.backend.ping()
         except BackendError as exc:
             problems.append(f"index backend unavailable: {exc}")
-        if not self.subscriber.is_running():
+        if self.subscriber.failure is not None:
+            problems.append(f"KV-event ingestion stopped: {self.subscriber.failure}")
+        elif not self.subscriber.is_running():
             problems.append("event subscriber is not running")
         if not self.has_event_source() and self.settings.index.backend == "memory":
             problems.append(

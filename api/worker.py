@@ -105,6 +105,10 @@ class SharedFacts:
                 layouts.learn(model, group, kind, window, block_size)
 
     def warnings(self, model: str, pods: Collection[str] | None = None) -> list[str]:
+        # Reread here, not only where models are looked up: a /score for a configured
+        # model never looks (Service.knows_model), and would carry the warnings of the
+        # worker's first facts for ever (a stream gapped since, ingestion stopped).
+        self.refresh()
         return warnings_of(self.facts.warnings, model, pods)
 
     def stream_states(self) -> dict[str, str]:

@@ -41,9 +41,9 @@ from kvindex.events.recovery import Anchor
 from kvindex.events.replaying import ReplayDone, ReplayRecovery, ReplayWorkers
 from kvindex.events.resync import Resync
 from kvindex.events.runs import TAG_NAMES, event_count, tag_counts
-from kvindex.events.sequence import Action
+from kvindex.events.sequence import Action, plausible_gap
 from kvindex.events.sink import BatchSink, Delivery
-from kvindex.events.status import ReasonCounts
+from kvindex.events.status import IngestHealth, ReasonCounts
 from kvindex.events.stream import COUNTERS, JobKind, Stream
 from kvindex.events.stream_table import StreamTable
 from kvindex.events.wire import (
@@ -88,8 +88,10 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery, InOrderRun
         pinned: Callable[[Arrival], bool],
         pod_known: Callable[[str], bool],
         stream_closed: Callable[[StreamId], None],
+        health: IngestHealth,
     ) -> None:
         self._sink = sink
+        self._health = health
         self._stream_closed = stream_closed
         self._config = config
         self._clock = clock
@@ -158,8 +160,9 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery, InOrderRun
                         self._ready.pop(sid, None)
                     else:
                         self._guarded(stream, self._drain)
-        except Exception:
+        except BaseException as exc:
             log.exception("KV-event applier thread failed; no more batches will be applied")
+            self._health.failed(f"applier thread failed: {exc!r}")
             raise
         finally:
             for command in self._inbox.drain_commands():
@@ -361,6 +364,8 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery, InOrderRun
         expected = stream.tracker.expected
         if dropped is None or expected is None or expected > dropped:
             return
+        if not plausible_gap(expected, dropped + 1):
+            return  # no engine got that far: nothing to fetch; its next message will say
         stream.gaps += 1
         if self._can_replay(stream):
             anchor = self._anchor(stream)

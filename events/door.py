@@ -48,6 +48,7 @@ from kvindex.events.wire import (
     DecodeError,
     EnvelopeDecoder,
     Layout,
+    NestedTooDeep,
 )
 
 #: Topics (per socket) and address verdicts remembered before the cache starts over.
@@ -313,9 +314,12 @@ class Door:
                 else self._envelope.decode(payload).data_parallel_rank
             )
         except msgspec.DecodeError as exc:
-            reason = (
-                "invalid_batch" if isinstance(exc, msgspec.ValidationError) else "malformed_msgpack"
-            )
+            if isinstance(exc, NestedTooDeep):
+                reason = exc.reason
+            elif isinstance(exc, msgspec.ValidationError):
+                reason = "invalid_batch"
+            else:
+                reason = "malformed_msgpack"
             self._skip(reason, source, "payload %d from %s: %s", seq, pod, exc)
             if target is None:
                 # Bind mode: without the payload's rank the stream is unknown, and

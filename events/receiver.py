@@ -38,7 +38,7 @@ from kvindex.events.identity import StreamId, normalize_pod
 from kvindex.events.known_pods import KnownPods
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.scanned import ScannedBatch
-from kvindex.events.status import ReasonCounts
+from kvindex.events.status import IngestHealth, ReasonCounts
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +69,15 @@ class Receiver:
         errors: ReasonCounts,
         ratelog: RateLimitedLog,
         clock: Callable[[], float],
-        discovered: KnownPods | None = None,
-        reconnected: Callable[[str], None] | None = None,
-        accepted: Callable[[str], None] | None = None,
+        discovered: KnownPods | None,
+        reconnected: Callable[[str], None] | None,
+        accepted: Callable[[str], None] | None,
+        health: IngestHealth,
     ) -> None:
         self._ctx = context
+        self._errors = errors
+        self._ratelog = ratelog
+        self._health = health
         self._reconnected = reconnected
         self._accepted = accepted
         self._config = config
@@ -186,8 +190,9 @@ class Receiver:
                     self._deliver(arrivals)
                 if self._wake_rx in ready:
                     self._run_commands()
-        except Exception:
+        except BaseException as exc:
             log.exception("receiver thread failed; no more KV events will be received")
+            self._health.failed(f"receiver thread failed: {exc!r}")
             raise
         finally:
             self._fail_pending_commands()
@@ -369,7 +374,11 @@ class Receiver:
             while frame.more:  # ZMQ delivers a message whole: its other parts are here
                 frame = recv(zmq.NOBLOCK, copy=False)
                 frames.append(frame.bytes)
-            arrival = admit(source, frames, peer)
+            try:
+                arrival = admit(source, frames, peer)
+            except Exception as exc:
+                self._message_failed(source, exc)
+                continue
             if arrival is not None:
                 out.append(arrival)
 
@@ -388,16 +397,34 @@ class Receiver:
         )
         for item in items:
             kind = item[0]
-            if kind == _GROUP:
-                _, topic, peer, seq, payloads, scan = item
-                arrival = door.admit_group(source, topic, peer, seq, ScannedBatch(payloads, scan))
-            elif kind == _SINGLE:
-                arrival = door.admit(source, item[1], item[2])
-            else:
-                door.refuse(source, item[1], item[2])
+            try:
+                if kind == _GROUP:
+                    _, topic, peer, seq, payloads, scan = item
+                    batch = ScannedBatch(payloads, scan)
+                    arrival = door.admit_group(source, topic, peer, seq, batch)
+                elif kind == _SINGLE:
+                    arrival = door.admit(source, item[1], item[2])
+                else:
+                    door.refuse(source, item[1], item[2])
+                    continue
+            except Exception as exc:
+                self._message_failed(source, exc)
                 continue
             if arrival is not None:
                 out.append(arrival)
+
+    def _message_failed(self, source: Source, exc: Exception) -> None:
+        """A message raised where no check expected it to: that message's error, never
+        the thread's (one hostile sender must not stop every pod's ingestion). Counted
+        and skipped; the seq gap it leaves is recovered like any other."""
+        self._errors.add("internal_error")
+        self._ratelog.error(
+            "receiver_internal_error",
+            "KV events: internal error on a message from %s, skipped: %r",
+            source.endpoint,
+            exc,
+        )
+        log.debug("internal error on a message from %s", source.endpoint, exc_info=True)
 
 
 def _peer_host(fd: int) -> str | None:

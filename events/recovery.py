@@ -30,7 +30,7 @@ from typing import Protocol, TypeVar
 
 import msgspec
 
-from kvindex.events.wire import BatchEnvelope
+from kvindex.events.wire import BatchEnvelope, decode_bounded
 
 #: Bytes of the payload digest kept per stream (blake2b; collisions are irrelevant at
 #: this size, the check is against accidents and restarts, not adversaries).
@@ -158,7 +158,7 @@ def check_replay(
 
 def _well_formed(payload: bytes) -> bool:
     try:
-        _ENVELOPE.decode(payload)
+        decode_bounded(_ENVELOPE, payload)
     except msgspec.DecodeError:
         return False
     return True

@@ -29,6 +29,7 @@ from kvindex.events.recovery import (
 from kvindex.events.replay import ReplayResult, fetch_replay
 from kvindex.events.sequence import Action
 from kvindex.events.sink import Delivery
+from kvindex.events.status import IngestHealth
 from kvindex.events.stream import JobKind, ReplayJob, Stream
 
 if TYPE_CHECKING:
@@ -55,8 +56,10 @@ class ReplayWorkers:
         context: zmq.Context,
         post: Callable[[object], None],
         clock: Callable[[], float],
+        health: IngestHealth,
     ) -> None:
         self._config = config
+        self._health = health
         self._ctx = context
         self._post = post
         self._clock = clock
@@ -77,16 +80,24 @@ class ReplayWorkers:
 
     def _run(self: Applier, job: ReplayJob, endpoint: str) -> None:
         try:
-            result = fetch_replay(
-                endpoint,
-                job.start,
-                timeout_s=self._config.replay_timeout_s,
-                max_batches=self._config.replay_max_batches,
-                context=self._ctx,
-            )
-        except Exception as exc:
-            result = ReplayResult(reason="error", detail=repr(exc))
-        self._post(ReplayDone(job, result, self._clock()))
+            try:
+                result = fetch_replay(
+                    endpoint,
+                    job.start,
+                    timeout_s=self._config.replay_timeout_s,
+                    max_batches=self._config.replay_max_batches,
+                    context=self._ctx,
+                )
+            except Exception as exc:
+                result = ReplayResult(reason="error", detail=repr(exc))
+            self._post(ReplayDone(job, result, self._clock()))
+        except BaseException as exc:
+            # The pool would keep the exception in a future nobody reads, and the stream
+            # would wait for this job's answer for ever: as loud as a dead thread.
+            sid = job.stream.sid
+            log.exception("replay worker failed; %s waits for a replay that never ends", sid)
+            self._health.failed(f"replay worker failed: {exc!r}")
+            raise
 
 
 class ReplayRecovery:

@@ -9,6 +9,9 @@ happened:
 * it is higher → messages were lost (a gap): fetch them by replay, or accept the loss;
 * it is at or below a seq already *received live* → the engine restarted. Live delivery
   is in order and never repeats, so a repeat can only be a new process counting from 0;
+* it is more than :data:`MAX_PLAUSIBLE_GAP` above the next expected seq → not a loss
+  any engine could have had: a new incarnation (or a corrupt seq frame), handled like a
+  restart, never counted as that many missed batches;
 * it is below the next expected seq but above every seq received live → a replay already
   applied it: a duplicate. This is why two numbers are tracked: the highest seq received
   live and the next seq to apply (which a replay can move past the live stream);
@@ -45,6 +48,21 @@ class Verdict:
         return max(0, self.missing_to - self.missing_from + 1)
 
 
+#: The most batches a gap may lose and still read as a gap. vLLM numbers one batch per
+#: scheduler step that produced events and keeps only the last ``buffer_steps`` (10,000
+#: by default) for replay, so a longer gap can be counted but never fetched; and 2**24
+#: (16.7 M) steps, almost each storing new blocks, is far more than any engine's cache
+#: holds, so nothing indexed before such a jump can still be cached. Reading it as a new
+#: incarnation (clear, then catch up or mark the stream incomplete) loses nothing true;
+#: counting it would let one bad seq frame (2**64 - 1) add 1.8e19 missed batches.
+MAX_PLAUSIBLE_GAP = 1 << 24
+
+
+def plausible_gap(expected: int, seq: int) -> bool:
+    """Whether seqs ``expected`` .. ``seq - 1`` can have been lost by one engine."""
+    return seq - expected <= MAX_PLAUSIBLE_GAP
+
+
 _APPLY = Verdict(Action.APPLY)
 _DUPLICATE = Verdict(Action.DUPLICATE)
 _RESTART = Verdict(Action.RESTART)
@@ -72,6 +90,8 @@ class SequenceTracker:
         same seq to classify it against the new engine.
         """
         if self.highest_live is not None and seq <= self.highest_live:
+            return _RESTART
+        if self.expected is not None and not plausible_gap(self.expected, seq):
             return _RESTART
         self.highest_live = seq
         return self.position(seq)

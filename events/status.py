@@ -36,7 +36,9 @@ class StreamStatus:
       asks for the engine's whole buffer at once (``replaying``), and the stream is
       ``live`` (or ``incomplete``) once it answered;
     * ``"standby"``: another kvindex replica applies this stream; ``not_owner`` counts
-      the batches this one dropped for that reason.
+      the batches this one dropped for that reason;
+    * ``"stopped"``: an ingest thread died (:class:`IngestHealth`), so no stream follows
+      its engine any more; kvindex exits soon after.
 
     ``gapped`` and ``incomplete`` last until the engine sends AllBlocksCleared or
     restarts (its entries are then rebuilt from nothing), or the pod is forgotten.
@@ -85,3 +87,35 @@ class ReasonCounts:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+
+class IngestHealth:
+    """Whether every ingest thread still runs; the first one to die says why, for good.
+
+    Written by the thread that dies (its top level catches everything on its way out),
+    read by any: a dead ingest thread leaves the index frozen while it still answers,
+    so the service must say so (``/healthz``, ``/score`` warnings, stream states) and
+    exit rather than serve it as live.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failure: str | None = None
+        self._failed = threading.Event()
+
+    def failed(self, what: str) -> None:
+        """``what`` (e.g. "receiver thread failed: RecursionError(...)") stopped ingest."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = what
+        self._failed.set()
+
+    @property
+    def failure(self) -> str | None:
+        """Why ingest stopped; None while every ingest thread runs."""
+        return self._failure
+
+    def wait(self, timeout_s: float | None = None) -> str | None:
+        """Block until an ingest thread dies (or ``timeout_s`` passes); its failure."""
+        self._failed.wait(timeout_s)
+        return self._failure

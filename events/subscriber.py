@@ -99,7 +99,7 @@ from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.receiver import Arrival, Receiver
 from kvindex.events.replaying import ReplayWorkers
 from kvindex.events.sink import BatchSink
-from kvindex.events.status import ReasonCounts, StreamStatus
+from kvindex.events.status import IngestHealth, ReasonCounts, StreamStatus
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ class Subscriber:
         # closes none of our sockets and blocks whatever thread collected it, for good.
         self._ctx = context if context is not None else zmq.Context.instance()
         self._errors = ReasonCounts()
+        self._health = IngestHealth()
         self._ratelog = RateLimitedLog(log, self._config.log_interval_s)
         self._resolver = replay_resolver
         self._pod_known = pod_known
@@ -159,7 +160,7 @@ class Subscriber:
             self._config,
             clock,
             self._inbox,
-            lambda post: ReplayWorkers(self._config, self._ctx, post, clock),
+            lambda post: ReplayWorkers(self._config, self._ctx, post, clock, self._health),
             self._errors,
             self._ratelog,
             gate,
@@ -167,10 +168,11 @@ class Subscriber:
             self._pinned,
             self._discovered,
             self._stream_closed,
+            self._health,
         )
         self._receiver = Receiver(
             self._ctx, self._config, self._inbox.put_arrivals, self._errors, self._ratelog, clock,
-            discovered_pods, self._on_reconnect, self._on_accept,
+            discovered_pods, self._on_reconnect, self._on_accept, self._health,
         )  # fmt: skip
         self._started = False
         self._stopped = False
@@ -320,6 +322,16 @@ class Subscriber:
             and thread.is_alive()
         )
 
+    @property
+    def failure(self) -> str | None:
+        """Why ingestion stopped for good (an ingest thread died); None while it runs.
+        Every stream then reads ``stopped``: the index no longer follows any engine."""
+        return self._health.failure
+
+    def wait_for_failure(self, timeout_s: float | None = None) -> str | None:
+        """Block until an ingest thread dies (or ``timeout_s`` passes): its failure."""
+        return self._health.wait(timeout_s)
+
     def __enter__(self) -> Subscriber:
         self.start()
         return self
@@ -333,13 +345,14 @@ class Subscriber:
         """A snapshot of every stream, sorted by pod and rank (read while the applier
         runs, so it may be a few batches behind)."""
         streams = sorted(self._applier.streams(), key=lambda s: s.sid)
+        stopped = self._health.failure is not None
         return [
             StreamStatus(
                 pod=s.sid.pod,
                 rank=s.sid.rank,
                 member=s.sid.member,
                 model=s.model,
-                state=s.state,
+                state="stopped" if stopped else s.state,
                 last_seq=s.last_seq,
                 first_seq=s.first_seq,
                 last_batch_ts=s.last_batch_ts,

@@ -217,11 +217,28 @@ class _BatchEnvelopeAsMap(BatchEnvelope, array_like=False):
     """:class:`BatchEnvelope` sent as a map; unknown keys are ignored."""
 
 
+class NestedTooDeep(msgspec.DecodeError):
+    """A payload nested deeper than msgspec decodes (it raises RecursionError): a few
+    hundred bytes of ``0x91`` do it, and no vLLM batch nests more than four deep."""
+
+    reason = "too_deeply_nested"
+
+
+def decode_bounded(decoder: msgspec.msgpack.Decoder, payload: bytes) -> Any:
+    """``decoder.decode(payload)``, with a payload nested too deep for it a
+    :class:`NestedTooDeep` (a ``msgspec.DecodeError``) like any other undecodable one."""
+    try:
+        return decoder.decode(payload)
+    except RecursionError:
+        raise NestedTooDeep("payload nested too deeply") from None
+
+
 class EnvelopeDecoder:
     """Decodes a payload's :class:`BatchEnvelope`, whether the batch is an array or a map.
 
     Raises ``msgspec.DecodeError`` (``ValidationError`` for well-formed msgpack of the
-    wrong shape) like a plain msgspec decoder.
+    wrong shape, :class:`NestedTooDeep` for msgpack nested too deep) like a plain msgspec
+    decoder.
     """
 
     def __init__(self) -> None:
@@ -229,9 +246,7 @@ class EnvelopeDecoder:
         self._map = msgspec.msgpack.Decoder(_BatchEnvelopeAsMap)
 
     def decode(self, payload: bytes) -> BatchEnvelope:
-        if envelope_is_map(payload):
-            return self._map.decode(payload)
-        return self._array.decode(payload)
+        return decode_bounded(self._map if envelope_is_map(payload) else self._array, payload)
 
 
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
@@ -287,12 +302,14 @@ class BatchDecoder:
         """Decode one payload; raise DecodeError when nothing in it is usable."""
         as_map = envelope_is_map(payload)
         try:
-            batch = self._decoders[prefer, as_map].decode(payload)
+            batch = decode_bounded(self._decoders[prefer, as_map], payload)
             layout = prefer
+        except NestedTooDeep as exc:  # so is the event-by-event path: no point trying it
+            raise DecodeError(exc.reason, str(exc)) from None
         except msgspec.DecodeError:
             layout = Layout.MAP if prefer is Layout.ARRAY else Layout.ARRAY
             try:
-                batch = self._decoders[layout, as_map].decode(payload)
+                batch = decode_bounded(self._decoders[layout, as_map], payload)
             except msgspec.DecodeError:
                 return self._decode_event_by_event(payload, as_map)
         # Each hash takes at least one byte: a smaller payload cannot hold an oversized event
@@ -304,7 +321,9 @@ class BatchDecoder:
 
     def _decode_event_by_event(self, payload: bytes, as_map: bool) -> DecodedBatch:
         try:
-            raw = self._raw[as_map].decode(payload)
+            raw = decode_bounded(self._raw[as_map], payload)
+        except NestedTooDeep as exc:
+            raise DecodeError(exc.reason, str(exc)) from None
         except msgspec.ValidationError as exc:
             raise DecodeError("invalid_batch", str(exc)) from None
         except msgspec.DecodeError as exc:
@@ -329,11 +348,13 @@ class BatchDecoder:
     def _decode_one(self, item: msgspec.Raw) -> tuple[Event | None, str]:
         for decoder in (self._array_event, self._map_event):
             try:
-                return decoder.decode(item), ""
+                return decode_bounded(decoder, item), ""
             except msgspec.DecodeError:
                 continue
         try:
-            value = self._tag_probe.decode(item)
+            value = decode_bounded(self._tag_probe, item)
+        except NestedTooDeep as exc:
+            return None, exc.reason
         except msgspec.DecodeError:
             return None, "invalid_event"
         tag = None

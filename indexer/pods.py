@@ -24,14 +24,16 @@ UNHEARD_REASON = (
     "not heard from since kvindex started: its engine may hold cached blocks the index "
     "does not know of until it publishes or replays its events"
 )
-#: Warnings of pods whose model is not known yet (every model's answer carries them).
-_ANY_MODEL = ""
 #: States in which a stream's entries may differ from what its engine holds.
 _UNHEALTHY_STREAMS = frozenset({"gapped", "incomplete", "resync"})
 #: States in which a stream is not known to be in step with its engine right now.
-_NOT_IN_STEP = _UNHEALTHY_STREAMS | {"verifying", "replaying"}
+_NOT_IN_STEP = _UNHEALTHY_STREAMS | {"verifying", "replaying", "stopped"}
+#: The key of warnings that concern every model (no model is named "": a topic's model
+#: is never empty): a pod's whose model is not known yet, or, under pod "", every pod's.
+EVERY_MODEL = ""
 #: Worst first: the state a pod shows when its streams differ.
 _STATE_ORDER = (
+    "stopped",
     "gapped",
     "incomplete",
     "resync",
@@ -95,10 +97,11 @@ def _stream_dict(s: StreamStatus) -> dict[str, Any]:
 def warnings_of(
     by_model: dict[str, list[tuple[str, str]]], model: str, pods: Collection[str] | None
 ) -> list[str]:
-    """The texts of ``model``'s (pod, text) warnings, only those of ``pods`` when given;
-    warnings of no known model (``""``) concern every model."""
-    found = [*by_model.get(model, []), *(by_model.get(_ANY_MODEL, []) if model else [])]
-    return [text for pod, text in found if pods is None or pod in pods]
+    """The texts of ``model``'s (pod, text) warnings, only those of ``pods`` when given,
+    and those under ``""``, which concern every model: of a pod whose model is not known
+    yet (only if the pod is wanted), or of no pod at all (always)."""
+    found = [*by_model.get(EVERY_MODEL, []), *(by_model.get(model, []) if model else [])]
+    return [text for pod, text in found if pods is None or not pod or pod in pods]
 
 
 class PodDirectory:
@@ -112,7 +115,8 @@ class PodDirectory:
     restored snapshot), which override the stream's own state. ``expected`` (optional)
     returns the pods configured (``--zmq-connect``, ``--pod-role``) or discovered: one
     with no stream in this process and nothing restored is ``unheard``, its cache
-    unknown, and says so like a stream that is.
+    unknown, and says so like a stream that is; ``ingest_failure`` (optional) why
+    ingestion stopped for good, a warning on every answer.
     """
 
     def __init__(
@@ -127,7 +131,9 @@ class PodDirectory:
         *,
         marks: Callable[[], Mapping[str, Mark]] | None = None,
         expected: Callable[[], Collection[str]] | None = None,
+        ingest_failure: Callable[[], str | None] | None = None,
     ) -> None:
+        self._ingest_failure = ingest_failure or (lambda: None)
         self._backend = backend
         self._streams = streams
         self._verifier = verifier
@@ -254,6 +260,15 @@ class PodDirectory:
 
     def _compute_warnings(self) -> tuple[dict[str, list[tuple[str, str]]], dict[str, str]]:
         out: dict[str, list[tuple[str, str]]] = {}
+        failure = self._ingest_failure()
+        if failure is not None:
+            out[EVERY_MODEL] = [
+                (
+                    "",
+                    f"KV-event ingestion stopped ({failure}): the index no longer follows "
+                    "any pod, scores may be stale; kvindex exits to be restarted",
+                )
+            ]
         marks = self._marks()
         streams = self._streams()
         states: dict[str, str] = {}
@@ -270,7 +285,7 @@ class PodDirectory:
         states = {name: state for name, state in states.items() if state != "live"}
         for pod in self._unheard(streams, marks, self._discovered()):
             states[pod] = UNHEARD
-            out.setdefault(_ANY_MODEL, []).append((pod, f"pod {pod}: {UNHEARD_REASON}"))
+            out.setdefault(EVERY_MODEL, []).append((pod, f"pod {pod}: {UNHEARD_REASON}"))
         for mark in marks.values():
             out.setdefault(mark.model, []).append(
                 (member_pod(mark.member), f"pod {mark.member}: stream {mark.state} ({mark.reason})")

@@ -7,6 +7,7 @@ The hypothesis tests are derandomized so every run checks the same examples; dro
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -26,6 +27,7 @@ from kvindex.events import (
     Subscriber,
     SubscriberConfig,
 )
+from kvindex.events.door import Arrival, Door, Source
 from kvindex.events.testing import RecordingSink, wait_until
 from kvindex.events.wire import MAX_HASHES_PER_EVENT
 
@@ -159,6 +161,8 @@ def bad_inputs() -> list[tuple[str, str, object]]:
         ("negative hash", "invalid_event",
          msgspec.msgpack.encode([1.0, [["BlockRemoved", [-1]]], 0])),
         ("a million hashes", "too_many_hashes", huge_event),
+        ("1,000 arrays deep", "too_deeply_nested",  # msgspec: RecursionError (issue 26)
+         b"\x92\xcb\x41\xd0" + bytes(6) + b"\x91\x92\xabBlockStored" + b"\x91" * 1000 + b"\x01"),
     ]  # fmt: skip
 
 
@@ -174,6 +178,33 @@ def test_each_bad_input_is_skipped_counted_and_followed(live) -> None:
         assert sub.error_counts().get(reason, 0) == before + 1, case
     status = sub.streams()[0]
     assert status.state == "live" and status.missed_batches == 0 and status.restarts == 0
+
+
+def test_an_error_no_check_expected_costs_only_its_message(live, monkeypatch) -> None:
+    """Whatever one message raises in the receiver is that message's error (counted as
+    internal_error), never the receiver thread's."""
+    sub, pub, sink = live
+    admit, admit_group = Door.admit, Door.admit_group
+
+    def failing_admit(
+        self: Door, source: Source, frames: list[bytes], peer: str | None
+    ) -> Arrival | None:
+        if frames[0] == b"boom":
+            raise RuntimeError("a bug the door did not expect")
+        return admit(self, source, frames, peer)
+
+    def failing_admit_group(self: Door, source: Source, topic: bytes, *rest: Any) -> Arrival | None:
+        if topic == b"boom":
+            raise RuntimeError("a bug the door did not expect")
+        return admit_group(self, source, topic, *rest)
+
+    monkeypatch.setattr(Door, "admit", failing_admit)
+    monkeypatch.setattr(Door, "admit_group", failing_admit_group)
+    payload = pub.encode([BlockStored([7], None, [1] * 16, 16)])
+    pub.send_frames([b"boom", SEQ, payload])
+    publish_valid_and_wait(pub, sink, 1)
+    assert sub.error_counts().get("internal_error") == 1
+    assert sub.is_running() and sub.failure is None
 
 
 def test_random_garbage_at_a_live_subscriber(live) -> None:

@@ -27,7 +27,14 @@ from kvindex.events import (
 )
 from kvindex.events.sink import Delivery
 from kvindex.events.testing import RecordingSink
-from kvindex.events.wire import EnvelopeDecoder, EventBatch, envelope_is_map, tokens_of
+from kvindex.events.wire import (
+    DecodeError,
+    EnvelopeDecoder,
+    EventBatch,
+    NestedTooDeep,
+    envelope_is_map,
+    tokens_of,
+)
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.models import ModelCatalog
@@ -141,6 +148,18 @@ def test_map_envelope_with_one_bad_event_costs_only_that_event() -> None:
 def test_broken_map_envelopes_are_decode_errors(payload: bytes) -> None:
     with pytest.raises(msgspec.DecodeError):
         EnvelopeDecoder().decode(payload)
+
+
+@pytest.mark.parametrize("envelope", [b"\x92\xcb\x41\xd0" + bytes(6), b"\x82\xa2ts\x01\xa6events"])
+def test_a_payload_nested_too_deep_is_a_counted_decode_error(envelope: bytes) -> None:
+    """Issue 26: msgspec raises RecursionError on it, which killed the receiver thread."""
+    payload = envelope + b"\x91\x92\xabBlockStored" + b"\x91" * 1000 + b"\x01"
+    with pytest.raises(NestedTooDeep):
+        EnvelopeDecoder().decode(payload)
+    for prefer in Layout:
+        with pytest.raises(DecodeError) as raised:
+            BatchDecoder().decode(payload, prefer)
+        assert raised.value.reason == "too_deeply_nested"
 
 
 def test_real_vllm_0_33_bytes_array_and_map() -> None:

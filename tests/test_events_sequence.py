@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from kvindex.events.sequence import Action, SequenceTracker, Verdict
+from kvindex.events.sequence import (
+    MAX_PLAUSIBLE_GAP,
+    Action,
+    SequenceTracker,
+    Verdict,
+    plausible_gap,
+)
 
 
 def apply_all(tracker: SequenceTracker, seqs: list[int]) -> list[Action]:
@@ -83,3 +89,24 @@ def test_rewind_and_skip() -> None:
     assert tracker.expected == 4
     tracker.rewind(9)  # nor forwards
     assert tracker.expected == 4
+
+
+def test_an_implausible_jump_forward_is_a_restart_not_a_gap() -> None:
+    tracker = SequenceTracker()
+    apply_all(tracker, [0, 1, 2])
+    assert tracker.live(2**64 - 1).action is Action.RESTART  # not GAP(3, 2**64 - 2)
+    assert tracker.highest_live == 2  # not recorded, like any restart
+    tracker.restart()
+    assert tracker.live(2**64 - 1) == Verdict(Action.FIRST_CONTACT, 0, 2**64 - 2)
+    tracker.skip_to(2**64 - 1)
+    tracker.applied(2**64 - 1)
+    assert tracker.live(3).action is Action.RESTART  # the next real batch: back again
+
+
+def test_the_largest_plausible_gap_is_still_a_gap() -> None:
+    tracker = SequenceTracker()
+    apply_all(tracker, [0])
+    last_plausible = 1 + MAX_PLAUSIBLE_GAP
+    assert tracker.live(last_plausible + 1).action is Action.RESTART
+    assert tracker.live(last_plausible) == Verdict(Action.GAP, 1, MAX_PLAUSIBLE_GAP)
+    assert plausible_gap(1, last_plausible) and not plausible_gap(1, last_plausible + 1)

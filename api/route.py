@@ -6,8 +6,9 @@ This module only gathers inputs and enters the decision (the HTTP side is
 ``api/hot_path.py``); the rules are in :mod:`kvindex.scoring.router` and the cost model
 in :mod:`kvindex.scoring.route_cost`.
 It degrades instead of failing: an unknown model, a tokenizer or index backend that is
-unavailable, or a candidate whose stream is not in step with its engine, all give a
-load-only decision whose ``reason`` says why. Only bad input (400) and no admissible pod
+unavailable, messages kvindex cannot tokenize (multimodal content, a template failing),
+or a candidate whose stream is not in step with its engine, all give a load-only
+decision whose ``reason`` says why. Only bad input (400) and no admissible pod
 (429 with ``Retry-After``) are refused. The handler does not await between reading the
 ledger and entering its decision, so concurrent requests see each other's routes.
 """
@@ -25,7 +26,7 @@ import msgspec
 from kvindex.api.json_tokens import decode_prompt
 from kvindex.api.offload import BackendBusy, BackendTimeout
 from kvindex.api.schemas import RouteCandidate, RouteDone, RouteRequest, RouteResponse
-from kvindex.api.score import candidate_pods, tokens_of
+from kvindex.api.score import UntokenizablePrompt, candidate_pods, tokens_of
 from kvindex.api.score_inputs import block_keys, hashed_keys, prompt_form
 from kvindex.events.errors import NotFound, TooManyRequests, Unavailable
 from kvindex.events.identity import member_pod
@@ -457,6 +458,9 @@ def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> _IndexV
             )
     except TokenizerUnavailable as exc:
         return _IndexView(0, fallback=Reason.FALLBACK_TOKENIZER_UNAVAILABLE, warnings=[exc.detail])
+    except UntokenizablePrompt as exc:  # the pod may serve it: a router must not refuse it
+        reason = Reason.FALLBACK_MULTIMODAL if exc.multimodal else Reason.FALLBACK_UNTOKENIZABLE
+        return _IndexView(0, fallback=reason, warnings=[exc.detail])
     if keys is None:
         prompt_tokens = len(tokens)
     else:

@@ -245,7 +245,8 @@ class RouteResponse(msgspec.Struct):
         str,
         msgspec.Meta(
             description="prefix, load, least_bad, fallback_stale_index, "
-            "fallback_backend_down, fallback_unknown_model or fallback_tokenizer_unavailable"
+            "fallback_backend_down, fallback_unknown_model, fallback_tokenizer_unavailable, "
+            "fallback_multimodal or fallback_untokenizable"
         ),
     ]
     model: Annotated[str, _doc("The model routed for, as asked.")]

@@ -17,6 +17,8 @@ from kvindex.api.schemas import ScoreRequest, ScoreResponse
 from kvindex.api.score_inputs import hashed_keys, prompt_form, require_known_model
 from kvindex.events.errors import ClientError, KvindexError, TooLarge
 from kvindex.events.identity import member_pod, normalize_pod
+from kvindex.scoring.chat_template import MultimodalContent, Untokenizable
+from kvindex.scoring.conversation import refuse_media
 from kvindex.scoring.scorer import ScoreResult
 from kvindex.scoring.speculative import annotate
 from kvindex.scoring.tokenize import ChatOptions
@@ -29,6 +31,17 @@ if TYPE_CHECKING:
 MAX_MESSAGE_DEPTH = 32
 
 _score_decoder = msgspec.json.Decoder(ScoreRequest)
+
+
+class UntokenizablePrompt(ClientError):
+    """The messages hold what kvindex cannot tokenize though the engine may serve it:
+    multimodal content (``multimodal``), a content part of an unknown type, a template
+    that fails under kvindex's rendering. /score cannot score it (400); /route routes it
+    by load."""
+
+    def __init__(self, detail: str, *, multimodal: bool) -> None:
+        super().__init__(detail)
+        self.multimodal = multimodal
 
 
 def decode_score(body: bytes) -> ScoreRequest:
@@ -137,6 +150,10 @@ def _tokenize(service: Service, req: ScoreRequest, max_chars: int) -> list[int]:
                 f"messages (or tools, documents) are nested more than {MAX_MESSAGE_DEPTH} "
                 "levels deep"
             )
+        try:  # before the size: media make a request multimodal, whatever their size
+            refuse_media(req.messages or [])
+        except MultimodalContent as exc:
+            raise UntokenizablePrompt(str(exc), multimodal=True) from None
         size = sum(len(msgspec.json.encode(part)) for part in parts)
     if size > max_chars:
         raise ClientError(
@@ -159,10 +176,13 @@ def _tokenize(service: Service, req: ScoreRequest, max_chars: int) -> list[int]:
         )
     except KvindexError:  # TokenizerUnavailable (503), our own client errors (400)
         raise
-    except ValueError as exc:  # the chat template refused the messages
+    except Untokenizable as exc:
+        multimodal = isinstance(exc, MultimodalContent)
+        raise UntokenizablePrompt(str(exc), multimodal=multimodal) from None
+    except ValueError as exc:  # ChatTemplateError: the request's chat fields are wrong
         raise ClientError(str(exc)) from None
     except Exception as exc:  # jinja2 errors from a model's template
-        raise ClientError(f"chat template failed: {exc}") from None
+        raise UntokenizablePrompt(f"chat template failed: {exc}", multimodal=False) from None
 
 
 def _chat_fields_given(req: ScoreRequest) -> bool:

@@ -55,6 +55,20 @@ class ChatTemplateError(ValueError):
     """The template or its inputs refused the conversation; the message says why."""
 
 
+class Untokenizable(ChatTemplateError):
+    """kvindex cannot compute the engine's tokens for a conversation the engine may well
+    serve: a content part it does not render, or the model's template failing under
+    kvindex's rendering. A router routes such a request without its prefix; it is not
+    the request's fault."""
+
+
+class MultimodalContent(Untokenizable):
+    """The conversation holds multimodal content (images, audio, video, files,
+    embeddings). The engine turns each item into placeholder tokens made by the model's
+    processor and hashes the blocks over them with the item's hash in ``extra_keys``,
+    so no text rendering gives their block keys."""
+
+
 @dataclass(frozen=True, slots=True)
 class ChatTemplates:
     """A model's chat templates as transformers loads them from its directory.
@@ -169,7 +183,7 @@ def render(
     except ChatTemplateError:
         raise
     except Exception as exc:  # jinja2 errors, and whatever a template's own code raises
-        raise ChatTemplateError(f"chat template failed: {exc}") from None
+        raise Untokenizable(f"chat template failed: {exc}") from None
     if continue_final_message:
         text = _cut_at_tag(text, final_text)
     return text
@@ -223,7 +237,7 @@ def _compile(template: str) -> Any:
             try:
                 found = environment().from_string(template)
             except Exception as exc:  # a template that does not parse
-                raise ChatTemplateError(f"chat template does not compile: {exc}") from None
+                raise Untokenizable(f"chat template does not compile: {exc}") from None
             if len(_compiled) >= _COMPILED_MAX:
                 _compiled.clear()
             _compiled[template] = found
@@ -276,7 +290,9 @@ def _tojson(
 
 
 def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(f"chat template refused the messages: {message}")
+    # The engine renders the same template, but kvindex's rendering of the messages may
+    # differ from the engine's in what the template checks: the engine decides.
+    raise Untokenizable(f"chat template refused the messages: {message}")
 
 
 def _strftime_now(format: str) -> str:

@@ -19,8 +19,10 @@ steps for text conversations, as pure functions:
 - Tools are rebuilt as vLLM's request model dumps them: ``{"type": "function",
   "function": {"name", "description", "parameters"}}`` with absent fields as null.
 
-Multimodal parts (images, audio, video, embeddings) are refused: their placeholders and
-hashes are the engine's business and kvindex cannot score them.
+Multimodal parts (images, audio, video, files, embeddings) raise MultimodalContent and
+other part types Untokenizable: their placeholders and hashes are the engine's business
+and kvindex cannot compute the blocks of such a conversation (``/route`` and the gateway
+route it by load).
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvindex.scoring.chat_template import ChatTemplateError, ContentFormat
+from kvindex.scoring.chat_template import (
+    ChatTemplateError,
+    ContentFormat,
+    MultimodalContent,
+    Untokenizable,
+)
 
 # Content part types vLLM 0.33 reads as text, and the key each keeps its text under.
 _TEXT_PARTS = {
@@ -39,6 +46,14 @@ _TEXT_PARTS = {
     "refusal": "refusal",
     "thinking": "thinking",
 }
+# Content part types that carry media (OpenAI's, vLLM's own, the Responses API's).
+_MEDIA_PARTS = frozenset(
+    {
+        "image_url", "input_image", "image_embeds", "image_pil", "image", "input_audio",
+        "audio_url", "audio_embeds", "audio", "video_url", "video_embeds", "video", "file",
+        "input_file",
+    }
+)  # fmt: skip
 # Fields of OpenAI content parts; anything else on a text part is passed through to an
 # "openai" format template, as vLLM does.
 _KNOWN_PART_FIELDS = frozenset(
@@ -111,6 +126,43 @@ def _message(message: Mapping[str, Any], content_format: ContentFormat) -> dict[
     return result
 
 
+def without_media(messages: Sequence[Any]) -> list[Any]:
+    """``messages`` with each media part cut down to its ``type``: all that routing reads
+    of it (that it is there), without its payload (a ``data:`` URL may be megabytes)."""
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list) and any(_is_media(p) for p in content):
+            parts = [{"type": p["type"]} if _is_media(p) else p for p in content]
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
+def refuse_media(messages: Sequence[Any]) -> None:
+    """MultimodalContent for the first media part in ``messages``: what a request holding
+    one is, whatever else it holds, and found without a tokenizer or rendering."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        for part in content if isinstance(content, list) else ():
+            if _is_media(part):
+                raise _multimodal(part["type"])
+
+
+def _multimodal(kind: str) -> MultimodalContent:
+    return MultimodalContent(
+        f"content part of type {kind!r} is multimodal: kvindex cannot compute the blocks "
+        "of such a prompt (the engine's processor makes the media's tokens and hashes the "
+        "media into their blocks); route it with /route or the gateway, which route it by "
+        "load (reason fallback_multimodal)"
+    )
+
+
+def _is_media(part: Any) -> bool:
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    return isinstance(kind, str) and kind in _MEDIA_PARTS
+
+
 def _part(part: Any, content_format: ContentFormat) -> Any:
     if isinstance(part, str):
         return {"type": "text", "text": part} if content_format == "openai" else part
@@ -118,8 +170,10 @@ def _part(part: Any, content_format: ContentFormat) -> Any:
         raise ChatTemplateError("a content part must be a string or an object")
     kind = part.get("type")
     key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+    if key is None and _is_media(part):
+        raise _multimodal(kind)
     if key is None:
-        raise ChatTemplateError(
+        raise Untokenizable(
             f"content part of type {kind!r} is not supported: kvindex scores text "
             "conversations (text, input_text, output_text, refusal, thinking parts)"
         )

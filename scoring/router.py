@@ -39,6 +39,8 @@ class Reason(StrEnum):
     FALLBACK_BACKEND_DOWN = "fallback_backend_down"
     FALLBACK_UNKNOWN_MODEL = "fallback_unknown_model"
     FALLBACK_TOKENIZER_UNAVAILABLE = "fallback_tokenizer_unavailable"
+    FALLBACK_MULTIMODAL = "fallback_multimodal"
+    FALLBACK_UNTOKENIZABLE = "fallback_untokenizable"
     NO_CAPACITY = "no_capacity"
     LEAST_BAD = "least_bad"
 

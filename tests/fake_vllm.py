@@ -120,7 +120,7 @@ class FakeVllmPod:
     def tokens_of(self, endpoint: str, body: dict[str, Any]) -> list[int]:
         if endpoint == "chat":
             text = self.tokenizer.apply_chat_template(
-                body["messages"],
+                [_media_as_placeholders(m) for m in body["messages"]],
                 tools=body.get("tools"),
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 tokenize=False,
@@ -223,6 +223,17 @@ class FakeVllmPod:
     def close(self) -> None:
         self.stop_http()
         self.publisher.close()
+
+
+def _media_as_placeholders(message: dict[str, Any]) -> dict[str, Any]:
+    """A message with media parts as a multimodal model's prompt holds them: each a
+    placeholder in the text (the processor expands it into the item's tokens)."""
+    content = message.get("content")
+    media = [isinstance(p, dict) and p.get("type") != "text" for p in content or ()]
+    if not isinstance(content, list) or not any(media):
+        return message
+    text = "\n".join("<media>" if m else p["text"] for p, m in zip(content, media, strict=True))
+    return {**message, "content": text}
 
 
 def _whole(

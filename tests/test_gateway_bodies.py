@@ -83,6 +83,20 @@ def test_without_a_tokenizer_the_text_and_chat_fields_go_to_route() -> None:
     assert (route.max_tokens, route.chat_template_kwargs, route.cache_salt) == (4, {"x": 1}, "s")
 
 
+def test_media_go_to_route_as_their_type_alone(tmp_path: Path) -> None:
+    """A chat with an image, with or without a tokenizer: /route reads the messages (and
+    routes them by load), without the image's bytes."""
+    tokenizers = TokenizerRegistry({"oss": str(model_directory("gpt-oss", tmp_path))})
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 4096}}
+    text = {"type": "text", "text": "What is this?"}
+    message = {"role": "user", "content": [text, image], "name": "u"}
+    body = msgspec.json.encode({"model": "oss", "messages": [message]})
+    for registry in (tokenizers, None):
+        route = build(Endpoint.CHAT, body, registry)
+        assert route.token_ids is None
+        assert route.messages == [{**message, "content": [text, {"type": "image_url"}]}]
+
+
 def test_with_a_tokenizer_the_gateway_sends_the_tokens_vllm_will_compute(tmp_path: Path) -> None:
     directory = model_directory("gpt-oss", tmp_path)
     tokenizers = TokenizerRegistry({"oss": str(directory)})

@@ -7,6 +7,9 @@ ids here, with the model's own tokenizer and chat template rendered as vLLM 0.33
 them (:class:`kvindex.scoring.tokenize.ModelTokenizer`, the code behind ``/score``'s
 ``prompt`` and ``messages``). Without a tokenizer for the model, the text itself goes to
 ``/route``, which tokenizes it if the index has one, or falls back to load-only routing.
+So do messages kvindex cannot tokenize (multimodal content, with its media cut out;
+a template failing): ``/route`` routes them by load (``fallback_multimodal``,
+``fallback_untokenizable``), and the pod gets the client's body untouched.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import msgspec
 from kvindex.api.schemas import MAX_OUTPUT_TOKENS, RouteRequest, TokenId
 from kvindex.api.settings import Settings
 from kvindex.events.errors import ClientError, KvindexError
+from kvindex.scoring.conversation import without_media
 from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
 
 log = logging.getLogger(__name__)
@@ -198,8 +202,10 @@ class RouteRequests:
         )
         if tokens is not None:
             return RouteRequest(token_ids=tokens, **common)
+        # Not tokenized here (no tokenizer, multimodal content, a template failing):
+        # /route tokenizes the text or routes by load and says why in its reason.
         return RouteRequest(
-            messages=body.messages,
+            messages=without_media(body.messages),
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             tools=body.tools,

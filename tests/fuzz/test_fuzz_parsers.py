@@ -113,6 +113,7 @@ def fuzz(name: str, seeds: list, mutate: Callable[[random.Random], Any], check: 
     while case == 0 or time.monotonic() < deadline:
         run(f"case {case}", case_input(case), f"KVINDEX_FUZZ_CASE={case} {command}")
         case += 1
+    print(f"fuzz {name}: seed {FUZZ_SEED}, {len(seeds)} seed inputs, {case} mutated cases")
 
 
 # -- KV-event payloads: the scanner against msgspec -----------------------------------------

@@ -24,14 +24,13 @@ each case's number before it runs: a crash's last line names it).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import random
 import sys
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import hiredis
@@ -44,7 +43,7 @@ from kvindex.api.schemas import RouteRequest, ScoreRequest
 from kvindex.events import drain as drain_module
 from kvindex.events import scanned as scanned_module
 from kvindex.events.config import SubscriberConfig
-from kvindex.events.door import Source
+from kvindex.events.door import Door, Source
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.receiver import Receiver
 from kvindex.events.status import ReasonCounts
@@ -162,7 +161,6 @@ def test_the_decoders_refuse_a_deeply_nested_payload_as_a_decode_error() -> None
 
 MESSAGE_RUNS = corpus.event_messages()
 SEQ_EDGES = [0, 1, 2**32, 2**63 - 1, 2**63, corpus.U64 - 1, corpus.U64]
-_inproc_names = itertools.count()
 
 
 def mutated_messages(rng: random.Random) -> list[list[bytes]]:
@@ -204,44 +202,60 @@ def _arrival_facts(arrival: Any) -> tuple:
     )  # fmt: skip
 
 
-def through_receiver(ctx: zmq.Context, messages: list[list[bytes]]) -> tuple[list, dict]:
-    """The messages sent on inproc to a bind-mode receiver socket, taken by the
-    receiver's drain (compiled or pyzmq, as the module state says): its Arrivals, one
-    per message, and the skips it counted."""
-    errors = ReasonCounts()
-    config = SubscriberConfig(max_payload_bytes=4096)
-    log = RateLimitedLog(logging.getLogger(__name__), 3600.0)
-    receiver = Receiver(ctx, config, lambda arrivals: None, errors, log, lambda: 0.0)
-    endpoint = f"inproc://fuzz-drain-{next(_inproc_names)}"
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    pull.bind(endpoint)
-    push.connect(endpoint)
-    arrivals: list = []
-    try:
+class ReceiverRig:
+    """A bind-mode receiver socket fed over inproc, for every case of a test: ZMQ frees a
+    closed socket's descriptor later, on its reaper thread, so sockets per case ran out
+    of descriptors in long runs. Each run gets a fresh door (no state between cases)."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.config = SubscriberConfig(max_payload_bytes=4096)
+        self.log = RateLimitedLog(logging.getLogger(__name__), 3600.0)
+        self.receiver = Receiver(
+            ctx, self.config, lambda _: None, ReasonCounts(), self.log, lambda: 0.0
+        )
+        self.endpoint = "inproc://fuzz-drain"
+        self.push, self.pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        self.pull.bind(self.endpoint)
+        self.push.connect(self.endpoint)
+
+    def run(self, messages: list[list[bytes]]) -> tuple[list, dict]:
+        """The messages through the receiver's drain (compiled or pyzmq, as the module
+        state says): its Arrivals, one per message, and the skips it counted."""
+        while self.pull.poll(0):  # what a run that raised left behind
+            self.pull.recv_multipart()
+        errors = ReasonCounts()
+        self.receiver._door = Door(self.config, errors, self.log, lambda: 0.0)
+        source = Source(self.endpoint, None)  # bind mode: the topic names the pod
         for message in messages:
-            push.send_multipart(message)
-        # inproc: a sent message is readable once send returns; only the first poll may
-        # wait (for the pipe to be attached)
-        source = Source(endpoint, None)  # bind mode: the topic names the pod
-        ready = pull.poll(5000)
+            self.push.send_multipart(message)
+        # inproc: a sent message is readable once send returns (the first poll may wait
+        # for the pipe to be attached)
+        arrivals: list = []
+        ready = self.pull.poll(5000)
         while ready:
-            receiver._drain(pull, source, arrivals)
-            ready = pull.poll(0)
-    finally:
-        push.close(linger=0)
-        pull.close(linger=0)
-        receiver._wake_rx.close(linger=0)
-        receiver._wake_tx.close(linger=0)
-    parts = [part for arrival in arrivals for part in arrival.split()]
-    return [_arrival_facts(a) for a in parts], errors.snapshot()
+            self.receiver._drain(self.pull, source, arrivals)
+            ready = self.pull.poll(0)
+        parts = [part for arrival in arrivals for part in arrival.split()]
+        return [_arrival_facts(a) for a in parts], errors.snapshot()
+
+    def close(self) -> None:
+        for sock in (self.push, self.pull, self.receiver._wake_rx, self.receiver._wake_tx):
+            sock.close(linger=0)
 
 
-def check_drain(ctx: zmq.Context, monkeypatch: pytest.MonkeyPatch, messages: list) -> None:
+@pytest.fixture
+def rig(ctx: zmq.Context) -> Iterator[ReceiverRig]:
+    made = ReceiverRig(ctx)
+    yield made
+    made.close()
+
+
+def check_drain(rig: ReceiverRig, monkeypatch: pytest.MonkeyPatch, messages: list) -> None:
     try:
         with monkeypatch.context() as patch:
             patch.setattr(scanned_module, "scanner", None)  # pyzmq's receive and msgspec
-            pure = through_receiver(ctx, messages)
-        compiled_path = through_receiver(ctx, messages)
+            pure = rig.run(messages)
+        compiled_path = rig.run(messages)
     except KNOWN_OPEN:
         # issue 26 item 1: the door's decoders raise (see the xfail above); near msgspec's
         # depth limit, on one path and not the other (their stacks differ by a frame)
@@ -250,17 +264,17 @@ def check_drain(ctx: zmq.Context, monkeypatch: pytest.MonkeyPatch, messages: lis
 
 
 @needs(drain_module.drain(), "events/_wire_scan.c's drain")
-def test_fuzz_drain(ctx: zmq.Context, monkeypatch: pytest.MonkeyPatch) -> None:
-    fuzz("drain", MESSAGE_RUNS, mutated_messages, lambda m: check_drain(ctx, monkeypatch, m))
+def test_fuzz_drain(rig: ReceiverRig, monkeypatch: pytest.MonkeyPatch) -> None:
+    fuzz("drain", MESSAGE_RUNS, mutated_messages, lambda m: check_drain(rig, monkeypatch, m))
 
 
 @needs(drain_module.drain(), "events/_wire_scan.c's drain")
-def test_the_drain_does_not_group_seq_0_after_the_last_seq(ctx: zmq.Context) -> None:
+def test_the_drain_does_not_group_seq_0_after_the_last_seq(rig: ReceiverRig) -> None:
     """Seq 2**64 - 1 then 0 from one sender are two deliveries, as pyzmq's path sees
     them (seq going back: a restart), not one group whose second batch is seq 2**64."""
     topic, _, payload = corpus.vllm_messages()[0]
     run = [[topic, seq.to_bytes(8, "big"), payload] for seq in (corpus.U64, 0, 1)]
-    arrivals, _ = through_receiver(ctx, run)
+    arrivals, _ = rig.run(run)
     assert [facts[2] for facts in arrivals] == [corpus.U64, 0, 1]  # arrivals' seqs
 
 

@@ -155,10 +155,13 @@ static int group_add(Acc *a, Group *g, Scan *s) {
     return 0;
 }
 
-/* Whether message m (scanned as `s`) continues group g. */
+/* Whether message m (scanned as `s`) continues group g. Seq 0 after 2**64 - 1 does not:
+ * a group's seqs are first .. first + parts - 1 as Python ints, and the receiver's
+ * Python path sees that 0 as seq going back (a restart), not as the next batch. */
 static int continues(Msg *msgs, Group *g, Msg *m, Scan *s, int group_max) {
     Msg *first = &msgs[g->first_msg];
-    return g->parts < group_max && m->seq == g->last_seq + 1 && s->has_rank == g->has_rank &&
+    return g->parts < group_max && g->last_seq != UINT64_MAX && m->seq == g->last_seq + 1 &&
+           s->has_rank == g->has_rank &&
            s->rank == g->rank && (s->is_map == -1 || g->is_map == -1 || s->is_map == g->is_map) &&
            m->has_peer == first->has_peer && strcmp(m->peer, first->peer) == 0 &&
            frame_eq(&m->frames[0], &first->frames[0]);

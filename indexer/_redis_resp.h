@@ -49,11 +49,12 @@ static const char *resp_eol(const char *p, const char *end) {
 static int resp_int(const char *p, const char *eol, long long *out) {
     int negative = 0;
     unsigned long long v = 0;
-    if (p < eol && (*p == '-' || *p == '+')) {
-        negative = *p == '-';
+    if (p < eol && *p == '-') {
+        negative = 1;
         p++;
     }
-    if (p == eol || eol - p > 19) {
+    /* hiredis's grammar: no '+', no leading zero, no "-0" */
+    if (p == eol || eol - p > 19 || (*p == '0' && (eol - p > 1 || negative))) {
         return RESP_BAD;
     }
     for (; p < eol; p++) {
@@ -93,8 +94,24 @@ static Py_ssize_t resp_line(const char *buf, Py_ssize_t at, Py_ssize_t end, char
         if (*p != ':' && *n < -1) {
             return RESP_BAD;
         }
+        if (*p == '%' && *n > INT64_MAX / 2) { /* its items, keys and values, counted */
+            return RESP_BAD;
+        }
         break;
-    case '+': case '-': case '_': case '#':
+    case '+': case '-': /* one line: a lone \r or \n inside is not RESP (hiredis refuses it) */
+        if (memchr(p + 1, '\r', (size_t)(e - p - 1)) || memchr(p + 1, '\n', (size_t)(e - p - 1))) {
+            return RESP_BAD;
+        }
+        break;
+    case '_': /* the whole line is the type byte, as hiredis reads RESP3's null */
+        if (e != p + 1) {
+            return RESP_BAD;
+        }
+        break;
+    case '#':
+        if (e != p + 2 || (p[1] != 't' && p[1] != 'f')) {
+            return RESP_BAD;
+        }
         break;
     default:
         return RESP_BAD;
@@ -176,11 +193,7 @@ static PyObject *resp_value(const char *buf, Py_ssize_t *at, Py_ssize_t end,
         return PyLong_FromLongLong(n);
     case '_':
         Py_RETURN_NONE;
-    case '#':
-        if (eol - text != 1 || (*text != 't' && *text != 'f')) {
-            PyErr_SetString(PyExc_ValueError, "malformed RESP boolean");
-            return NULL;
-        }
+    case '#': /* resp_line checked it is t or f */
         return PyBool_FromLong(*text == 't');
     case '$': {
         if (n < 0) {

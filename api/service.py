@@ -204,6 +204,7 @@ class Service:
         self.backend_health = BackendHealthLog(self.backend)
         self.started = False
         self.draining = False
+        self.tokenizer_problem: str | None = None  # set by start(); fails /readyz in gateway mode
         self._models_cache: tuple[float, frozenset[str]] = (float("-inf"), frozenset())
 
     def start(self) -> None:
@@ -246,6 +247,7 @@ class Service:
                 "--k8s-namespace discovery",
                 ", ".join(self.bound),
             )
+        self.tokenizer_problem = self._check_tokenizers()
         log.info("%s", self.startup_summary())
 
     def _bind_open(self) -> bool:
@@ -276,6 +278,42 @@ class Service:
             f"block_size={keying.hash.block_size} key_mode={keying.key_mode.value} "
             f"models={','.join(self._configured_models()) or '(from events)'} "
             f"listen={self.settings.http.listen} events={'; '.join(events) or 'none'}"
+        )
+
+    def _check_tokenizers(self) -> str | None:
+        """Why text prompts of configured models cannot be routed by cache, said once at
+        startup: the gateway has only text, so without its model's tokenizer every request
+        it routes falls back to load alone and is answered as usual; nobody would notice."""
+        models = self._configured_models()
+        gateway = self.settings.gateway.enabled
+        if not models:
+            if gateway:
+                log.warning(
+                    "--gateway with no model configured: text prompts are routed by cache "
+                    "only for models whose tokenizer is in the local Hugging Face cache; "
+                    "name each model with `tokenizer: <dir>` under `models:` in --model-config"
+                )
+            return None
+        unusable = self.tokenizers.unusable(models)
+        if not unusable:
+            return None
+        why = "; ".join(dict.fromkeys(unusable.values()))
+        problem = f"no usable tokenizer for {', '.join(map(repr, unusable))}: {why}"
+        if gateway:
+            log.warning("%s", self._gateway_blind(problem))
+        else:
+            log.warning(
+                "%s (text prompts for these: /score answers 503, /route falls back to load "
+                "alone; token_ids need no tokenizer)",
+                problem,
+            )
+        return problem
+
+    @staticmethod
+    def _gateway_blind(problem: str) -> str:
+        return (
+            "the gateway routes these models' requests by load alone, never by cache "
+            f"(fallback_tokenizer_unavailable): {problem}"
         )
 
     def begin_shutdown(self) -> None:
@@ -351,6 +389,8 @@ class Service:
             )
         if self.discovery is not None:
             problems.extend(self.discovery.problems())
+        if self.tokenizer_problem is not None and self.settings.gateway.enabled:
+            problems.append(self._gateway_blind(self.tokenizer_problem))
         return problems
 
     def has_event_source(self) -> bool:

@@ -182,6 +182,19 @@ class TokenizerRegistry:
                 self._loaded[model] = tokenizer
             return tokenizer
 
+    def unusable(self, models: Sequence[str]) -> dict[str, str]:
+        """Each of ``models`` whose tokenizer does not load, with why. Loads the others,
+        so a service checking its configured models at startup also warms them."""
+        problems = {}
+        for model in models:
+            try:
+                self.get(model)
+            except TokenizerUnavailable as exc:
+                problems[model] = exc.detail
+            except Exception as exc:  # a tokenizer.json the tokenizers library refuses
+                problems[model] = f"model {model!r}: its tokenizer.json does not load: {exc}"
+        return problems
+
     def _directory_for(self, model: str) -> Path:
         configured = self._directories.get(model)
         if configured:

@@ -312,6 +312,16 @@ def test_model_config_map_is_a_valid_model_config(tmp_path: Path) -> None:
     assert env_of(container())["KVINDEX_MODEL_CONFIG"].endswith("/models.yaml")
 
 
+def test_every_configured_model_names_its_tokenizer(tmp_path: Path) -> None:
+    """The gateway has only text: before, the ConfigMap's tokenizer line was commented out
+    and every gateway request was routed by load alone (fallback_tokenizer_unavailable).
+    The folders are the image's (tests/test_dockerfile.py checks it holds them)."""
+    path = tmp_path / "models.yaml"
+    path.write_text(find("ConfigMap", "kvindex-models")["data"]["models.yaml"])
+    models = from_flags(model_config=str(path)).models
+    assert models and all(entry.tokenizer for entry in models.values()), models
+
+
 def test_bind_overlay_binds_what_the_events_service_exposes() -> None:
     env = patched_env("bind")
     assert env["KVINDEX_K8S_MODE"] == "bind"
@@ -348,11 +358,25 @@ def test_gateway_overlay_enables_the_gateway_behind_its_own_service() -> None:
 
 
 @pytest.mark.slow
-def test_gateway_overlay_env_starts_a_kvindex_that_answers_openai_and_exports_metrics() -> None:
+def test_gateway_overlay_env_starts_a_kvindex_that_answers_openai_and_exports_metrics(
+    tmp_path: Path,
+) -> None:
+    from tests.test_api import make_tokenizer
+
     env = patched_env("gateway")
     gateway_env = {k: v for k, v in env.items() if k.startswith("KVINDEX_GATEWAY_")}
+    # The ConfigMap's config, its tokenizer folders (the image's) made here.
+    models_yaml = find("ConfigMap", "kvindex-models")["data"]["models.yaml"]
+    for entry in yaml.safe_load(models_yaml)["models"].values():
+        make_tokenizer(tmp_path / entry["tokenizer"].lstrip("/"))
+        models_yaml = models_yaml.replace(entry["tokenizer"], f"{tmp_path}{entry['tokenizer']}")
+    (tmp_path / "models.yaml").write_text(models_yaml)
+    gateway_env["KVINDEX_MODEL_CONFIG"] = str(tmp_path / "models.yaml")
+    gateway_env["KVINDEX_ZMQ_BIND"] = f"tcp://127.0.0.1:{free_port()}"
     with ServeProcess(env={**os.environ, **gateway_env}) as server:
         server.wait_ready(30.0, path="/health")  # the gateway's, not kvindex's /healthz
+        ready = httpx.get(f"{server.url}/readyz", timeout=5)
+        assert ready.status_code == 200, ready.text  # the model's tokenizer loaded
         assert httpx.get(f"{server.url}/v1/models", timeout=5).json()["object"] == "list"
         page = httpx.get(f"{server.url}/metrics", timeout=5).text
         assert 'kvindex_gateway_requests_total{outcome="ok"} 0.0' in page

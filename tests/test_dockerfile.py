@@ -12,6 +12,8 @@ environment being built, as they do in the image.
 from __future__ import annotations
 
 import fnmatch
+import functools
+import http.server
 import json
 import os
 import re
@@ -19,6 +21,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +32,7 @@ import pytest
 from kvindex.api.testing import ServeProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+TOKENIZERS_DIR = "/opt/kvindex/tokenizers/"  # where the image holds each model's tokenizer
 
 
 @dataclass
@@ -122,6 +126,16 @@ def stages() -> list[Stage]:
     return parse((ROOT / "Dockerfile").read_text())
 
 
+def named(stages: list[Stage], name: str) -> Stage:
+    (stage,) = [s for s in stages if s.name == name]
+    return stage
+
+
+def build_and_final(stages: list[Stage]) -> tuple[Stage, Stage]:
+    """The stage that builds the wheels and the image itself (the last stage)."""
+    return named(stages, "build"), stages[-1]
+
+
 def copies(stage: Stage) -> list[tuple[list[str], str]]:
     """(sources, destination) of each COPY from the build context."""
     out = []
@@ -135,8 +149,8 @@ def copies(stage: Stage) -> list[tuple[list[str], str]]:
 # -- shape ---------------------------------------------------------------------------------
 
 
-def test_two_stages_slim_non_root_exec_entrypoint(stages: list[Stage]) -> None:
-    build, final = stages
+def test_build_and_final_stage_slim_non_root_exec_entrypoint(stages: list[Stage]) -> None:
+    build, final = build_and_final(stages)
     assert build.name and "slim" in final.image
     # The build stage compiles the table kernels: the full image of the same Python and
     # Debian release (it has gcc), so the wheel it builds installs on the slim one.
@@ -149,7 +163,8 @@ def test_two_stages_slim_non_root_exec_entrypoint(stages: list[Stage]) -> None:
     assert entrypoint == ["kvindex", "serve"]
     # kvindex listens on 127.0.0.1 unless told; the image must serve its EXPOSEd port.
     assert env_of(final)["KVINDEX_LISTEN"] == "0.0.0.0:8080"
-    assert not final.all("COPY") and not final.all("ADD"), "the image gets only the install"
+    # The image gets only the install and the tokenizer files.
+    assert final.all("COPY") == [f"--from=tokenizers / {TOKENIZERS_DIR}"] and not final.all("ADD")
     for rest in final.all("RUN"):
         flags, command = run_command(rest, final.args)
         assert not re.search(r"apt-get|apk |gcc|build-essential|\bgit\b", command)
@@ -158,7 +173,7 @@ def test_two_stages_slim_non_root_exec_entrypoint(stages: list[Stage]) -> None:
 
 
 def test_build_stage_copies_every_package_and_the_context_allows_it(stages) -> None:
-    build = stages[0]
+    build = named(stages, "build")
     sources = [s.rstrip("/") for srcs, _ in copies(build) for s in srcs]
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     needed = set(project["tool"]["setuptools"]["package-dir"].values())
@@ -169,6 +184,95 @@ def test_build_stage_copies_every_package_and_the_context_allows_it(stages) -> N
         assert dockerignore_allows(source), f".dockerignore excludes {source}"
     for unwanted in ("tests", "bench", "deploy", ".git", ".venv", "kvindex.egg-info"):
         assert not dockerignore_allows(unwanted), f".dockerignore lets {unwanted} in"
+
+
+def image_models(stages: list[Stage]) -> list[str]:
+    """The models whose tokenizer the default image holds (TOKENIZER_MODELS, no @rev)."""
+    models = named(stages, "tokenizer-download").args["TOKENIZER_MODELS"].split()
+    return [entry.partition("@")[0] for entry in models]
+
+
+def test_the_image_can_tokenize_and_the_manifests_name_its_tokenizers(stages) -> None:
+    """Before, the image had no tokenizer support and the ConfigMap no tokenizer: every
+    gateway request was routed by load alone (fallback_tokenizer_unavailable)."""
+    yaml = pytest.importorskip("yaml")
+    build, final = build_and_final(stages)
+    for stage in (build, final):
+        assert "tokenize" in stage.args["EXTRAS"].split(","), stage.name
+    (install,) = final.all("RUN")
+    assert '"kvindex[${EXTRAS}]"' in install
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]["tokenize"]
+    assert {re.split(r"[<>=\[]", d)[0] for d in extras} >= {"tokenizers", "jinja2"}
+    # The tokenizers stage is what the download stage wrote, or --build-context tokenizers=DIR.
+    tokenizers = named(stages, "tokenizers")
+    assert tokenizers.image == "scratch"
+    assert tokenizers.steps == [("COPY", "--from=tokenizer-download /tokenizers/ /")]
+    assert named(stages, "tokenizer-download").all("WORKDIR") == ["/tokenizers"]
+
+    # The base ConfigMap's models each name their folder in the image.
+    configmap = (ROOT / "deploy/base/configmap.yaml").read_text()
+    config = yaml.safe_load(yaml.safe_load(configmap)["data"]["models.yaml"])
+    assert config["models"]
+    for model, entry in config["models"].items():
+        assert model in image_models(stages), f"the image has no tokenizer for {model}"
+        assert entry.get("tokenizer") == TOKENIZERS_DIR + model, model
+
+
+def test_the_tokenizer_stage_fetches_each_models_files_from_the_hub(stages, tmp_path) -> None:
+    """The download stage's RUN, verbatim but for the Hub's address: a loopback server
+    laid out as the Hub's ``<model>/resolve/<revision>/<file>``."""
+    from kvindex.scoring.tokenize import TokenizerRegistry
+    from tests.test_api import make_tokenizer
+
+    if not shutil.which("curl"):
+        pytest.skip("no curl here (the build image has it)")
+    hub = tmp_path / "hub"
+    served = {"acme/one": "main", "acme/two": "0123abcd"}
+    for model, revision in served.items():
+        make_tokenizer(hub / model / "resolve" / revision)
+    (hub / "acme/one/resolve/main/chat_template.jinja").write_text("{{ messages }}")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(hub))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        download = named(stages, "tokenizer-download")
+        args = {
+            **download.args,
+            "TOKENIZER_MODELS": "acme/one acme/two@0123abcd",
+            "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+        }
+        (step,) = download.all("RUN")
+        flags, _ = run_command(step, args)
+        assert flags == ["--mount=type=secret,id=hf_token"]  # optional: gated models only
+        out = tmp_path / "tokenizers"  # the stage's WORKDIR
+        out.mkdir()
+
+        def run(models: str) -> subprocess.CompletedProcess[str]:
+            _, command = run_command(step, {**args, "TOKENIZER_MODELS": models})
+            env = {**clean_env(Path(sys.executable).parent), **args, "TOKENIZER_MODELS": models}
+            return subprocess.run(
+                ["sh", "-c", command], cwd=out, env=env, capture_output=True, text=True, timeout=60
+            )
+
+        done = run(args["TOKENIZER_MODELS"])
+        assert done.returncode == 0, done.stderr
+        # A model id the Hub does not have fails the build, not the first request.
+        assert run("acme/misspelt").returncode != 0
+        shutil.rmtree(out / "acme/misspelt")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+    found = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert found == [
+        "acme/one/chat_template.jinja", "acme/one/tokenizer.json",
+        "acme/one/tokenizer_config.json",
+        "acme/two/tokenizer.json", "acme/two/tokenizer_config.json",
+    ]  # fmt: skip
+    registry = TokenizerRegistry({m: str(out / m) for m in served})
+    assert registry.unusable(list(served)) == {}
 
 
 # -- the exact commands --------------------------------------------------------------------
@@ -200,7 +304,7 @@ def clean_env(bin_dir: Path) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_dockerfile_commands_build_install_and_start(stages, tmp_path: Path) -> None:
-    build, final = stages
+    build, final = build_and_final(stages)
     wheels = tmp_path / "wheels"
     workdir = tmp_path / "src"  # the build stage's WORKDIR
     assert build.all("WORKDIR") == ["/src"]
@@ -230,9 +334,28 @@ def test_the_dockerfile_commands_build_install_and_start(stages, tmp_path: Path)
     env = {**clean_env(venv / "bin"), **env_of(final)}
     shell(command.replace("/wheels", str(wheels)), tmp_path, env, 600)
 
-    # Start it exactly as the image does (listening on loopback only, not 0.0.0.0).
+    # The image's tokenizer folders, as the tokenizers stage (or --build-context
+    # tokenizers=DIR) gives them, and the base ConfigMap's config pointing there.
+    from tests.test_api import make_tokenizer
+
+    yaml = pytest.importorskip("yaml")
+    image_root = tmp_path / "image"
+    for model in image_models(stages):
+        make_tokenizer(image_root / TOKENIZERS_DIR.strip("/") / model)
+    configmap = yaml.safe_load((ROOT / "deploy/base/configmap.yaml").read_text())
+    models_yaml = configmap["data"]["models.yaml"].replace(
+        TOKENIZERS_DIR, f"{image_root}{TOKENIZERS_DIR}"
+    )
+    (tmp_path / "models.yaml").write_text(models_yaml)
+    (model, *_) = yaml.safe_load(models_yaml)["models"]
+
+    # Start it exactly as the image does (listening on loopback only, not 0.0.0.0), as
+    # the gateway overlay runs it: ready only once the configured model's tokenizer loads.
     port = free_port()
     env["KVINDEX_LISTEN"] = f"127.0.0.1:{port}"
+    env["KVINDEX_MODEL_CONFIG"] = str(tmp_path / "models.yaml")
+    env["KVINDEX_GATEWAY_ENABLED"] = "true"
+    env["KVINDEX_ZMQ_BIND"] = f"tcp://127.0.0.1:{free_port()}"
     entrypoint = json.loads(final.all("ENTRYPOINT")[-1])
     with ServeProcess(
         port=port, command=entrypoint, listen_flag=False, env=env, cwd=tmp_path
@@ -240,6 +363,12 @@ def test_the_dockerfile_commands_build_install_and_start(stages, tmp_path: Path)
         server.wait_ready(60.0, path="/healthz")
         answer = httpx.get(f"{server.url}/healthz", timeout=5)
         assert answer.status_code == 200 and answer.json() == {"status": "ok"}
+        ready = httpx.get(f"{server.url}/readyz", timeout=5)
+        assert ready.status_code == 200, ready.text
+        scored = httpx.post(
+            f"{server.url}/score", json={"model": model, "prompt": "hello world"}, timeout=5
+        )
+        assert scored.status_code == 200 and scored.json()["prompt_tokens"] > 0, scored.text
         module = subprocess.run(
             [str(venv / "bin/python"), "-c", "import kvindex.api; print(kvindex.api.__file__)"],
             cwd=tmp_path,

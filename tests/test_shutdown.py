@@ -25,6 +25,7 @@ from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.snapshot_file import read_snapshot
 from tests.redis_fixtures import RedisServer
+from tests.test_api import make_tokenizer
 from tests.test_redis_event_loop import HungServer
 
 pytestmark = pytest.mark.slow
@@ -65,6 +66,17 @@ def first_index(lines: list[str], text: str) -> int:
 def blocks_of(url: str, pod: str) -> list[int] | None:
     answer = httpx.get(f"{url}/index/pods/{pod}/blocks", params={"model": MODEL}, timeout=5)
     return answer.json()["blocks"].get(pod) if answer.status_code == 200 else None
+
+
+@pytest.fixture(autouse=True)
+def model_tokenizer(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
+    """MODEL's tokenizer, for every kvindex here (KVINDEX_MODEL_CONFIG is inherited): a
+    gateway without its model's tokenizer is not ready."""
+    directory = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(directory)
+    config = directory / "kvindex.json"
+    config.write_text(json.dumps({"models": {MODEL: {"tokenizer": str(directory)}}}))
+    monkeypatch.setenv("KVINDEX_MODEL_CONFIG", str(config))
 
 
 @pytest.fixture

@@ -213,6 +213,7 @@ class Gateway:
             if prefill.outcome is PrefillOutcome.FAILED:
                 metrics.upstream_error("prefill")
         route_id = decision.route_id
+        metrics.routed(decision.reason)
         headers = self.relayed_headers.of_answer(opened.answer.headers)
         headers += [
             (b"x-kvindex-pod", decision.pod.encode("latin-1")),

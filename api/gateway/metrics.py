@@ -36,6 +36,16 @@ class GatewayMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.route_decisions = Counter(
+            "kvindex_gateway_route_decisions",
+            "Gateway requests sent to a pod, by the reason of the decision that chose it "
+            "(the x-kvindex-route-reason header): prefix, load, least_bad, or a fallback "
+            "such as fallback_tokenizer_unavailable (routed by load alone). One per request, "
+            "the last decision if connecting failed; kvindex_route_decisions counts every "
+            "decision, /route's callers' included.",
+            ["reason"],
+            registry=registry,
+        )
         self.retries = Counter(
             "kvindex_gateway_retries",
             "Requests sent to another pod because connecting to the chosen one failed "
@@ -76,12 +86,19 @@ class GatewayMetrics:
         )
         # Bound once: the hot path pays one add per request, no label lookup.
         self._by_outcome = {o: self.requests.labels(o.value) for o in Outcome}
+        self._by_reason: dict[str, Counter] = {}
         self._errors = {k: self.upstream_errors.labels(k) for k in ("connect", "broken", "prefill")}
         for outcome in ("remote", "sidecar", "failed"):  # exported at 0 from the start
             self.prefill.labels(outcome)
 
     def ended(self, outcome: Outcome) -> None:
         self._by_outcome[outcome].inc()
+
+    def routed(self, reason: str) -> None:
+        child = self._by_reason.get(reason)
+        if child is None:  # labels() takes a lock and builds a key: once per reason
+            child = self._by_reason[reason] = self.route_decisions.labels(reason)
+        child.inc()
 
     def upstream_error(self, kind: str, count: int = 1) -> None:
         if count:

@@ -46,7 +46,7 @@ from kvindex.events.config import SubscriberConfig
 from kvindex.events.door import Door, Source
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.receiver import Receiver
-from kvindex.events.status import ReasonCounts
+from kvindex.events.status import IngestHealth, ReasonCounts
 from kvindex.events.wire import (
     BatchDecoder,
     BlockStored,
@@ -119,10 +119,6 @@ def fuzz(name: str, seeds: list, mutate: Callable[[random.Random], Any], check: 
 
 PAYLOADS = corpus.vllm_payloads()
 
-#: Python-side failures an open issue already names: refused here as the decoder's error
-#: would be, until the fix lands (then the strict xfail below fails: drop both).
-KNOWN_OPEN = (RecursionError,)  # issue 26 item 1: msgspec's depth limit, not a DecodeError
-
 
 def python_decode(payload: bytes) -> Any:
     """What the door's Python path makes of a payload: the batch, or None when the
@@ -136,8 +132,7 @@ def python_decode(payload: bytes) -> Any:
 
 
 def check_payload(payload: bytes) -> None:
-    with contextlib.suppress(KNOWN_OPEN):
-        python_decode(payload)
+    python_decode(payload)
     check_never_looser(payload)  # the scanner takes it whole and agrees, or declines
 
 
@@ -146,12 +141,6 @@ def test_fuzz_wire_scan() -> None:
     fuzz("wire_scan", PAYLOADS, lambda rng: mutated_msgpack(PAYLOADS, rng), check_payload)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RecursionError,
-    reason="issue 26 item 1: msgspec raises RecursionError, not DecodeError, on 1,000-deep "
-    "nesting (the door then loses its receiver thread)",
-)
 def test_the_decoders_refuse_a_deeply_nested_payload_as_a_decode_error() -> None:
     assert scanned_module.scan(corpus.NESTED_BLOCK_STORED) is None
     python_decode(corpus.NESTED_BLOCK_STORED)
@@ -211,8 +200,9 @@ class ReceiverRig:
         self.config = SubscriberConfig(max_payload_bytes=4096)
         self.log = RateLimitedLog(logging.getLogger(__name__), 3600.0)
         self.receiver = Receiver(
-            ctx, self.config, lambda _: None, ReasonCounts(), self.log, lambda: 0.0
-        )
+            ctx, self.config, lambda _: None, ReasonCounts(), self.log, lambda: 0.0,
+            None, None, None, IngestHealth(),
+        )  # fmt: skip
         self.endpoint = "inproc://fuzz-drain"
         self.push, self.pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
         self.pull.bind(self.endpoint)
@@ -251,15 +241,10 @@ def rig(ctx: zmq.Context) -> Iterator[ReceiverRig]:
 
 
 def check_drain(rig: ReceiverRig, monkeypatch: pytest.MonkeyPatch, messages: list) -> None:
-    try:
-        with monkeypatch.context() as patch:
-            patch.setattr(scanned_module, "scanner", None)  # pyzmq's receive and msgspec
-            pure = rig.run(messages)
-        compiled_path = rig.run(messages)
-    except KNOWN_OPEN:
-        # issue 26 item 1: the door's decoders raise (see the xfail above); near msgspec's
-        # depth limit, on one path and not the other (their stacks differ by a frame)
-        return
+    with monkeypatch.context() as patch:
+        patch.setattr(scanned_module, "scanner", None)  # pyzmq's receive and msgspec
+        pure = rig.run(messages)
+    compiled_path = rig.run(messages)
     assert compiled_path == pure
 
 

@@ -324,8 +324,8 @@ class ScoringSettings(_Section):
     max_event_lag: Annotated[
         float,
         doc(
-            "/route: a candidate whose events arrive later than this is stale and the "
-            "decision is load only (fallback_stale_index); 0 = off",
+            "/route: a candidate whose events arrive later than this is doubted "
+            "(doubt lagging, named in warnings; its matched prefix still counts); 0 = off",
             metavar="SECONDS",
         ),
     ] = 10.0

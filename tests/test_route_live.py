@@ -229,6 +229,29 @@ def test_event_lag_above_the_threshold_doubts_that_pod_alone(live) -> None:
     assert all(c["doubt"] is None for c in answer["candidates"])
 
 
+def test_every_pod_incomplete_still_routes_by_prefix(live) -> None:
+    """Issue 27: after a bind-mode restart without replay every pod's stream is
+    ``incomplete`` (kvindex first hears it past seq 0); what each is known to hold is
+    real, so the decision stays by prefix (it was load-only while they lasted)."""
+    cluster = live()
+    a, b = cluster.pod(page()), cluster.pod(page())
+    for pod, blocks in ((a, 20), (b, 2)):
+        pub = EnginePublisher(
+            f"tcp://127.0.0.1:{cluster.port}", topic=f"kv@{pod}@{MODEL}", bind=False
+        )
+        cluster.pubs[(pod, 0)] = pub
+        assert pub.wait_for_subscribers(1, 5.0)
+        pub.publish([BlockStored(KEYS[:1], None, TOKENS[:16], 16)], send=False)  # missed
+        cluster.hold(pod, blocks)
+    cluster.scraped(a, b)
+    answer = cluster.route()
+    assert (answer["pod"], answer["reason"]) == (a, "prefix")
+    rows = {c["pod"]: c for c in answer["candidates"]}
+    assert {pod: row["doubt"] for pod, row in rows.items()} == {a: "incomplete", b: "incomplete"}
+    assert (rows[a]["matched_blocks"], rows[b]["matched_blocks"]) == (20, 2)
+    assert len(answer["warnings"]) == 2
+
+
 def test_least_bad_instead_of_429(live) -> None:
     full = page(waiting=3, kv=0.99)
     strict = live()

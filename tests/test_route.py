@@ -399,33 +399,36 @@ def test_max_tokens_out_of_range_is_a_clear_400(cluster: Cluster, max_tokens: fl
 def test_a_gapped_pod_loses_its_own_prefix_credit_alone(cluster: Cluster) -> None:
     """Issue 27: a gapped stream (its lost batches may have held evictions) costs its pod
     the credit of its entries, and only that pod: its load still counts, another pod's
-    prefix still decides, and its row says why. (Before, the whole decision went
+    shorter prefix still decides, and its row says why. (Before, the whole decision went
     load-only, ``fallback_stale_index``.)"""
     # Runs last in this module: pod A's stream stays gapped (no replay endpoint).
     cluster.set_pages()
-    cluster.pubs[1].publish([BlockStored(KEYS[:4], None, TOKENS[: 4 * 16], 16)])
+    fresh = list(range(200_000, 200_000 + 16 * 8))  # a prompt no earlier test routed
+    keys = HASHER.keys(fresh)
+    cluster.pubs[1].publish([BlockStored(keys[:4], None, fresh[: 4 * 16], 16)])
     pub = cluster.pubs[0]
     pub.publish([BlockStored(KEYS[16:20], KEYS[15], TOKENS[16 * 16 : 20 * 16], 16)], send=False)
-    pub.publish([BlockStored(KEYS[20:22], KEYS[19], TOKENS[20 * 16 : 22 * 16], 16)])
+    pub.publish([BlockStored(keys, None, fresh, 16)])  # all of it, after the gap
 
-    def rows(request_id: str) -> tuple[dict, dict[str, dict]]:
-        answer = cluster.route(request_id=request_id).json()
+    def route(request_id: str, **extra) -> tuple[dict, dict[str, dict]]:
+        answer = cluster.route(fresh, request_id=request_id, **extra).json()
         cluster.done(request_id)
         return answer, {c["pod"]: c for c in answer["candidates"]}
 
-    def gapped() -> bool:
-        _, by_pod = rows("gap-probe")
-        return by_pod[cluster.a]["doubt"] == "gapped" and by_pod[cluster.b]["matched_blocks"] == 4
+    def gapped() -> bool:  # probes A alone: their sessions, homed there, weigh on A only
+        _, by_pod = route("gap-probe", pods=[cluster.a])
+        return by_pod[cluster.a]["doubt"] == "gapped"
 
-    eventually(gapped, "pod A's stream gapped and B's blocks indexed")
-    answer, by_pod = rows("gap-1")
-    assert (answer["pod"], answer["reason"]) == (cluster.b, "prefix")
+    eventually(gapped, "pod A's stream gapped")
+    eventually(lambda: route("b-probe", pods=[cluster.b])[1][cluster.b]["matched_blocks"] == 4,
+               "B's blocks indexed")  # fmt: skip
+    answer, by_pod = route("gap-1")
+    assert (answer["pod"], answer["reason"]) == (cluster.b, "prefix"), answer
     assert by_pod[cluster.a]["matched_blocks"] == 0 and by_pod[cluster.a]["load"] == "known"
     assert by_pod[cluster.b]["doubt"] is None and by_pod[cluster.c]["doubt"] is None
     assert any(cluster.a in w and "gapped" in w and "not credited" in w for w in answer["warnings"])
-    answer = cluster.route(pods=[cluster.b, cluster.c], request_id="gap-2").json()
+    answer, _ = route("gap-2", pods=[cluster.b, cluster.c])
     assert answer["reason"] == "prefix" and answer["warnings"] == []  # A is not asked
-    cluster.done("gap-2")
 
 
 def test_backend_down_falls_back_to_load(redis_server: RedisServer) -> None:

@@ -27,6 +27,7 @@ entries claim is weighed by the rule below.
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
+from typing import TypeVar
 
 from kvindex.events.identity import member_pod
 from kvindex.indexer.pods import HASH_MISMATCH
@@ -37,6 +38,8 @@ LAGGING = "lagging"
 #: Doubts whose entries earn no prefix credit (the module docstring says why).
 NO_CREDIT = frozenset({HASH_MISMATCH, "gapped"})
 
+M = TypeVar("M")
+
 
 def credits_prefix(doubt: str | None) -> bool:
     """Whether a pod with ``doubt`` (None: none) is credited its matched prefix."""
@@ -44,7 +47,7 @@ def credits_prefix(doubt: str | None) -> bool:
 
 
 def discredit(
-    matches: MutableMapping[str, object],
+    matches: MutableMapping[str, M],
     speculative: MutableMapping[str, int],
     doubts: Mapping[str, str],
 ) -> list[str]:

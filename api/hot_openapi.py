@@ -57,9 +57,15 @@ one request running and one prompt queued beyond its in-flight routes. A pod who
 `process_start_time_seconds` is newer than its last KV events restarted unheard: its
 index entries are ignored (`warnings`). Equal costs are broken at random.
 
+A pod whose index entries are in doubt says why in its row's `doubt`, and only its own
+prefix credit changes: none for `hash_mismatch` and `gapped` (its entries may claim
+blocks its engine does not hold), its matched blocks for the others (`lagging`,
+`incomplete`, `restored`, `unheard`, ...: what it is known to hold is real). Its load
+counts, and the other pods' prefixes decide as usual.
+
 A pod over `--max-kv-usage` or `--max-waiting` is not admitted (`refused` says why); no
 admissible pod is a 429 `no_capacity` with `Retry-After`. When the index cannot be used
-for the request (a stale stream, the backend down, an unknown model, no tokenizer) the
+for the request (the backend down, an unknown model, no tokenizer) the
 decision is load-only (`u = P` on every pod) and `reason` says which `fallback_*`.
 """
 
@@ -74,7 +80,13 @@ _P = 48  # the example prompt's tokens: 3 blocks of 16
 
 
 def _candidate(
-    pod: str, matched: int, running: int, kv_usage: float, in_flight: int, queued: int
+    pod: str,
+    matched: int,
+    running: int,
+    kv_usage: float,
+    in_flight: int,
+    queued: int,
+    doubt: str | None = None,
 ) -> dict[str, Any]:
     """One candidate row of the example (no requests waiting), its cost terms computed as
     ``pod_costs`` computes them: the same float operations in the same order."""
@@ -90,6 +102,7 @@ def _candidate(
         "in_flight": in_flight, "sessions": 0.0, "queued_tokens": queued, "prefix_cost": prefix,
         "queue_cost": queue, "decode_cost": decode, "kv_cost": kv,
         "cost": prefix + queue + decode + kv, "admitted": True, "refused": None,
+        "stream_state": doubt, "doubt": doubt,
     }  # fmt: skip
 
 
@@ -104,8 +117,10 @@ ROUTE_RESPONSE_EXAMPLE = {
     "candidates": [
         _candidate("127.0.0.2:8000", 2, 1, 0.1, 1, 16),
         _candidate("127.0.0.3:8000", 0, 0, 0.2, 0, 0),
+        # Its history before some seq is missing: what it matches still counts.
+        _candidate("127.0.0.4:8000", 1, 0, 0.3, 0, 0, doubt="incomplete"),
     ],
-    "warnings": [],
+    "warnings": ["pod 127.0.0.4:8000: stream 127.0.0.4:8000 incomplete"],
     "rank": 0,
     "prefill_pod": None,
     "prefill_rank": None,

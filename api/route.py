@@ -6,11 +6,14 @@ This module only gathers inputs and enters the decision (the HTTP side is
 ``api/hot_path.py``); the rules are in :mod:`kvindex.scoring.router` and the cost model
 in :mod:`kvindex.scoring.route_cost`.
 It degrades instead of failing: an unknown model, a tokenizer or index backend that is
-unavailable, messages kvindex cannot tokenize (multimodal content, a template failing),
-or a candidate whose stream is not in step with its engine, all give a load-only
-decision whose ``reason`` says why. Only bad input (400) and no admissible pod
-(429 with ``Retry-After``) are refused. The handler does not await between reading the
-ledger and entering its decision, so concurrent requests see each other's routes.
+unavailable, or messages kvindex cannot tokenize (multimodal content, a template
+failing) give a load-only decision whose ``reason`` says why. A candidate whose
+entries are in doubt (its stream not in step with its engine, its events late, its
+hashes wrong) costs that candidate alone its prefix credit, by the rule of
+:mod:`kvindex.scoring.doubt`: the others' prefixes still decide, and its row's ``doubt``
+says why. Only bad input (400) and no admissible pod (429 with ``Retry-After``) are
+refused. The handler does not await between reading the ledger and entering its
+decision, so concurrent requests see each other's routes.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kvindex.events.errors import NotFound, TooManyRequests, Unavailable
 from kvindex.events.identity import member_pod
 from kvindex.indexer.backend import BackendUnavailable
 from kvindex.indexer.pods import UNHEARD, UNHEARD_REASON
+from kvindex.scoring.doubt import LAGGING, credits_prefix, discredit
 from kvindex.scoring.inflight import InFlight
 from kvindex.scoring.load import PodLoad, Unknown
 from kvindex.scoring.pd import Role, decide_pd, disaggregated, of_role
@@ -157,6 +161,7 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
         )
     view = inputs.view
     view.speculative = annotate(view.result, service.speculative) if view.result else {}
+    discredit(view.matches, view.speculative, view.doubts)
     block_size = service.catalog.keying(req.model).hash.block_size
     ledger = service.load.ledger
     view.continues = ledger.arrive(view.keys)  # the session this request continues is back
@@ -175,18 +180,21 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
         if done is not None:
             for pod in done.dropped:  # each a PodLoad with a start time (the loop's rule)
                 _ignore_restarted(view, pod, loads[pod].started)  # type: ignore[union-attr]
-            return _with_states(service, _answer_pass(service, req, view, pods, done, block_size))
+            answer = _answer_pass(service, req, view, pods, done, block_size)
+            return _with_states(service, answer, view.doubts)
     _drop_restarted(service, loads, view)
     answer = _decide_targets(service, req, view, pods, loads, in_flight, roles, block_size)
-    return _with_states(service, answer)
+    return _with_states(service, answer, view.doubts)
 
 
-def _with_states(service: Service, answer: RouteResponse) -> RouteResponse:
-    """Each candidate's stream state, and a warning for each candidate not heard from
-    since kvindex started: its engine may hold the prompt's prefix though the index
-    says nothing of it. (Its entries are not in doubt, only missing, so the other
-    candidates' prefixes still decide.)"""
+def _with_states(service: Service, answer: RouteResponse, doubts: dict[str, str]) -> RouteResponse:
+    """Each candidate's doubt and stream state, and a warning for each candidate not
+    heard from since kvindex started: its engine may hold the prompt's prefix though the
+    index says nothing of it (doubt ``unheard``: its matches, a lower bound, count)."""
     states = service.directory.stream_states()
+    if doubts:
+        for candidate in answer.candidates:
+            candidate.doubt = doubts.get(candidate.pod)
     if not states:
         return answer
     unheard = set()
@@ -194,6 +202,7 @@ def _with_states(service: Service, answer: RouteResponse) -> RouteResponse:
         state = candidate.stream_state = states.get(candidate.pod)
         if state == UNHEARD:
             unheard.add(candidate.pod)
+            candidate.doubt = candidate.doubt or UNHEARD
     answer.warnings.extend(f"pod {pod}: {UNHEARD_REASON}" for pod in sorted(unheard))
     return answer
 
@@ -426,6 +435,7 @@ class _IndexView:
     speculative: dict[str, int] = field(default_factory=dict)
     fallback: Reason | None = None
     warnings: list[str] = field(default_factory=list)
+    doubts: dict[str, str] = field(default_factory=dict)  # pod -> why its entries are doubted
     # The lookup's answer, for the speculative entries: annotated on the event loop.
     result: ScoreResult | None = None
     continues: bool = False  # the request claimed a session's home (set by the decision)
@@ -481,13 +491,18 @@ def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> _IndexV
     matches = {p.pod: p for p in result.pods if p.pod in wanted or member_pod(p.pod) in wanted}
     view = _IndexView(prompt_tokens, result.keys, matches, result=result)
     doubts = service.route_view.doubts(req.model, pods)
-    for pod, lag in service.event_lag.lagging(pods, settings.scoring.max_event_lag).items():
+    max_lag = settings.scoring.max_event_lag
+    for pod, lag in service.event_lag.lagging(pods, max_lag).items():
         doubts.setdefault(
-            pod, f"event lag {lag:.1f} s, above --max-event-lag {settings.scoring.max_event_lag:g}"
+            pod, (LAGGING, f"event lag {lag:.1f} s, above --max-event-lag {max_lag:g}")
         )
     if doubts:
-        view.warnings = [f"pod {pod}: {why}" for pod, why in sorted(doubts.items())]
-        view.fallback = Reason.FALLBACK_STALE_INDEX
+        view.doubts = {pod: doubt for pod, (doubt, _) in doubts.items()}
+        view.warnings = [
+            f"pod {pod}: {why}"
+            + ("" if credits_prefix(doubt) else "; its index entries are not credited")
+            for pod, (doubt, why) in sorted(doubts.items())
+        ]
     return view
 
 

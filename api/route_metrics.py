@@ -24,7 +24,7 @@ class RouteMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.decisions = Counter(
             "kvindex_route_decisions",
-            "Routing decisions by reason: prefix, load, fallback_stale_index, "
+            "Routing decisions by reason: prefix, load, "
             "fallback_backend_down, fallback_unknown_model, fallback_tokenizer_unavailable, "
             "fallback_multimodal, fallback_untokenizable, "
             "least_bad (no pod admissible, the cheapest chosen), no_capacity (answered 429).",

@@ -1,9 +1,9 @@
 """What ``/route`` reads about the cluster on every request, read at most every 0.5 s.
 
 Which pods exist (the candidates when a request names none, and the only pods it may
-name) and which pods' streams are not in step with their engines (the stale-index
-check) come from the subscriber and the index: a snapshot of every stream is a few µs
-per stream, so at 64 pods reading them per request cost more than the whole routing
+name) and which pods' index entries are in doubt (what each one's prefix is credited)
+come from the subscriber and the index: a snapshot of every stream is a few µs per
+stream, so at 64 pods reading them per request cost more than the whole routing
 decision. A pod that appeared, or a stream that gapped, in the last half second is seen
 at the next refresh: as late as the load figures (scraped every second), and a stream's
 gap is itself detected only when the next batch arrives.
@@ -47,7 +47,7 @@ class RouteView:
     def __init__(
         self,
         known_pods: Callable[[], list[str]],
-        doubts: Callable[[str], Mapping[str, str]],
+        doubts: Callable[[str], Mapping[str, tuple[str, str]]],
         max_age_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -55,7 +55,7 @@ class RouteView:
         self._known: tuple[list[str], frozenset[str]] = ([], frozenset())
         self._doubts_of = doubts
         self._max_age, self._clock = max_age_s, clock
-        self._doubts: dict[str, _Recent[Mapping[str, str]]] = {}
+        self._doubts: dict[str, _Recent[Mapping[str, tuple[str, str]]]] = {}
 
     def pods(self) -> list[str]:
         return self._pods.get()
@@ -74,8 +74,8 @@ class RouteView:
         chooses among when reading them again would wait on a backend that hangs."""
         return self._pods.last([])
 
-    def doubts(self, model: str, pods: Collection[str]) -> dict[str, str]:
-        """Of ``pods``, those whose entries for ``model`` are in doubt, with why."""
+    def doubts(self, model: str, pods: Collection[str]) -> dict[str, tuple[str, str]]:
+        """Of ``pods``, those whose entries for ``model`` are in doubt: (doubt, why)."""
         recent = self._doubts.get(model)
         if recent is None:
             if len(self._doubts) >= _MAX_MODELS:  # unknown model names are not hoarded

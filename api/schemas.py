@@ -232,6 +232,16 @@ class RouteCandidate(msgspec.Struct, gc=False):
             "gapped, replaying, ...); null: live, or no stream here."
         ),
     ] = None
+    doubt: Annotated[
+        str | None,
+        _doc(
+            "Why the pod's index entries are in doubt, null when they are not: "
+            "hash_mismatch or gapped (its matched_blocks are not credited: 0 here and "
+            "in the cost), or lagging (events later than --max-event-lag), incomplete, "
+            "restored, unheard, replaying, verifying or resync (its matched blocks, a "
+            "lower bound of its cache, still count). Other pods' prefixes decide as usual."
+        ),
+    ] = None
 
 
 class RouteResponse(msgspec.Struct):
@@ -244,9 +254,10 @@ class RouteResponse(msgspec.Struct):
     reason: Annotated[
         str,
         msgspec.Meta(
-            description="prefix, load, least_bad, fallback_stale_index, "
-            "fallback_backend_down, fallback_unknown_model, fallback_tokenizer_unavailable, "
-            "fallback_multimodal or fallback_untokenizable"
+            description="prefix, load, least_bad, fallback_backend_down, "
+            "fallback_unknown_model, fallback_tokenizer_unavailable, fallback_multimodal "
+            "or fallback_untokenizable (a doubted candidate changes no decision's reason: "
+            "its row's doubt says why)"
         ),
     ]
     model: Annotated[str, _doc("The model routed for, as asked.")]

@@ -118,6 +118,7 @@ class Service:
             subscriber_config = SubscriberConfig(
                 topic_filter=settings.events.topic_filter,
                 replay_port=settings.events.replay_port or None,
+                catch_up_on_first_contact=settings.events.catch_up_on_first_contact,
                 queue_capacity=settings.events.stream_queue,
                 queue_bytes=settings.events.queue_memory << 20,
                 default_serving_port=settings.events.serving_port,

@@ -125,6 +125,15 @@ class EventsSettings(_Section):
     replay_port: Annotated[
         int, doc("pods' replay port (replay_endpoint of --kv-events-config); 0 = no replay")
     ] = 0
+    catch_up_on_first_contact: Annotated[
+        bool,
+        doc(
+            "on a stream's first batch past seq 0 (kvindex joined after the engine "
+            "started), fetch the engine's buffered history by replay first (no replay "
+            "endpoint: the stream is incomplete); --no-catch-up-on-first-contact applies "
+            "from there and reports the stream live, not claiming the history"
+        ),
+    ] = True
     stream_queue: Annotated[
         int,
         msgspec.Meta(ge=1),
@@ -324,8 +333,8 @@ class ScoringSettings(_Section):
     max_event_lag: Annotated[
         float,
         doc(
-            "/route: a candidate whose events arrive later than this is stale and the "
-            "decision is load only (fallback_stale_index); 0 = off",
+            "/route: a candidate whose events arrive later than this is doubted "
+            "(doubt lagging, named in warnings; its matched prefix still counts); 0 = off",
             metavar="SECONDS",
         ),
     ] = 10.0

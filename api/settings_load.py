@@ -83,6 +83,8 @@ class Leaf:
         base = self.base
         if self.repeatable:
             spec["action"] = "append"
+        elif base is bool and self.default is True:  # --X / --no-X; absent: the rest decide
+            spec["action"] = argparse.BooleanOptionalAction
         elif base is bool:  # a switch: given means true; absent leaves it to the rest
             spec["action"] = "store_const"
             spec["const"] = True

@@ -24,6 +24,8 @@ UNHEARD_REASON = (
     "not heard from since kvindex started: its engine may hold cached blocks the index "
     "does not know of until it publishes or replays its events"
 )
+#: The doubt of a pod whose block hashes do not match what the index computes.
+HASH_MISMATCH = "hash_mismatch"
 #: States in which a stream's entries may differ from what its engine holds.
 _UNHEALTHY_STREAMS = frozenset({"gapped", "incomplete", "resync"})
 #: States in which a stream is not known to be in step with its engine right now.
@@ -44,6 +46,7 @@ _STATE_ORDER = (
     "live",
     "standby",
 )
+_STATE_RANK = {state: i for i, state in enumerate(_STATE_ORDER)}
 
 
 class Mark(Protocol):
@@ -325,30 +328,38 @@ class PodDirectory:
         pods.update(self._discovered())
         return pods
 
-    def index_doubts(self, model: str, pods: Collection[str] | None = None) -> dict[str, str]:
+    def index_doubts(
+        self, model: str, pods: Collection[str] | None = None
+    ) -> dict[str, tuple[str, str]]:
         """Of ``pods``, those whose entries for ``model`` may differ from their engine's
-        cache right now, with the reason: a stream not in step (catching up, being
-        verified, gapped, incomplete, resyncing), a restored snapshot not heard since, or
-        block hashes that do not match. A router must not compare prefixes then.
-        ``pods`` None: every pod."""
+        cache right now, each with its doubt and why: the stream state of a stream not in
+        step (catching up, being verified, gapped, incomplete, resyncing) or of a mark (a
+        restored snapshot not heard since), or :data:`HASH_MISMATCH` when its block
+        hashes do not match. What a doubt costs the pod is the router's rule
+        (``kvindex.scoring.doubt``). ``pods`` None: every pod."""
         wanted = None if pods is None else set(pods)
-        doubts: dict[str, str] = {}
+        doubts: dict[str, tuple[str, str]] = {}
         marks = self._marks()
         for mark in marks.values():
             pod = member_pod(mark.member)
             if (wanted is None or pod in wanted) and mark.model in (model, ""):
-                doubts.setdefault(pod, f"stream {mark.member} {mark.state} ({mark.reason})")
+                why = f"stream {mark.member} {mark.state} ({mark.reason})"
+                doubts.setdefault(pod, (mark.state, why))
         for stream in self._streams():
-            if wanted is not None and stream.pod not in wanted:
+            if stream.model != model or (wanted is not None and stream.pod not in wanted):
                 continue
-            if stream.model != model or stream.pod in doubts:
-                continue
-            if stream.state in _NOT_IN_STEP and stream.member not in marks:
-                doubts[stream.pod] = f"stream {stream.member} {stream.state}"
-            elif self._verifier is not None:
+            # A mismatch outranks any stream state: matches are then meaningless.
+            if self._verifier is not None:
                 check = self._verifier.status(stream.member)
                 if check.state is CheckState.MISMATCH:
-                    doubts[stream.pod] = f"stream {stream.member}: block hashes do not match"
+                    why = f"stream {stream.member}: block hashes do not match"
+                    doubts[stream.pod] = (HASH_MISMATCH, why)
+                    continue
+            if stream.state not in _NOT_IN_STEP or stream.member in marks:
+                continue
+            held = doubts.get(stream.pod)  # a pod's ranks: the worst stream state says
+            if held is None or _worse(stream.state, held[0]):
+                doubts[stream.pod] = (stream.state, f"stream {stream.member} {stream.state}")
         return doubts
 
 
@@ -367,6 +378,15 @@ def _stream_dicts(streams: Sequence[StreamStatus], marks: Sequence[Mark]) -> lis
         entry = {"member": mark.member, "model": mark.model, "state": mark.state}
         out.append({**entry, "state_reason": mark.reason})
     return out
+
+
+def _worse(state: str, than: str) -> bool:
+    """Whether stream ``state`` is worse than the doubt ``than`` (a state, or a hash
+    mismatch, worse than any)."""
+    if than == HASH_MISMATCH:
+        return False
+    last = len(_STATE_ORDER)
+    return _STATE_RANK.get(state, last) < _STATE_RANK.get(than, last)
 
 
 def _worst_state(streams: Sequence[StreamStatus], marks: Sequence[Mark] = ()) -> str | None:

@@ -2,8 +2,8 @@
 
 A pod whose events reach the index seconds late has an index that describes its cache
 as it was seconds ago; comparing prefixes across pods then routes on history. ``/route``
-treats a candidate whose lag is above ``--max-event-lag`` as stale and decides on load
-alone (``fallback_stale_index``), as it does for a gapped stream.
+marks a candidate whose lag is above ``--max-event-lag`` as doubted (``lagging``, with a
+warning); what that costs it is :mod:`kvindex.scoring.doubt`'s rule.
 
 The lag of a batch is the applier's wall clock at apply time minus the engine's batch
 timestamp (clock skew between the hosts included: keep them in NTP sync). Replayed

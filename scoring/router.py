@@ -14,9 +14,11 @@ matches, scraped load, in-flight ledger) and enters the decision in the ledger.
   fixed order would always load the first pod). ``reason`` is ``prefix`` when the chosen
   pod has the longest reusable match among the admitted pods (and a non-empty one),
   else ``load``.
-- Fallback (the index is not trusted for this request, or cannot be asked): the least
-  loaded pod by the load terms alone, equal ones taken in turn (round-robin), and the
-  reason says which fallback.
+- Fallback (the index cannot be asked for this request: backend down, unknown model, no
+  tokenizer): the least loaded pod by the load terms alone, equal ones taken in turn
+  (round-robin), and the reason says which fallback. A pod whose own entries are in
+  doubt is no fallback: it loses its prefix credit before the decision
+  (:mod:`kvindex.scoring.doubt`), and the reason is the decision's own.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ _EPSILON = 1e-9
 class Reason(StrEnum):
     PREFIX = "prefix"
     LOAD = "load"
-    FALLBACK_STALE_INDEX = "fallback_stale_index"
     FALLBACK_BACKEND_DOWN = "fallback_backend_down"
     FALLBACK_UNKNOWN_MODEL = "fallback_unknown_model"
     FALLBACK_TOKENIZER_UNAVAILABLE = "fallback_tokenizer_unavailable"

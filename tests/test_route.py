@@ -396,27 +396,39 @@ def test_max_tokens_out_of_range_is_a_clear_400(cluster: Cluster, max_tokens: fl
     assert cluster.done("long-output").status_code == 200
 
 
-def test_a_gapped_stream_makes_the_decision_load_only(cluster: Cluster) -> None:
+def test_a_gapped_pod_loses_its_own_prefix_credit_alone(cluster: Cluster) -> None:
+    """Issue 27: a gapped stream (its lost batches may have held evictions) costs its pod
+    the credit of its entries, and only that pod: its load still counts, another pod's
+    shorter prefix still decides, and its row says why. (Before, the whole decision went
+    load-only, ``fallback_stale_index``.)"""
     # Runs last in this module: pod A's stream stays gapped (no replay endpoint).
-    cluster.set_pages(a=page(), b=page(waiting=1), c=page(waiting=1))
+    cluster.set_pages()
+    fresh = list(range(200_000, 200_000 + 16 * 8))  # a prompt no earlier test routed
+    keys = HASHER.keys(fresh)
+    cluster.pubs[1].publish([BlockStored(keys[:4], None, fresh[: 4 * 16], 16)])
     pub = cluster.pubs[0]
     pub.publish([BlockStored(KEYS[16:20], KEYS[15], TOKENS[16 * 16 : 20 * 16], 16)], send=False)
-    pub.publish([BlockStored(KEYS[20:22], KEYS[19], TOKENS[20 * 16 : 22 * 16], 16)])
+    pub.publish([BlockStored(keys, None, fresh, 16)])  # all of it, after the gap
 
-    def stale() -> bool:
-        answer = cluster.route(request_id="gap-probe").json()
-        cluster.done("gap-probe")
-        return answer["reason"] == "fallback_stale_index"
+    def route(request_id: str, **extra) -> tuple[dict, dict[str, dict]]:
+        answer = cluster.route(fresh, request_id=request_id, **extra).json()
+        cluster.done(request_id)
+        return answer, {c["pod"]: c for c in answer["candidates"]}
 
-    eventually(stale, "pod A's stream gapped")
-    answer = cluster.route(pods=[cluster.b, cluster.c], request_id="gap-1").json()
-    assert answer["reason"] in ("prefix", "load")  # A is not a candidate: its gap is not asked
-    cluster.done("gap-1")
-    answer = cluster.route(request_id="gap-2").json()
-    assert answer["reason"] == "fallback_stale_index" and answer["pod"] == cluster.a
-    assert any(cluster.a in w and "gapped" in w for w in answer["warnings"])
-    assert all(c["prefix_cost"] == 0 for c in answer["candidates"])
-    cluster.done("gap-2")
+    def gapped() -> bool:  # probes A alone: their sessions, homed there, weigh on A only
+        _, by_pod = route("gap-probe", pods=[cluster.a])
+        return by_pod[cluster.a]["doubt"] == "gapped"
+
+    eventually(gapped, "pod A's stream gapped")
+    eventually(lambda: route("b-probe", pods=[cluster.b])[1][cluster.b]["matched_blocks"] == 4,
+               "B's blocks indexed")  # fmt: skip
+    answer, by_pod = route("gap-1")
+    assert (answer["pod"], answer["reason"]) == (cluster.b, "prefix"), answer
+    assert by_pod[cluster.a]["matched_blocks"] == 0 and by_pod[cluster.a]["load"] == "known"
+    assert by_pod[cluster.b]["doubt"] is None and by_pod[cluster.c]["doubt"] is None
+    assert any(cluster.a in w and "gapped" in w and "not credited" in w for w in answer["warnings"])
+    answer, _ = route("gap-2", pods=[cluster.b, cluster.c])
+    assert answer["reason"] == "prefix" and answer["warnings"] == []  # A is not asked
 
 
 def test_backend_down_falls_back_to_load(redis_server: RedisServer) -> None:

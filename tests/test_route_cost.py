@@ -183,7 +183,7 @@ def test_ties_are_broken_at_random_and_reproducibly_per_seed() -> None:
 def test_fallback_ignores_the_index_and_takes_the_least_loaded_in_turn() -> None:
     router = Router(seed=0)
     pods = [pod("a", matched=32), pod("b"), pod("c"), pod("d", waiting=3)]
-    picks = [decide(router, pods, fallback=Reason.FALLBACK_STALE_INDEX) for _ in range(6)]
-    assert {d.reason for d in picks} == {Reason.FALLBACK_STALE_INDEX}
+    picks = [decide(router, pods, fallback=Reason.FALLBACK_BACKEND_DOWN) for _ in range(6)]
+    assert {d.reason for d in picks} == {Reason.FALLBACK_BACKEND_DOWN}
     assert [d.pod for d in picks] == ["a", "b", "c", "a", "b", "c"]
     assert all(c.terms.prefix == 0 for c in picks[0].candidates)

@@ -207,21 +207,49 @@ def test_speculative_entries_expire_after_their_ttl(live) -> None:
     assert 'kvindex_route_speculative_entries_total{event="expired"} 1.0' in metrics
 
 
-def test_event_lag_above_the_threshold_is_a_stale_index(live) -> None:
+def test_event_lag_above_the_threshold_doubts_that_pod_alone(live) -> None:
+    """Issue 27: a pod whose events arrive late is doubted (``lagging``, warned), and its
+    entries, a few seconds old, keep their credit; the decision stays by prefix."""
     cluster = live(max_event_lag=5.0)
     a, b = cluster.pod(page()), cluster.pod(page(waiting=1))
     cluster.publish(a, [BlockStored(KEYS[:20], None, TOKENS[: 20 * 16], 16)], ts=time.time() - 30)
     cluster.hold(b, 2)
     cluster.scraped(a, b)
     answer = cluster.route()
-    assert answer["reason"] == "fallback_stale_index" and answer["pod"] == a  # idle a
+    assert answer["reason"] == "prefix" and answer["pod"] == a
+    rows = {c["pod"]: c for c in answer["candidates"]}
+    assert (rows[a]["doubt"], rows[a]["matched_blocks"], rows[b]["doubt"]) == ("lagging", 20, None)
     assert any(a in w and "event lag" in w for w in answer["warnings"])
-    assert all(c["prefix_cost"] == 0 for c in answer["candidates"])
     metrics = cluster.client.get("/metrics").text
     assert f'kvindex_event_lag_last_seconds{{pod="{a}"}}' in metrics
-    # A batch on time: the index is trusted again.
+    # A batch on time: no doubt.
     cluster.hold(a, 20)
-    assert cluster.route()["reason"] == "prefix"
+    answer = cluster.route()
+    assert answer["reason"] == "prefix" and answer["warnings"] == []
+    assert all(c["doubt"] is None for c in answer["candidates"])
+
+
+def test_every_pod_incomplete_still_routes_by_prefix(live) -> None:
+    """Issue 27: after a bind-mode restart without replay every pod's stream is
+    ``incomplete`` (kvindex first hears it past seq 0); what each is known to hold is
+    real, so the decision stays by prefix (it was load-only while they lasted)."""
+    cluster = live()
+    a, b = cluster.pod(page()), cluster.pod(page())
+    for pod, blocks in ((a, 20), (b, 2)):
+        pub = EnginePublisher(
+            f"tcp://127.0.0.1:{cluster.port}", topic=f"kv@{pod}@{MODEL}", bind=False
+        )
+        cluster.pubs[(pod, 0)] = pub
+        assert pub.wait_for_subscribers(1, 5.0)
+        pub.publish([BlockStored(KEYS[:1], None, TOKENS[:16], 16)], send=False)  # missed
+        cluster.hold(pod, blocks)
+    cluster.scraped(a, b)
+    answer = cluster.route()
+    assert (answer["pod"], answer["reason"]) == (a, "prefix")
+    rows = {c["pod"]: c for c in answer["candidates"]}
+    assert {pod: row["doubt"] for pod, row in rows.items()} == {a: "incomplete", b: "incomplete"}
+    assert (rows[a]["matched_blocks"], rows[b]["matched_blocks"]) == (20, 2)
+    assert len(answer["warnings"]) == 2
 
 
 def test_least_bad_instead_of_429(live) -> None:

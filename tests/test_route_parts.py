@@ -123,7 +123,7 @@ def test_least_bad_chooses_the_cheapest_when_none_is_admitted() -> None:
     decision = lenient.decide(pods, kv_max, 32 * BS + 1, BS)
     assert (decision.pod, decision.reason) == ("a", Reason.LEAST_BAD)
     assert all(c.refused for c in decision.candidates)
-    fallback = lenient.decide(pods, kv_max, 32 * BS + 1, BS, Reason.FALLBACK_STALE_INDEX)
+    fallback = lenient.decide(pods, kv_max, 32 * BS + 1, BS, Reason.FALLBACK_BACKEND_DOWN)
     assert (fallback.pod, fallback.reason) == ("b", Reason.LEAST_BAD)  # load only: b
 
 

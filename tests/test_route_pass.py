@@ -138,7 +138,7 @@ def test_one_pass_decides_and_answers_as_the_general_path(seed: int, loop: str) 
         if rng.random() < 0.3:  # equal pods: ties, broken by the RNG
             loads = {p: PodLoad(p, 0, 0, 0.1, 0.1, {}, 0.1) for p in pods}
             matches, speculative, in_flight = {}, {}, {}
-        fallback = rng.choice([None, None, None, Reason.FALLBACK_STALE_INDEX])
+        fallback = rng.choice([None, None, None, Reason.FALLBACK_BACKEND_DOWN])
         future = rng.choice([0.0, 0.0, 1.0, 733.25, 13_500.0])  # later turns' prefill
         done = one_pass(
             fast, pods, dict(matches), dict(speculative), loads, in_flight, tokens, BS,
@@ -223,7 +223,7 @@ def test_extreme_counts_neither_overflow_nor_split_the_compiled_and_python_loops
         pods = [f"10.0.0.{i}:8000" for i in range(rng.choice([1, 3, 9]))]
         tokens = rng.choice([0, 1, 17, 262_144])
         loads, matches, speculative, in_flight = extreme_fleet(rng, pods)
-        fallback = rng.choice([None, Reason.FALLBACK_STALE_INDEX])
+        fallback = rng.choice([None, Reason.FALLBACK_BACKEND_DOWN])
         args = (pods, matches, speculative, loads, in_flight, tokens, BS, fallback, RouteCandidate)
         fast = one_pass(compiled_router, *args, {}, 1e30)
         with monkeypatch.context() as patch:

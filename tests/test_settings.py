@@ -8,14 +8,21 @@ import re
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
 from kvindex.api import cli
+from kvindex.api.app import create_app
 from kvindex.api.config import ConfigError, discovery_config
 from kvindex.api.service import Service
 from kvindex.api.settings import SECTIONS, Settings
 from kvindex.api.settings_load import LEAVES, decode_settings, from_flags
+from kvindex.api.testing import free_port
+from kvindex.events.publisher import EnginePublisher
+from kvindex.events.wire import BlockStored
+from kvindex.indexer.keys import BlockHasher, HashConfig
 from kvindex.scoring.route_cost import CostWeights
 from kvindex.scoring.scorer import TierWeights
+from tests.test_route import eventually
 
 
 def config_file(tmp_path: Path, tree: dict) -> str:
@@ -129,3 +136,55 @@ def test_load_staleness_is_three_intervals_unless_set() -> None:
         service.stop()
     with pytest.raises(ConfigError, match="--load-stale-after"):
         Service(from_flags(load_stale_after=-1.0))
+
+
+def test_catch_up_on_first_contact_is_a_setting_that_reaches_the_subscriber(
+    tmp_path: Path,
+) -> None:
+    """Issue 27: the README documents turning ``catch_up_on_first_contact`` off; the
+    file key, the variable and the flag all set it, and the subscriber gets it."""
+    assert Settings().events.catch_up_on_first_contact is True
+    path = config_file(tmp_path, {"events": {"catch_up_on_first_contact": False}})
+    assert from_flags(model_config=path).events.catch_up_on_first_contact is False
+    env = {"KVINDEX_CATCH_UP_ON_FIRST_CONTACT": "false"}
+    assert serve_settings([], env).events.catch_up_on_first_contact is False
+    assert (
+        serve_settings(["--no-catch-up-on-first-contact"], {}).events.catch_up_on_first_contact
+        is False
+    )
+    on = serve_settings(["--catch-up-on-first-contact"], env)  # a flag beats the variable
+    assert on.events.catch_up_on_first_contact is True
+    with pytest.raises(ConfigError, match="KVINDEX_CATCH_UP_ON_FIRST_CONTACT"):
+        decode_settings({}, {"KVINDEX_CATCH_UP_ON_FIRST_CONTACT": "maybe"})
+    for wanted in (True, False):
+        service = Service(from_flags(catch_up_on_first_contact=wanted))
+        try:
+            assert service.subscriber._config.catch_up_on_first_contact is wanted
+        finally:
+            service.stop()
+
+
+@pytest.mark.parametrize(("catch_up", "state"), [(True, "incomplete"), (False, "live")])
+def test_without_catch_up_a_late_joined_stream_is_live(catch_up: bool, state: str) -> None:
+    """A stream first heard past seq 0 with nothing to replay from is ``incomplete``,
+    unless catch-up is off: then kvindex applies from there and claims no history."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    settings = from_flags(zmq_bind=[endpoint], model="m", catch_up_on_first_contact=catch_up)
+    service = Service(settings)
+    pub = EnginePublisher(endpoint, topic="kv@127.0.0.1:8000@m", bind=False)
+    try:
+        with TestClient(create_app(service)):
+            assert pub.wait_for_subscribers(1, 5.0)
+            tokens = list(range(16))
+            stored = BlockStored(BlockHasher(HashConfig()).keys(tokens), None, tokens, 16)
+            pub.publish([stored], send=False)  # kvindex joined after seq 0
+            pub.publish([stored])
+
+            def seen() -> bool:
+                streams = service.subscriber.streams()
+                return bool(streams) and streams[0].last_seq == 1
+
+            eventually(seen, "seq 1 applied")
+            assert [s.state for s in service.subscriber.streams()] == [state]
+    finally:
+        pub.close()

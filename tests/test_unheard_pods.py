@@ -122,6 +122,9 @@ def test_idle_pods_are_recovered_by_replay_or_said_unheard_until_they_publish(
         assert {c["pod"]: c["stream_state"] for c in routed["candidates"]} == {
             proving.pod: None, mute.pod: "unheard", SILENT_POD: "unheard",
         }  # fmt: skip
+        assert {c["pod"]: c["doubt"] for c in routed["candidates"]} == {
+            proving.pod: None, mute.pod: "unheard", SILENT_POD: "unheard",
+        }  # fmt: skip
         assert sum(mute.pod in w or SILENT_POD in w for w in routed["warnings"]) == 2
         metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
         for pod in (mute.pod, SILENT_POD):

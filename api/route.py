@@ -33,6 +33,7 @@ from kvindex.indexer.backend import BackendUnavailable
 from kvindex.indexer.pods import UNHEARD, UNHEARD_REASON
 from kvindex.scoring.inflight import InFlight
 from kvindex.scoring.load import PodLoad, Unknown
+from kvindex.scoring.outlier import Outcome
 from kvindex.scoring.pd import Role, decide_pd, disaggregated, of_role
 from kvindex.scoring.route_pass import Pass, one_pass
 from kvindex.scoring.router import Decision, Reason
@@ -165,19 +166,31 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
     # Later turns are priced where a session starts: a later turn follows its history
     # (its u decides), and under P/D later turns prefill on the prefill pods.
     view.future_prefill = 0.0 if view.continues or split else ledger.future_prefill()
+    excluded = service.load.outliers.excluded(pods)  # pods ejected after failures
     if req.role is None and not split:
         done = one_pass(
             service.router, pods, view.matches, view.speculative, loads, in_flight,
             view.prompt_tokens, block_size, view.fallback, RouteCandidate,
-            service.event_lag.batches(), view.future_prefill,
+            service.event_lag.batches(), view.future_prefill, excluded,
         )  # fmt: skip
         if done is not None:
             for pod in done.dropped:  # each a PodLoad with a start time (the loop's rule)
                 _ignore_restarted(view, pod, loads[pod].started)  # type: ignore[union-attr]
-            return _with_states(service, _answer_pass(service, req, view, pods, done, block_size))
+            answer = _answer_pass(service, req, view, pods, done, block_size)
+            return _with_states(service, _with_ejected(answer, excluded))
     _drop_restarted(service, loads, view)
-    answer = _decide_targets(service, req, view, pods, loads, in_flight, roles, block_size)
-    return _with_states(service, answer)
+    answer = _decide_targets(
+        service, req, view, pods, loads, in_flight, roles, block_size, excluded
+    )
+    return _with_states(service, _with_ejected(answer, excluded))
+
+
+def _with_ejected(answer: RouteResponse, excluded: dict[str, str]) -> RouteResponse:
+    """Each ejected candidate's reason in its row."""
+    if excluded:
+        for candidate in answer.candidates:
+            candidate.ejected = excluded.get(candidate.pod)
+    return answer
 
 
 def _with_states(service: Service, answer: RouteResponse) -> RouteResponse:
@@ -274,6 +287,7 @@ def _decide_targets(
     in_flight: dict[str, InFlight],
     roles: dict[str, Role],
     block_size: int,
+    excluded: dict[str, str],
 ) -> RouteResponse:
     """The general path: one routing target per engine (data-parallel ranks), a role
     filter, P/D."""
@@ -301,6 +315,7 @@ def _decide_targets(
             block_size,
             view.fallback,
             view.future_prefill,
+            {t.member for t in targets if t.pod in excluded},
         )
     service.route_metrics.decided(decision.reason)
     if decision.pod is None:
@@ -386,13 +401,17 @@ def _enter(
     return route_id
 
 
-def release_route(service: Service, route_id: str) -> RouteDone:
-    """``POST /route/{route_id}/done`` without HTTP; NotFound when it is not open."""
+def release_route(service: Service, route_id: str, outcome: Outcome | None = None) -> RouteDone:
+    """``POST /route/{route_id}/done`` without HTTP; NotFound when it is not open.
+    ``outcome``: how the pod answered, for its failure record (:mod:`~kvindex.scoring.outlier`)."""
     member = service.load.ledger.done(route_id)
     service.load.ledger.done(route_id + _PREFILL)  # P/D: the prefill pod's share
     if member is None:
         raise _unknown_route(route_id)
-    return RouteDone(route_id, member_pod(member))
+    pod = member_pod(member)
+    if outcome is not None:
+        service.load.outliers.report(pod, outcome)
+    return RouteDone(route_id, pod)
 
 
 def release_prefill(service: Service, route_id: str) -> RouteDone:

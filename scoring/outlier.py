@@ -18,10 +18,11 @@ its ejections. A pod that never answers, such as one whose packets are dropped, 
 therefore tried once per ejection, each time less often.
 
 Never more than ``max_percent`` of a decision's candidates count as ejected (at least
-one may be), the earliest-ejected first, so a fault that hits every pod at once (a
-network partition on the gateway's side) degrades to plain routing instead of refusing
-everything; and a decision whose every admissible candidate is ejected still chooses
-among them (:mod:`kvindex.scoring.router`).
+one may be): those ejected until latest (the latest and most repeated failures) stay
+out, the others, most likely healthy again, come back first. So a fault that hits every
+pod at once (a network partition on the gateway's side) degrades to plain routing
+instead of refusing everything. And a decision whose every admissible candidate is
+ejected still chooses among them (:mod:`kvindex.scoring.router`).
 
 Why one failure ejects by default: a client's retry after a 5xx carries nothing that
 ties it to the failed request, so unless the pod is set aside at once the same prefix
@@ -155,7 +156,7 @@ class OutlierDetector:
                 )
                 out.append((health.ejected_until, pod, why))
         allowed = max(1, int(len(pods) * self.policy.max_percent / 100))
-        out.sort()  # the earliest-ejected first
+        out.sort(reverse=True)  # ejected until latest first
         return {pod: why for _, pod, why in out[:allowed]}
 
     def ejected_now(self) -> int:

@@ -50,6 +50,7 @@ class FaultyPod:
         self._server: asyncio.base_events.Server | None = None
         self._hole: list[socket.socket] = []  # the blackhole's socket and its queue
         self._writers: set[asyncio.StreamWriter] = set()  # open connections
+        self._closing = asyncio.Event()
         self.port = self._call(self._serve(0))
         self.pod = f"127.0.0.1:{self.port}"
         self.publisher = EnginePublisher(
@@ -154,7 +155,8 @@ class FaultyPod:
                     continue
                 self.received += 1
                 if self.mode == "frozen":
-                    await asyncio.Event().wait()  # never answers; closed when killed
+                    await self._closing.wait()  # never answers, until the pod is closed
+                    return
                 if self.mode == "http_500":
                     error = {"error": {"message": "engine dead", "type": "InternalServerError"}}
                     await self._write(writer, 500, json.dumps(error).encode(), "application/json")
@@ -215,9 +217,16 @@ class FaultyPod:
         writer.write(head.encode() + body)
         await writer.drain()
 
+    async def _end(self) -> None:
+        await self._stop()
+        self._closing.set()  # frozen requests end with the pod
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self._call(self._stop())
+            self._call(self._end())
         for sock in self._hole:
             sock.close()
         self._loop.call_soon_threadsafe(self._loop.stop)

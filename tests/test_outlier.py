@@ -70,7 +70,7 @@ def test_the_detector_grants_one_probe_and_bounds_the_ejected_share() -> None:
     now[0] = 1.0
     for pod in ("b", "c"):
         detector.report(pod, Outcome.HTTP_5XX)
-    assert set(detector.excluded(pods)) == {"a", "b"}  # 50% of 4: the earliest two
+    assert set(detector.excluded(pods)) == {"b", "c"}  # 50% of 4: the latest two
     assert detector.excluded(["c"]) == {"c": detector.excluded(["c"])["c"]}  # at least one
     now[0] = 10.5  # a's ejection is over: one decision may send it a probe
     assert "a" not in detector.excluded(["a"])

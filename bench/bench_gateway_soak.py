@@ -19,14 +19,18 @@ connection error is retried once by the client (``max_retries=0``: the bench ret
 so it can see where the retry went). Per phase it prints:
 
 - ``requests``: requests sent (retries included);
-- ``bad_share``: of the requests sent after the victim was seen failing (its first
-  failure in the phase), the share that reached it (it answered, or the gateway tried
+- ``bad_share``: of the phase's requests sent after the victim was seen failing (its
+  first failure since the fault), the share that reached it (it answered, or the gateway tried
   it first: ``x-kvindex-failed-pods``);
 - ``retry_same``: client retries after a 5xx that went to the pod that failed;
 - ``gw_5xx``: 5xx answers the gateway made itself (no pod's answer), and ``conn_err``:
   requests the gateway did not answer (during kvindex's restart);
-- ``added_p50_ms`` / ``added_p90_ms``: the client's time for a request less the pod's
-  own (``openai-processing-ms``): what the gateway, its retries and loopback add;
+- ``added_p50_ms`` / ``added_p90_ms``: what the gateway adds to a request, its retries
+  included, from its own histogram (``kvindex_gateway_added_seconds``, read before and
+  after the phase; interpolated within buckets as Prometheus' ``histogram_quantile``);
+- ``client_p50_ms``: the client's time for a request less the pod's own
+  (``openai-processing-ms``): the gateway's part plus the client's own (the ``openai``
+  client, the pods and this script share one Python process, so this is mostly theirs);
 - ``follow_on_pod``: the share of follow-up turns served by the pod that served the
   conversation's previous turn.
 
@@ -80,6 +84,11 @@ class Record:
 class Soak:
     records: list[Record] = field(default_factory=list)
     phase: str = "healthy"
+    windows: dict[str, tuple[float, float]] = field(default_factory=dict)  # start, end
+    # the gateway's added-time histogram at the phase's start and end
+    added: dict[str, tuple[list[tuple[float, float]], list[tuple[float, float]]]] = field(
+        default_factory=dict
+    )
     stop: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -157,6 +166,33 @@ def start_kvindex(
     return server
 
 
+def added_buckets(http: httpx.Client) -> list[tuple[float, float]]:
+    """The gateway's ``kvindex_gateway_added_seconds`` buckets: (upper bound, count)."""
+    buckets = []
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("kvindex_gateway_added_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(bound), float(line.rsplit(" ", 1)[1])))
+    return buckets
+
+
+def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float):  # type: ignore[no-untyped-def]
+    """The ``q`` quantile (0..1) of the observations between two readings, linear within
+    its bucket (``histogram_quantile``); NaN without observations."""
+    counts = [(bound, a - b) for (bound, a), (_, b) in zip(after, before, strict=True)]
+    total = counts[-1][1] if counts else 0
+    if total <= 0:
+        return float("nan")
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, count in counts:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-9)
+        lower, below = bound, count
+    return lower
+
+
 def reaches(record: Record, pod: str) -> bool:
     return record.pod == pod or pod in record.failed
 
@@ -172,19 +208,23 @@ def percentile(values: list[float], q: float) -> float:
 def report(soak: Soak, victims: dict[str, str]) -> list[str]:
     lines = [
         f"{'phase':<11} {'requests':>8} {'bad_share':>9} {'retry_same':>10} {'gw_5xx':>6} "
-        f"{'conn_err':>8} {'added_p50_ms':>12} {'added_p90_ms':>12} {'follow_on_pod':>13}"
+        f"{'conn_err':>8} {'added_p50_ms':>12} {'added_p90_ms':>12} {'client_p50_ms':>13} "
+        f"{'follow_on_pod':>13}"
     ]
     for phase in PHASES:
         rows = [r for r in soak.records if r.phase == phase]
         victim = victims.get(phase)
         share, retry_same = "-", "-"
         if victim is not None:
+            # Its first failure may end a request sent just before the fault.
+            start, end = soak.windows[phase]
             failures = [
                 r.started + r.seconds
-                for r in rows
-                if victim in r.failed or (r.pod == victim and r.status >= 500)
+                for r in soak.records
+                if (victim in r.failed or (r.pod == victim and r.status >= 500))
+                and r.started + r.seconds >= start
             ]
-            after = [r for r in rows if failures and r.started > min(failures)]
+            after = [r for r in rows if failures and min(failures) < r.started < end]
             reached = sum(reaches(r, victim) for r in after)
             share = f"{reached / len(after):.2%}" if after else "-"
             retries = [r for r in rows if r.retry_after_5xx_of is not None]
@@ -193,17 +233,19 @@ def report(soak: Soak, victims: dict[str, str]) -> list[str]:
                 retry_same = f"{same}/{len(retries)}"
         gateway_5xx = sum(r.status >= 500 and r.pod is None for r in rows)
         unanswered = sum(r.status == 0 for r in rows)
-        added = [
+        client = [
             (r.seconds - r.pod_seconds) * 1000
             for r in rows
             if r.status == 200 and r.pod_seconds is not None
         ]
+        before, after = soak.added.get(phase, ([], []))
+        p50, p90 = (bucket_quantile(before, after, q) * 1000 for q in (0.5, 0.9))
         follow = [r for r in rows if r.follow_up and r.status == 200 and r.previous_pod]
         on_pod = sum(r.pod == r.previous_pod for r in follow)
         on_share = f"{on_pod / len(follow):.1%}" if follow else "-"
         lines.append(
             f"{phase:<11} {len(rows):>8} {share:>9} {retry_same:>10} {gateway_5xx:>6} "
-            f"{unanswered:>8} {percentile(added, 50):>12.1f} {percentile(added, 90):>12.1f} "
+            f"{unanswered:>8} {p50:>12.2f} {p90:>12.2f} {percentile(client, 50):>13.1f} "
             f"{on_share:>13}"
         )
     return lines
@@ -249,19 +291,23 @@ def main(argv: list[str] | None = None) -> int:
             worker.start()
         each = args.duration / len(PHASES)
         for i, phase in enumerate(PHASES):
-            soak.phase = phase
+            soak.phase, started = phase, time.monotonic()
+            first = added_buckets(http)
             if phase == "restart":
                 server.stop()
                 server = start_kvindex(port, endpoint, args, pods)
-                time.sleep(max(0.0, each - 1.0))
-                continue
-            victim = None if phase == "healthy" else pods[i % len(pods)]
-            if victim is not None:
-                victims[phase] = victim.pod
-                victim.set_mode(phase)
-            time.sleep(each)
-            if victim is not None:
-                victim.set_mode("ok")
+                first = added_buckets(http)  # a new process: its histogram starts at 0
+                time.sleep(max(0.0, each - (time.monotonic() - started)))
+            else:
+                victim = None if phase == "healthy" else pods[i % len(pods)]
+                if victim is not None:
+                    victims[phase] = victim.pod
+                    victim.set_mode(phase)
+                time.sleep(each)
+                if victim is not None:
+                    victim.set_mode("ok")
+            soak.windows[phase] = (started, time.monotonic())
+            soak.added[phase] = (first, added_buckets(http))
     finally:
         soak.stop = True
         for worker in workers:

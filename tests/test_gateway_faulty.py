@@ -131,3 +131,21 @@ def test_a_faulty_pod_stops_drawing_traffic_and_recovers(cluster: Cluster, fault
 
     eventually(serves_again, f"the {fault} pod probed and serving again", 6 * EJECT_BASE_S)
     assert cluster.route_row(fresh, bad)["ejected"] is None
+
+
+def test_a_gateway_over_http_reports_outcomes_in_route_done(cluster: Cluster) -> None:
+    """``kvindex gateway --index URL`` and external gateways report a pod's failure in
+    ``POST /route/{id}/done``'s optional body; a bad outcome is a 400 that releases
+    nothing."""
+    bad, tokens = cluster.bad.pod, prompt(3)
+    decision = cluster.http.post(
+        "/route", json={"model": MODEL, "token_ids": tokens, "pods": [bad]}
+    ).json()
+    route_id = decision["route_id"]
+    refused = cluster.http.post(f"/route/{route_id}/done", json={"outcome": "sometimes"})
+    assert refused.status_code == 400 and refused.json()["error"] == "invalid_request"
+    done = cluster.http.post(f"/route/{route_id}/done", json={"outcome": "http_5xx"})
+    assert done.status_code == 200 and done.json()["pod"] == bad
+    assert "http_5xx" in cluster.route_row(tokens, bad)["ejected"]
+    metrics = cluster.http.get("/metrics").text
+    assert "kvindex_route_ejections_total 1.0" in metrics

@@ -298,10 +298,11 @@ def _decide_targets(
     if not targets:
         raise Unavailable(f"no candidate pod has role {req.role} or both", code="no_pods")
     tokens = view.prompt_tokens
+    ejected = {t.member for t in targets if t.pod in excluded}
     if req.role is None and disaggregated(roles, pods):
         pd = decide_pd(
             service.router, targets, roles, tokens, block_size, view.fallback,
-            settings.scoring.pd_threshold,
+            settings.scoring.pd_threshold, ejected,
         )  # fmt: skip
         decision, prefill = pd.decode, pd.prefill
         if decision.pod is not None:
@@ -315,7 +316,7 @@ def _decide_targets(
             block_size,
             view.fallback,
             view.future_prefill,
-            {t.member for t in targets if t.pod in excluded},
+            ejected,
         )
     service.route_metrics.decided(decision.reason)
     if decision.pod is None:

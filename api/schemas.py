@@ -292,7 +292,7 @@ class RouteResponse(msgspec.Struct):
 
 
 class RouteOutcome(msgspec.Struct, forbid_unknown_fields=True):
-    """The optional body of ``POST /route/{route_id}/done``: how the pod answered."""
+    """The optional body of POST /route/{route_id}/done: how the pod answered."""
 
     outcome: Annotated[
         Outcome | None,

@@ -49,6 +49,12 @@ class Cluster:
         failed = answer.headers.get("x-kvindex-failed-pods", "").split(",")
         return answer.headers.get("x-kvindex-pod") == pod or pod in failed
 
+    def held(self, tokens: list[int], pod: str) -> int:
+        """The blocks of ``tokens`` the index says ``pod`` holds (/score: no route, so no
+        speculative entries left on the pod a route would choose)."""
+        body = {"model": MODEL, "token_ids": tokens, "pods": [pod]}
+        return self.http.post("/score", json=body).json()["pods"][0]["matched_blocks"]
+
     def route_row(self, tokens: list[int], pod: str) -> dict:  # type: ignore[type-arg]
         answer = self.http.post("/route", json={"model": MODEL, "token_ids": tokens})
         decision = answer.json()
@@ -96,9 +102,7 @@ def test_a_faulty_pod_stops_drawing_traffic_and_recovers(cluster: Cluster, fault
     bad = cluster.bad.pod
     tokens = prompt(1)
     cluster.bad.compute(tokens)
-    eventually(
-        lambda: cluster.route_row(tokens, bad)["matched_blocks"] == 20, "the bad pod's prefix"
-    )
+    eventually(lambda: cluster.held(tokens, bad) == 20, "the bad pod's prefix indexed")
     answer = cluster.complete(tokens)
     assert answer.status_code == 200 and answer.headers["x-kvindex-pod"] == bad  # its prefix
 
@@ -124,6 +128,7 @@ def test_a_faulty_pod_stops_drawing_traffic_and_recovers(cluster: Cluster, fault
     cluster.bad.set_mode("ok")  # healthy again: the next probe finds it so
     fresh = prompt(2)  # held by it alone, so the probe's decision chooses it
     cluster.bad.compute(fresh)
+    eventually(lambda: cluster.held(fresh, bad) == 20, "its new prefix indexed")
 
     def serves_again() -> bool:
         answer = cluster.complete(fresh)

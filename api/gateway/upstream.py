@@ -9,8 +9,8 @@ routing for a while: :mod:`kvindex.scoring.outlier`), as is the way every relaye
 answer ended (a 5xx, one that broke off, or a good one). The next pod is asked of
 ``/route`` again, among the first decision's candidates minus the pods that failed,
 under the same route id (released first, with the failure), so the route is never
-counted twice. Once the pod's status line has
-arrived the answer is the pod's, errors included.
+counted twice. Once the pod's status line has arrived the answer is the pod's, errors
+included.
 
 Under P/D (``kv-transfer``), a decode pod that failed after the prefill leg succeeded
 does not cost a second prefill when the request certainly never reached it (no

@@ -247,14 +247,15 @@ class Client:
         prefill no longer counts as queued on its pod; None when the route is not open."""
         return self._release(route_id, "first-token")
 
-    def done(self, route_id: str) -> RouteDone | None:
-        """``POST /route/{route_id}/done``; None when the route is not open (already
-        released, expired, or never routed)."""
-        return self._release(route_id, "done")
+    def done(self, route_id: str, outcome: str | None = None) -> RouteDone | None:
+        """``POST /route/{route_id}/done``, with how the pod answered when ``outcome``
+        is given (ok, connect_error, timeout, http_5xx, broken); None when the route is
+        not open (already released, expired, or never routed)."""
+        return self._release(route_id, "done", _outcome_body(outcome))
 
-    def _release(self, route_id: str, what: str) -> RouteDone | None:
+    def _release(self, route_id: str, what: str, body: bytes = b"") -> RouteDone | None:
         try:
-            response = self._call("POST", f"/route/{_quote(route_id)}/{what}", b"")
+            response = self._call("POST", f"/route/{_quote(route_id)}/{what}", body)
         except ApiError as exc:
             if exc.status == 404:
                 return None
@@ -327,12 +328,12 @@ class AsyncClient:
     async def first_token(self, route_id: str) -> RouteDone | None:
         return await self._release(route_id, "first-token")
 
-    async def done(self, route_id: str) -> RouteDone | None:
-        return await self._release(route_id, "done")
+    async def done(self, route_id: str, outcome: str | None = None) -> RouteDone | None:
+        return await self._release(route_id, "done", _outcome_body(outcome))
 
-    async def _release(self, route_id: str, what: str) -> RouteDone | None:
+    async def _release(self, route_id: str, what: str, body: bytes = b"") -> RouteDone | None:
         try:
-            response = await self._call("POST", f"/route/{_quote(route_id)}/{what}", b"")
+            response = await self._call("POST", f"/route/{_quote(route_id)}/{what}", body)
         except ApiError as exc:
             if exc.status == 404:
                 return None
@@ -373,3 +374,8 @@ class AsyncClient:
 
 def _quote(route_id: str) -> str:
     return quote(route_id, safe="")
+
+
+def _outcome_body(outcome: str | None) -> bytes:
+    """``/route/{id}/done``'s optional body."""
+    return b"" if outcome is None else msgspec.json.encode({"outcome": outcome})

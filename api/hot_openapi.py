@@ -11,6 +11,7 @@ from kvindex.api.errors import JSON, error_responses
 from kvindex.api.schemas import (
     ErrorBody,
     RouteDone,
+    RouteOutcome,
     RouteRequest,
     RouteResponse,
     ScoreRequest,
@@ -133,9 +134,12 @@ ROUTE_RESPONSE_EXAMPLE = {
 def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
     """The OpenAPI path items of the three hot paths, and the schema components they
     refer to; FastAPI's document adds them to its own."""
-    (score_in, score_out, route_in, route_out, done, error), components = openapi_schema(
-        ScoreRequest, ScoreResponse, RouteRequest, RouteResponse, RouteDone, ErrorBody
-    )
+    (score_in, score_out, route_in, route_out, done, outcome, error), components = (
+        openapi_schema(
+            ScoreRequest, ScoreResponse, RouteRequest, RouteResponse, RouteDone, RouteOutcome,
+            ErrorBody,
+        )
+    )  # fmt: skip
 
     def described(text: str) -> dict[str, Any]:
         return {"description": text, "content": {JSON: {"schema": error}}}
@@ -179,6 +183,9 @@ def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
     route_done = {
         "summary": "The routed request finished: stop counting it against its pod",
         "operationId": "route_done_route__route_id__done_post",
+        "description": "An optional JSON body reports how the pod answered "
+        '(`{"outcome": "http_5xx"}`): failures eject the pod from routing for a while.',
+        "requestBody": {"required": False, "content": {JSON: {"schema": outcome}}},
         "parameters": [
             {
                 "name": "route_id",

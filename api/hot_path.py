@@ -55,10 +55,10 @@ from kvindex.api.route import (
     release_route,
     route_inputs,
 )
-from kvindex.api.schemas import RouteRequest, ScoreRequest
+from kvindex.api.schemas import RouteOutcome, RouteRequest, ScoreRequest
 from kvindex.api.score import decode_score, score_inline, score_request
 from kvindex.api.score_inputs import body_media, parse_request
-from kvindex.events.errors import KvindexError
+from kvindex.events.errors import ClientError, KvindexError
 
 if TYPE_CHECKING:
     from kvindex.api.route import RouteInputs
@@ -72,6 +72,7 @@ Answer = tuple[int, bytes, Headers]
 R = TypeVar("R", bound=ScoreRequest)
 
 _encode = msgspec.json.Encoder().encode
+_outcome_decoder = msgspec.json.Decoder(RouteOutcome)
 _ROUTE_PREFIX, _DONE_SUFFIX, _FIRST_SUFFIX = "/route/", "/done", "/first-token"
 ALLOW = [(b"allow", b"POST")]
 
@@ -190,7 +191,13 @@ class HotRoutes:
         return 200, _encode(answer), []
 
     def _done(self, posted: Posted) -> Answer:
-        return 200, _encode(release_route(self.service, posted.argument)), []
+        outcome = None
+        if posted.body.strip():  # optional: how the pod answered
+            try:
+                outcome = _outcome_decoder.decode(posted.body).outcome
+            except msgspec.DecodeError as exc:
+                raise ClientError(f"/route/{{route_id}}/done body: {exc}") from None
+        return 200, _encode(release_route(self.service, posted.argument, outcome)), []
 
     async def _done_awaited(self, posted: Posted) -> Answer:
         return self._done(posted)

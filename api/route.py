@@ -38,6 +38,7 @@ from kvindex.indexer.pods import UNHEARD, UNHEARD_REASON
 from kvindex.scoring.doubt import LAGGING, credits_prefix, discredit
 from kvindex.scoring.inflight import InFlight
 from kvindex.scoring.load import PodLoad, Unknown
+from kvindex.scoring.outlier import Outcome
 from kvindex.scoring.pd import Role, decide_pd, disaggregated, of_role
 from kvindex.scoring.route_pass import Pass, one_pass
 from kvindex.scoring.router import Decision, Reason
@@ -171,20 +172,31 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
     # Later turns are priced where a session starts: a later turn follows its history
     # (its u decides), and under P/D later turns prefill on the prefill pods.
     view.future_prefill = 0.0 if view.continues or split else ledger.future_prefill()
+    excluded = service.load.outliers.excluded(pods)  # pods ejected after failures
     if req.role is None and not split:
         done = one_pass(
             service.router, pods, view.matches, view.speculative, loads, in_flight,
             view.prompt_tokens, block_size, view.fallback, RouteCandidate,
-            service.event_lag.batches(), view.future_prefill,
+            service.event_lag.batches(), view.future_prefill, excluded,
         )  # fmt: skip
         if done is not None:
             for pod in done.dropped:  # each a PodLoad with a start time (the loop's rule)
                 _ignore_restarted(view, pod, loads[pod].started)  # type: ignore[union-attr]
             answer = _answer_pass(service, req, view, pods, done, block_size)
-            return _with_states(service, answer, view.doubts)
+            return _with_states(service, _with_ejected(answer, excluded), view.doubts)
     _drop_restarted(service, loads, view)
-    answer = _decide_targets(service, req, view, pods, loads, in_flight, roles, block_size)
-    return _with_states(service, answer, view.doubts)
+    answer = _decide_targets(
+        service, req, view, pods, loads, in_flight, roles, block_size, excluded
+    )
+    return _with_states(service, _with_ejected(answer, excluded), view.doubts)
+
+
+def _with_ejected(answer: RouteResponse, excluded: dict[str, str]) -> RouteResponse:
+    """Each ejected candidate's reason in its row."""
+    if excluded:
+        for candidate in answer.candidates:
+            candidate.ejected = excluded.get(candidate.pod)
+    return answer
 
 
 def _with_states(service: Service, answer: RouteResponse, doubts: dict[str, str]) -> RouteResponse:
@@ -284,6 +296,7 @@ def _decide_targets(
     in_flight: dict[str, InFlight],
     roles: dict[str, Role],
     block_size: int,
+    excluded: dict[str, str],
 ) -> RouteResponse:
     """The general path: one routing target per engine (data-parallel ranks), a role
     filter, P/D."""
@@ -294,10 +307,11 @@ def _decide_targets(
     if not targets:
         raise Unavailable(f"no candidate pod has role {req.role} or both", code="no_pods")
     tokens = view.prompt_tokens
+    ejected = {t.member for t in targets if t.pod in excluded}
     if req.role is None and disaggregated(roles, pods):
         pd = decide_pd(
             service.router, targets, roles, tokens, block_size, view.fallback,
-            settings.scoring.pd_threshold,
+            settings.scoring.pd_threshold, ejected,
         )  # fmt: skip
         decision, prefill = pd.decode, pd.prefill
         if decision.pod is not None:
@@ -311,6 +325,7 @@ def _decide_targets(
             block_size,
             view.fallback,
             view.future_prefill,
+            ejected,
         )
     service.route_metrics.decided(decision.reason)
     if decision.pod is None:
@@ -396,13 +411,17 @@ def _enter(
     return route_id
 
 
-def release_route(service: Service, route_id: str) -> RouteDone:
-    """``POST /route/{route_id}/done`` without HTTP; NotFound when it is not open."""
+def release_route(service: Service, route_id: str, outcome: Outcome | None = None) -> RouteDone:
+    """``POST /route/{route_id}/done`` without HTTP; NotFound when it is not open.
+    ``outcome``: how the pod answered, for its failure record (:mod:`~kvindex.scoring.outlier`)."""
     member = service.load.ledger.done(route_id)
     service.load.ledger.done(route_id + _PREFILL)  # P/D: the prefill pod's share
     if member is None:
         raise _unknown_route(route_id)
-    return RouteDone(route_id, member_pod(member))
+    pod = member_pod(member)
+    if outcome is not None:
+        service.load.outliers.report(pod, outcome)
+    return RouteDone(route_id, pod)
 
 
 def release_prefill(service: Service, route_id: str) -> RouteDone:

@@ -96,6 +96,20 @@ class LoadCollector(Collector):
         for pod, count in sorted(self._view.ledger.all().items()):
             flying.add_metric([pod], count.requests)
         yield flying
+        outliers = self._view.outliers
+        ejections = CounterMetricFamily(
+            "kvindex_route_ejections",
+            "Pods ejected from routing after failures reported for them (connect errors, "
+            "timeouts, 5xx; --eject-after), each ejection once.",
+        )
+        ejections.add_metric([], outliers.ejections)
+        yield ejections
+        ejected = GaugeMetricFamily(
+            "kvindex_route_pods_ejected",
+            "Pods ejected now, or waiting for their probe's answer after an ejection.",
+        )
+        ejected.add_metric([], outliers.ejected_now())
+        yield ejected
 
 
 class SpeculativeCollector(Collector):

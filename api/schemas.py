@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvindex.scoring.outlier import Outcome
 from kvindex.scoring.scorer import PodScore
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
@@ -242,6 +243,14 @@ class RouteCandidate(msgspec.Struct, gc=False):
             "lower bound of its cache, still count). Other pods' prefixes decide as usual."
         ),
     ] = None
+    ejected: Annotated[
+        str | None,
+        _doc(
+            "Why the pod is set aside after failures reported for it (ejected, or probing: "
+            "one request sent to it after its ejection, its answer awaited); it is chosen "
+            "only when every admitted candidate is. Null: not set aside."
+        ),
+    ] = None
 
 
 class RouteResponse(msgspec.Struct):
@@ -292,6 +301,20 @@ class RouteResponse(msgspec.Struct):
             "continues one, and under P/D. F in each candidate's decode_cost."
         ),
     ] = 0.0
+
+
+class RouteOutcome(msgspec.Struct, forbid_unknown_fields=True):
+    """The optional body of POST /route/{route_id}/done: how the pod answered."""
+
+    outcome: Annotated[
+        Outcome | None,
+        _doc(
+            "ok (the pod answered, 4xx included), connect_error (refused, reset, closed "
+            "without a status line), timeout (no connection or no status line in time), "
+            "http_5xx, or broken (the answer broke off): failures eject the pod from "
+            "routing for a while (--eject-after, --eject-base). Null: not reported."
+        ),
+    ] = None
 
 
 class RouteDone(msgspec.Struct):

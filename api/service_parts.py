@@ -28,6 +28,7 @@ from kvindex.events.replay_endpoints import (
 from kvindex.indexer.backend import IndexBackend
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.scoring.load import LoadView
+from kvindex.scoring.outlier import EjectionPolicy, OutlierDetector
 from kvindex.scoring.pd import Role, parse_role
 from kvindex.scoring.router import Admission, Router
 from kvindex.scoring.speculative import SpeculativeIndex
@@ -187,6 +188,8 @@ def make_routing(
         raise ConfigError(f"--max-waiting {scoring.max_waiting}: must be >= 0 (0: no limit)")
     if scoring.max_event_lag < 0:
         raise ConfigError(f"--max-event-lag {scoring.max_event_lag}: must be >= 0 (0: off)")
+    if scoring.eject_base <= 0 or not 0 <= scoring.eject_max_percent <= 100:
+        raise ConfigError("--eject-base must be positive and --eject-max-percent in 0..100")
     if scoring.pd_threshold < 0:
         raise ConfigError(f"--pd-threshold {scoring.pd_threshold}: must be >= 0")
     view = LoadView(
@@ -194,6 +197,9 @@ def make_routing(
         timeout_s=scoring.load_timeout,
         stale_after_s=scoring.load_stale_after or None,
         pods_source=pods,
+        outliers=OutlierDetector(
+            EjectionPolicy(scoring.eject_after, scoring.eject_base, scoring.eject_max_percent)
+        ),
     )
     admission = Admission(scoring.max_kv_usage, scoring.max_waiting)
     least_bad = scoring.when_full == "least_bad"

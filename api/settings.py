@@ -294,6 +294,26 @@ class ScoringSettings(_Section):
             metavar="SECONDS",
         ),
     ] = 0.0
+    eject_after: Annotated[
+        int,
+        msgspec.Meta(ge=0),
+        doc(
+            "/route: consecutive failures (refused, timed out, 5xx) reported for a pod "
+            "before it is ejected from routing; 0 = never eject"
+        ),
+    ] = 1
+    eject_base: Annotated[
+        float,
+        doc(
+            "/route: seconds a pod's first ejection lasts; the n-th lasts n times this "
+            "(at most 300 s or this), then one probe request may go to it",
+            metavar="SECONDS",
+        ),
+    ] = 10.0
+    eject_max_percent: Annotated[
+        float,
+        doc("/route: at most this percentage of a request's candidates counts as ejected"),
+    ] = 50.0
     route_ttl: Annotated[
         float,
         doc(
@@ -395,6 +415,15 @@ class GatewaySettings(_Section):
         msgspec.Meta(gt=0),
         doc("seconds a pod may stay silent while answering", metavar="SECONDS"),
     ] = 600.0
+    first_byte_timeout: Annotated[
+        float,
+        msgspec.Meta(gt=0),
+        doc(
+            "seconds a pod may take to send the status line of a streamed answer (vLLM "
+            "sends it before any work); past it the request goes to another pod",
+            metavar="SECONDS",
+        ),
+    ] = 30.0
     index_timeout: Annotated[
         float,
         msgspec.Meta(gt=0),

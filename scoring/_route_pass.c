@@ -21,7 +21,8 @@
  * passed through to the rows (a pod's kv_usage as its load holds it), None where the
  * Python loop answers None (a pod with several engines: the general path decides).
  * consts = (load_only, prompt_tokens, block_size, total_blocks, cap, w_prefix, w_queue,
- * w_decode, w_kv, max_kv, max_waiting, pending_waiting, future).
+ * w_decode, w_kv, max_kv, max_waiting, pending_waiting, future, busiest_sharing,
+ * busiest_queued).
  *
  * No input can overflow the loop: every per-pod count (requests running and waiting,
  * in-flight routes, their prefill tokens, matched and speculative blocks) is read
@@ -133,10 +134,12 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     int load_only;
     long long prompt_tokens, block_size, total_blocks, cap, max_waiting, pending_waiting;
-    double w_prefix, w_queue, w_decode, w_kv, max_kv, future;
-    if (!PyArg_ParseTuple(consts, "pLLLLdddddLLd", &load_only, &prompt_tokens, &block_size,
+    long long busiest_queued;
+    double w_prefix, w_queue, w_decode, w_kv, max_kv, future, busiest_sharing;
+    if (!PyArg_ParseTuple(consts, "pLLLLdddddLLddL", &load_only, &prompt_tokens, &block_size,
                           &total_blocks, &cap, &w_prefix, &w_queue, &w_decode, &w_kv, &max_kv,
-                          &max_waiting, &pending_waiting, &future))
+                          &max_waiting, &pending_waiting, &future, &busiest_sharing,
+                          &busiest_queued))
         return NULL;
 
     Py_ssize_t n = PyList_GET_SIZE(pods);
@@ -263,8 +266,11 @@ static PyObject *rows(PyObject *Py_UNUSED(self), PyObject *args) {
         long long queued;
         double sharing, usage;
         if (!have_waiting) {
+            /* never lighter than the busiest known candidate (route_cost.busiest_known) */
             sharing = (double)(flying + 1) + sessions;
+            if (sharing < busiest_sharing) sharing = busiest_sharing;
             queued = prefill_tokens + prompt_tokens;
+            if (queued < busiest_queued) queued = busiest_queued;
             usage = 1.0;
         } else {
             long long requests = running + waiting;

@@ -65,6 +65,7 @@ from kvindex.scoring.load_metrics import (
     parse_start_time,
     totals,
 )
+from kvindex.scoring.outlier import EjectionPolicy, OutlierDetector
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class LoadView:
         clock: Callable[[], float] = time.monotonic,
         ledger: InFlightLedger | None = None,
         pods_source: Callable[[], Iterable[str]] | None = None,
+        outliers: OutlierDetector | None = None,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("interval_s and timeout_s must be positive")
@@ -133,6 +135,8 @@ class LoadView:
         self._metrics_url = metrics_url
         self._clock = clock
         self.ledger = ledger or InFlightLedger(clock)
+        # How each pod answered the requests sent to it: failures set it aside.
+        self.outliers = outliers or OutlierDetector(EjectionPolicy())
         self._pods: tuple[str, ...] = ()
         # Asked before every background round, so pods found later are scraped too.
         self._pods_source = pods_source

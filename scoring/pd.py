@@ -14,7 +14,7 @@ pod prefills locally too: P/D is an optimisation, never a reason to fail a reque
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -71,11 +71,13 @@ def decide_pd(
     block_size: int,
     fallback: Reason | None,
     threshold_tokens: int,
+    excluded: Collection[str] = (),
 ) -> PdDecision:
     """The decode target, then the prefill target unless the decode one should prefill
-    (see the module docstring)."""
+    (see the module docstring); ``excluded``: members ejected after failures, chosen only
+    when every admitted one of a role is (:func:`~kvindex.scoring.router.prefer_included`)."""
     decoders = of_role(targets, roles, Role.DECODE)
-    decode = _decide(router, decoders, prompt_tokens, block_size, fallback)
+    decode = _decide(router, decoders, prompt_tokens, block_size, fallback, excluded)
     if decode.pod is None:
         return PdDecision(decode, None, None)
     chosen = next(c for c in decode.candidates if c.inputs.pod == decode.pod)
@@ -87,7 +89,7 @@ def decide_pd(
     prefillers = of_role(targets, roles, Role.PREFILL)
     if not prefillers:
         return PdDecision(decode, None, "no candidate prefills")
-    prefill = _decide(router, prefillers, prompt_tokens, block_size, fallback)
+    prefill = _decide(router, prefillers, prompt_tokens, block_size, fallback, excluded)
     if prefill.pod is None:
         return PdDecision(decode, None, "no prefill pod admissible")
     if prefill.pod == decode.pod:
@@ -101,6 +103,8 @@ def _decide(
     prompt_tokens: int,
     block_size: int,
     fallback: Reason | None,
+    excluded: Collection[str],
 ) -> Decision:
     kv_max = {t.member: t.kv_usage_max for t in targets}
-    return router.decide([t.inputs for t in targets], kv_max, prompt_tokens, block_size, fallback)
+    inputs = [t.inputs for t in targets]
+    return router.decide(inputs, kv_max, prompt_tokens, block_size, fallback, excluded=excluded)

@@ -67,13 +67,18 @@ which are normalised over the candidates and bounded, the queue and decode terms
 with the work: a pod twice as busy costs twice as much. (The previous model here, 2 x
 uncached fraction + queued requests / 4 + KV usage, counted requests, not work.)
 
-Unknown load (no fresh scrape) is never idle: its KV usage counts as full, one request
-as running and one prompt of this size as queued beyond what the ledger holds, so it
-costs 2 + u / P more than an idle pod. A ``pending`` pod (first scrape not tried yet:
+Unknown load (no fresh scrape) is never idle, and never lighter than the busiest known
+candidate's: its KV usage counts as full, its ``R`` as one request more than the ledger
+holds and its ``Q`` as one prompt of this size more, or the largest ``R`` and ``Q`` of the
+candidates whose load is known where those are higher. A pod that stopped answering its
+scrapes (killed, blackholed, frozen) so never draws traffic away from busy live pods by
+looking cheap. A ``pending`` pod (first scrape not tried yet:
 :mod:`kvindex.scoring.targets`) counts one waiting request and an empty cache.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import msgspec
 
@@ -170,6 +175,13 @@ def pod_costs(
     w_prefix = 0.0 if load_only else weights.prefix * per_token
     w_queue = weights.queue * per_token
     w_decode, w_kv = weights.decode * per_token, weights.kv
+    busiest_sharing, busiest_queued = 0.0, 0
+    if any(p.waiting is None for p in pods):
+        busiest_sharing, busiest_queued = busiest_known(
+            [(p.running or 0, p.waiting, p.in_flight, p.prefilling, p.prefill_tokens, p.sessions)
+             for p in pods if p.waiting is not None],
+            prompt_tokens,
+        )  # fmt: skip
     out = []
     append = out.append
     for p in pods:
@@ -181,9 +193,13 @@ def pod_costs(
         # u: the tokens to compute here (all of them when the index is not trusted)
         own = prompt_tokens if load_only else prompt_tokens - hit * block_size
         waiting, flying = p.waiting, p.in_flight
-        if waiting is None:  # unknown: never idle
+        if waiting is None:  # unknown: never idle, never lighter than the busiest known
             sharing = flying + 1 + p.sessions
+            if sharing < busiest_sharing:
+                sharing = busiest_sharing
             queued = p.prefill_tokens + prompt_tokens
+            if queued < busiest_queued:
+                queued = busiest_queued
             usage = 1.0
         else:
             sharing = (p.running or 0) + waiting
@@ -204,3 +220,24 @@ def pod_costs(
         # Not rounded: the answer's floats encode exactly, and rounding costs per pod.
         append(CostTerms(usable, uncached, prefix, queue, decode, kv, prefix + queue + decode + kv))
     return out
+
+
+def busiest_known(
+    known: Iterable[tuple[int, int, int, int, int, float]], prompt_tokens: int
+) -> tuple[float, int]:
+    """The largest ``R`` and ``Q`` (:func:`pod_costs`'s sharing requests and queued
+    tokens) among pods whose load is known, each given as ``(running, waiting,
+    in_flight, prefilling, prefill_tokens, sessions)``: the floor of an unknown pod's."""
+    most_sharing, most_queued = 0.0, 0
+    for running, waiting, flying, prefilling, prefill_tokens, sessions in known:
+        sharing = running + waiting
+        if flying > sharing:
+            sharing = flying
+        sharing = sharing + sessions
+        foreign = waiting - prefilling
+        queued = prefill_tokens + (foreign * prompt_tokens if foreign > 0 else 0)
+        if sharing > most_sharing:
+            most_sharing = sharing
+        if queued > most_queued:
+            most_queued = queued
+    return most_sharing, most_queued

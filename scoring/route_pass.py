@@ -25,14 +25,15 @@ the general path does beforehand (``api/route.py``'s ``_drop_restarted``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvindex.scoring.event_lag import Lag
 from kvindex.scoring.inflight import InFlight
 from kvindex.scoring.load import PodLoad, Unknown
-from kvindex.scoring.router import Reason, Router
+from kvindex.scoring.route_cost import busiest_known
+from kvindex.scoring.router import Reason, Router, prefer_included
 from kvindex.scoring.scorer import PodScore
 from kvindex.scoring.targets import PENDING_WAITING, has_ranks
 
@@ -98,6 +99,7 @@ def one_pass(
     row: RowMaker[R],
     heard: Mapping[str, Lag] | None = None,
     future_tokens: float = 0.0,
+    excluded: Collection[str] = (),
 ) -> Pass[R] | None:
     """The decision over ``pods`` (each one routing target, rank 0, role ``both``: no
     P/D) and their answer rows; None when a pod has data-parallel ranks (the general
@@ -108,7 +110,8 @@ def one_pass(
     applied from it restarted unheard; its match and speculative blocks are left out of
     the decision and it is named in :attr:`Pass.dropped` (``api/route.py``'s
     ``_drop_restarted`` says why, for the general path). ``future_tokens``: the prefill
-    the request's session will bring in later turns (the cost's ``F``)."""
+    the request's session will bring in later turns (the cost's ``F``); ``excluded``:
+    the ejected pods (:func:`~kvindex.scoring.router.prefer_included`)."""
     if has_ranks(matches) or has_ranks(speculative):
         return None
     weights, admission = router.weights, router.admission
@@ -126,7 +129,7 @@ def one_pass(
         0.0 if load_only else weights.prefix * per_token, weights.queue * per_token,
         weights.decode * per_token, weights.kv,
         float(admission.max_kv_usage), admission.max_waiting, PENDING_WAITING,
-        float(future_tokens),
+        float(future_tokens), *_busiest(pods, loads, in_flight, prompt_tokens),
     )  # fmt: skip
     pods = pods if type(pods) is list else list(pods)
     heard = {} if heard is None else heard
@@ -138,12 +141,44 @@ def one_pass(
     if done is None:
         return None
     rows, totals, loads_terms, usables, admitted, dropped, refused = done
+    admitted = prefer_included(pods, admitted, excluded)
     chosen, reason = router.choose(pods, totals, loads_terms, usables, admitted, fallback)
     if chosen is None:
         return Pass(None, reason, rows, 0, 0, dropped, refused)
     match = matches.get(pods[chosen])
     confirmed = 0 if match is None or pods[chosen] in dropped else match.matched_blocks
     return Pass(chosen, reason, rows, confirmed, usables[chosen], dropped, refused)
+
+
+def _busiest(
+    pods: list[str],
+    loads: Mapping[str, PodLoad | Unknown],
+    in_flight: Mapping[str, InFlight],
+    prompt_tokens: int,
+) -> tuple[float, int]:
+    """:func:`~kvindex.scoring.route_cost.busiest_known` over the candidates, read as the
+    candidate loop reads them; (0, 0) when every candidate's load is known (the usual
+    case: no second pass)."""
+    if all(type(load) is PodLoad for load in loads.values()):
+        return 0.0, 0
+    known = []
+    for pod in pods:
+        load = loads[pod]
+        if type(load) is PodLoad:
+            running, waiting = _count(load.running), _count(load.waiting)
+        elif load.reason == "pending":
+            running, waiting = 0, PENDING_WAITING
+        else:
+            continue
+        entry = in_flight.get(pod)
+        if entry is None:
+            known.append((running, waiting, 0, 0, 0, 0.0))
+        else:
+            known.append((
+                running, waiting, _count(entry.requests), _count(entry.prefilling),
+                _count(entry.prefill_tokens), entry.sessions,
+            ))  # fmt: skip
+    return busiest_known(known, prompt_tokens)
 
 
 def _rows_python(
@@ -160,8 +195,9 @@ def _rows_python(
     """The candidate loop (``scoring/_route_pass.c`` when compiled): each pod's cost
     terms, admission and row; None when a pod has several engines."""
     (
-        load_only, prompt_tokens, block_size, total_blocks, cap,
-        w_prefix, w_queue, w_decode, w_kv, max_kv, max_waiting, pending_waiting, future,
+        load_only, prompt_tokens, block_size, total_blocks, cap, w_prefix, w_queue,
+        w_decode, w_kv, max_kv, max_waiting, pending_waiting, future, busiest_sharing,
+        busiest_queued,
     ) = consts  # fmt: skip
     rows: list[R] = []
     append = rows.append
@@ -217,7 +253,11 @@ def _rows_python(
         own = prompt_tokens if load_only else prompt_tokens - hit * block_size
         if waiting is None:
             sharing = flying + 1 + sessions
+            if sharing < busiest_sharing:
+                sharing = busiest_sharing
             queued = prefill_tokens + prompt_tokens
+            if queued < busiest_queued:
+                queued = busiest_queued
             usage = 1.0
         else:
             sharing = (running or 0) + waiting

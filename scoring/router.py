@@ -10,6 +10,8 @@ matches, scraped load, in-flight ledger) and enters the decision in the ledger.
   No admitted pod: no decision (``no_capacity``; the API answers 429), or, with
   ``least_bad``, the cheapest pod of all (``least_bad``): for a gateway that has nowhere
   else to send the request, a queue on the least loaded pod beats an error.
+- Ejected pods (failures reported: :mod:`kvindex.scoring.outlier`) are chosen only
+  when every admitted pod is ejected.
 - Normal decision: the lowest :func:`pod_cost`; equal costs are broken at random (a
   fixed order would always load the first pod). ``reason`` is ``prefix`` when the chosen
   pod has the longest reusable match among the admitted pods (and a non-empty one),
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Collection, Sequence
 from enum import StrEnum
 
 import msgspec
@@ -70,6 +73,17 @@ class Admission(msgspec.Struct, frozen=True):
         return None
 
 
+def prefer_included(
+    pods: Sequence[str], admitted: list[int], excluded: Collection[str]
+) -> list[int]:
+    """The admitted candidates that are not ``excluded`` (ejected after failures), or
+    all the admitted ones when every one is: a request still goes somewhere."""
+    if not excluded:
+        return admitted
+    kept = [i for i in admitted if pods[i] not in excluded]
+    return kept or admitted
+
+
 class Router:
     """Chooses a pod per request; one per service, shared by all requests."""
 
@@ -95,11 +109,13 @@ class Router:
         block_size: int,
         fallback: Reason | None = None,
         future_tokens: float = 0.0,
+        excluded: Collection[str] = (),
     ) -> Decision:
         """Choose among ``pods``; ``kv_usage_max`` is each pod's fullest engine (for
         admission); ``fallback`` set means load only, and is the decision's reason;
         ``future_tokens``: the prefill the request's session will bring in later turns
-        (:func:`~kvindex.scoring.route_cost.pod_costs`'s ``F``).
+        (:func:`~kvindex.scoring.route_cost.pod_costs`'s ``F``); ``excluded``: the
+        ejected pods (:func:`prefer_included`).
         (``/route`` without P/D or data-parallel ranks takes the same decision in one
         pass over its candidates: :mod:`kvindex.scoring.route_pass`.)"""
         admission = self.admission
@@ -118,6 +134,7 @@ class Router:
                 continue
             candidates.append(Candidate(p, terms, None))
             admitted.append(i)
+        admitted = prefer_included([p.pod for p in pods], admitted, excluded)
         chosen, reason = self.choose(
             [p.pod for p in pods],
             [t.total for t in costs],

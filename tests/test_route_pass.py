@@ -105,7 +105,10 @@ def unheard(loads, heard, matches, speculative) -> set[str]:
     return out
 
 
-def general(router: Router, pods, loads, matches, speculative, in_flight, tokens, fallback, future):
+def general(
+    router: Router, pods, loads, matches, speculative, in_flight, tokens, fallback, future,
+    excluded=frozenset(),
+):  # fmt: skip
     """What api/route.py's general path decides and answers (no P/D, no role)."""
     targets = build_targets(pods, matches, speculative, loads, in_flight)
     decision = router.decide(
@@ -115,6 +118,7 @@ def general(router: Router, pods, loads, matches, speculative, in_flight, tokens
         BS,
         fallback,
         future,
+        excluded,
     )
     rows = _candidates_of(decision, None, {t.member: t for t in targets}, {})
     return decision.pod, decision.reason, rows
@@ -140,12 +144,16 @@ def test_one_pass_decides_and_answers_as_the_general_path(seed: int, loop: str) 
             matches, speculative, in_flight = {}, {}, {}
         fallback = rng.choice([None, None, None, Reason.FALLBACK_BACKEND_DOWN])
         future = rng.choice([0.0, 0.0, 1.0, 733.25, 13_500.0])  # later turns' prefill
+        # pods ejected after failures (scoring/outlier.py): all, some or none
+        excluded = set(rng.sample(pods, rng.choice([0, 0, 1, len(pods)])))
         done = one_pass(
             fast, pods, dict(matches), dict(speculative), loads, in_flight, tokens, BS,
-            fallback, RouteCandidate, heard, future,
+            fallback, RouteCandidate, heard, future, excluded,
         )  # fmt: skip
         dropped = unheard(loads, heard, matches, speculative)
-        want = general(slow, pods, loads, matches, speculative, in_flight, tokens, fallback, future)
+        want = general(
+            slow, pods, loads, matches, speculative, in_flight, tokens, fallback, future, excluded
+        )
         assert done is not None
         assert set(done.dropped) == dropped, f"step {step}"
         pod = None if done.chosen is None else pods[done.chosen]

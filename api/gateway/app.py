@@ -50,6 +50,7 @@ from kvindex.api.gateway.routes import (
 from kvindex.api.gateway.upstream import PodsUnreachable, RelayedResponse, open_upstream
 from kvindex.api.settings import GatewaySettings, Settings
 from kvindex.events.errors import ClientError
+from kvindex.scoring.outlier import Outcome as PodOutcome
 from kvindex.scoring.tokenize import TokenizerRegistry
 
 if TYPE_CHECKING:
@@ -173,7 +174,11 @@ class Gateway:
         """Route the request and open its pod's answer: the relay, or a refusal."""
         metrics = self.metrics
         try:
-            route_request = self.requests.build(read_body(endpoint, body), self._ids.next())
+            parsed = read_body(endpoint, body)
+            route_request = self.requests.build(parsed, self._ids.next())
+            # vLLM sends a streamed answer's status line before any work, a whole
+            # answer's only once generated: only the first is bounded by the first byte.
+            first_byte = self.settings.first_byte_timeout if parsed.stream else None
             opened = await open_upstream(
                 self.pods,
                 self.routes,
@@ -183,6 +188,7 @@ class Gateway:
                 forward_headers(scope["headers"]),
                 self.settings.attempts,
                 self.pd_mode,
+                first_byte,
             )
         except ClientError as exc:
             metrics.ended(Outcome.INVALID_REQUEST)
@@ -226,12 +232,14 @@ class Gateway:
             metrics.retries.inc(len(failed))
             headers.append((b"x-kvindex-failed-pods", ",".join(failed).encode("latin-1")))
 
+        status = opened.answer.status
+
         def finish(outcome: Outcome, relay_seconds: float) -> None:
             metrics.added_seconds.observe(before_pod + relay_seconds)
             metrics.ended(outcome)
             if outcome is Outcome.POD_FAILED:
                 metrics.upstream_error("broken")
-            self.routes.done(route_id)
+            self.routes.done(route_id, _pod_outcome(outcome, status))
 
         return RelayedResponse(
             opened.answer,
@@ -269,6 +277,16 @@ class Gateway:
         if await self.routes.healthy():
             return Response(_encoder.encode({"status": "ok"}), media_type="application/json")
         return openai_error(503, "index_unreachable", "the kvindex index does not answer")
+
+
+def _pod_outcome(outcome: Outcome, status: int) -> PodOutcome | None:
+    """What a relay's end says of its pod, for its failure record; None: nothing (the
+    client left)."""
+    if outcome is Outcome.CLIENT_LEFT:
+        return None
+    if outcome is Outcome.POD_FAILED:
+        return PodOutcome.BROKEN
+    return PodOutcome.HTTP_5XX if status >= 500 else PodOutcome.OK
 
 
 def openai_error(

@@ -43,6 +43,7 @@ class CompletionBody(msgspec.Struct):
     prompt: str | list[Any]  # text, token ids, or a batch of either
     max_tokens: int | None = None
     cache_salt: str | None = None
+    stream: bool | None = None  # a streamed answer's head comes before any work
 
 
 class SingleCompletion(msgspec.Struct):
@@ -54,6 +55,7 @@ class SingleCompletion(msgspec.Struct):
     prompt: list[TokenId] | str
     max_tokens: int | None = None
     cache_salt: str | None = None
+    stream: bool | None = None  # a streamed answer's head comes before any work
 
 
 class ChatBody(msgspec.Struct):
@@ -69,6 +71,7 @@ class ChatBody(msgspec.Struct):
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
+    stream: bool | None = None  # a streamed answer's head comes before any work
 
 
 def expected_output(max_tokens: int | None) -> int | None:

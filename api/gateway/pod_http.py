@@ -51,9 +51,10 @@ class PodUnreachable(Exception):
     made): then nothing it carried can have been acted on, which a retry that reuses a
     P/D prefill's KV depends on (:mod:`.upstream`)."""
 
-    def __init__(self, message: str, *, delivered: bool) -> None:
+    def __init__(self, message: str, *, delivered: bool, timed_out: bool = False) -> None:
         super().__init__(message)
         self.delivered = delivered
+        self.timed_out = timed_out  # no connection, or no status line, in time
 
 
 class PodBroken(Exception):
@@ -155,7 +156,11 @@ class _Connection(asyncio.Protocol):
         silent for ``read_timeout_s``."""
         waiter = self._waiter = self.loop.create_future()
         self._deadline = self.loop.time() + self.read_timeout_s
-        if self._timer is None:
+        timer = self._timer
+        if timer is not None and timer.when() > self._deadline:  # a shorter wait (first byte)
+            timer.cancel()
+            timer = None
+        if timer is None:
             self._timer = self.loop.call_at(self._deadline, self._check_deadline)
         try:
             await waiter
@@ -288,9 +293,12 @@ class PodConnections:
         headers: Iterable[Header],
         body: bytes,
         method: bytes = b"POST",
+        first_byte_timeout_s: float | None = None,
     ) -> PodResponse:
         """``method`` ``body`` to ``http://{pod}{path}`` with ``headers`` (lower-case
-        names, no host or content-length); returns once the answer's headers are in."""
+        names, no host or content-length); returns once the answer's headers are in.
+        ``first_byte_timeout_s``: a pod silent that long before its status line is
+        PodUnreachable (``timed_out``: the request may go elsewhere), not PodBroken."""
         target = (path.encode("latin-1"), pod.encode("latin-1"))
         parts = [method, b" ", target[0], b" HTTP/1.1\r\nhost: ", target[1]]
         parts += (b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n")
@@ -302,17 +310,22 @@ class PodConnections:
         stale: PodUnreachable | None = None
         if connection is not None:
             try:
-                return await self._exchange(pod, connection, request)
+                return await self._exchange(pod, connection, request, first_byte_timeout_s)
             except PodUnreachable as exc:  # closed while idle? once more, on a fresh one
                 stale = exc
         try:
-            return await self._exchange(pod, await self._connect(pod), request)
+            connection = await self._connect(pod)
+            return await self._exchange(pod, connection, request, first_byte_timeout_s)
         except PodUnreachable as exc:
             exc.delivered = exc.delivered or (stale is not None and stale.delivered)
             raise
 
-    async def _exchange(self, pod: str, connection: _Connection, request: bytes) -> PodResponse:
+    async def _exchange(
+        self, pod: str, connection: _Connection, request: bytes, first_byte_s: float | None
+    ) -> PodResponse:
         connection.begin()
+        if first_byte_s is not None:  # until the status line: the shorter wait
+            connection.read_timeout_s = min(first_byte_s, self.read_timeout_s)
         transport = connection.transport
         assert transport is not None
         try:
@@ -331,13 +344,19 @@ class PodConnections:
                 await connection.wait()
         except TimeoutError:
             connection.close()
-            raise PodBroken(f"{pod} silent for {self.read_timeout_s:g} s") from None
+            silent = connection.read_timeout_s
+            if first_byte_s is not None and silent < self.read_timeout_s:
+                raise PodUnreachable(
+                    f"{pod}: no answer within {silent:g} s", delivered=True, timed_out=True
+                ) from None
+            raise PodBroken(f"{pod} silent for {silent:g} s") from None
         except (PodUnreachable, PodBroken):
             connection.close()
             raise
         except BaseException:  # cancelled (the client left): the connection is unusable
             connection.close()
             raise
+        connection.read_timeout_s = self.read_timeout_s
         return PodResponse(self, pod, connection)
 
     async def _connect(self, pod: str) -> _Connection:
@@ -352,7 +371,9 @@ class PodConnections:
             )
         except TimeoutError:
             raise PodUnreachable(
-                f"{pod}: no connection within {self.connect_timeout_s:g} s", delivered=False
+                f"{pod}: no connection within {self.connect_timeout_s:g} s",
+                delivered=False,
+                timed_out=True,
             ) from None
         except (OSError, ValueError) as exc:
             raise PodUnreachable(f"{pod}: {exc}", delivered=False) from None

@@ -22,6 +22,7 @@ from kvindex.api.route import NoCapacity as Full
 from kvindex.api.route import decide_route, release_prefill, release_route, route_inputs
 from kvindex.api.schemas import RouteRequest, RouteResponse
 from kvindex.events.errors import KvindexError, NotFound
+from kvindex.scoring.outlier import Outcome as PodOutcome
 
 if TYPE_CHECKING:
     from kvindex.api.service import Service
@@ -47,9 +48,16 @@ class RouteSource(Protocol):
         queued on its pod. Without waiting, never raises, like ``done``."""
         ...
 
-    def done(self, route_id: str) -> None:
-        """Release the route, without waiting (never raises: a lost release only waits
-        for its TTL). Not a coroutine, so no cancellation can skip it."""
+    def done(self, route_id: str, outcome: PodOutcome | None = None) -> None:
+        """Release the route, with how its pod answered (its failure record:
+        :mod:`kvindex.scoring.outlier`), without waiting (never raises: a lost release
+        only waits for its TTL). Not a coroutine, so no cancellation can skip it."""
+        ...
+
+    async def failed(self, route_id: str, outcome: PodOutcome) -> None:
+        """The route's pod failed before answering: release the route with ``outcome``
+        and wait for that, so a retry under the same route id is entered after it (never
+        raises)."""
         ...
 
     async def pods(self) -> list[str]:
@@ -82,9 +90,12 @@ class LocalRoutes:
         with contextlib.suppress(NotFound):  # released already, or past its TTL
             release_prefill(self.service, route_id)
 
-    def done(self, route_id: str) -> None:
+    def done(self, route_id: str, outcome: PodOutcome | None = None) -> None:
         with contextlib.suppress(NotFound):  # released already, or past its TTL
-            release_route(self.service, route_id)  # P/D: the prefill pod's share too
+            release_route(self.service, route_id, outcome)  # P/D: the prefill pod's share too
+
+    async def failed(self, route_id: str, outcome: PodOutcome) -> None:
+        self.done(route_id, outcome)
 
     async def pods(self) -> list[str]:
         return self.service.known_pods()
@@ -118,11 +129,14 @@ class RemoteRoutes:
         request's prefill share to ``done``)."""
         self._background(self.client.first_token(route_id))
 
-    def done(self, route_id: str) -> None:
+    def done(self, route_id: str, outcome: PodOutcome | None = None) -> None:
         """Sent in the background: the server answers a kept-alive connection's next
         request only once this one's handler returns, so waiting here would add a round
         trip to the index to the client's next request."""
-        self._background(self.client.done(route_id))
+        self._background(self.client.done(route_id, None if outcome is None else outcome.value))
+
+    async def failed(self, route_id: str, outcome: PodOutcome) -> None:
+        await self._release(self.client.done(route_id, outcome.value))
 
     def _background(self, call: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(self._release(call))
@@ -169,8 +183,11 @@ class TimedRoutes:
     def first_token(self, route_id: str) -> None:
         self.routes.first_token(route_id)
 
-    def done(self, route_id: str) -> None:
-        self.routes.done(route_id)
+    def done(self, route_id: str, outcome: PodOutcome | None = None) -> None:
+        self.routes.done(route_id, outcome)
+
+    async def failed(self, route_id: str, outcome: PodOutcome) -> None:
+        await self.routes.failed(route_id, outcome)
 
     async def pods(self) -> list[str]:
         return await self.routes.pods()

@@ -2,11 +2,15 @@
 fails before any byte reached the client), then relay its answer chunk by chunk.
 
 Retry rule: a request is sent to another pod only while nothing of the answer exists
-yet: the connection was refused, timed out while connecting, or the pod closed it
-without answering. The next pod is asked of ``/route`` again, among the first
-decision's candidates minus the pods that failed, under the same route id, so the
-ledger moves the route instead of counting it twice. Once the pod's status line has
-arrived the answer is the pod's, errors included.
+yet: the connection was refused, timed out while connecting, the pod closed it
+without answering, or a streamed answer's status line did not come within the
+first-byte timeout. Each such failure is reported against the pod (ejecting it from
+routing for a while: :mod:`kvindex.scoring.outlier`), as is the way every relayed
+answer ended (a 5xx, one that broke off, or a good one). The next pod is asked of
+``/route`` again, among the first decision's candidates minus the pods that failed,
+under the same route id (released first, with the failure), so the route is never
+counted twice. Once the pod's status line has arrived the answer is the pod's, errors
+included.
 
 Under P/D (``kv-transfer``), a decode pod that failed after the prefill leg succeeded
 does not cost a second prefill when the request certainly never reached it (no
@@ -58,6 +62,7 @@ from kvindex.api.gateway.pod_http import (
 )
 from kvindex.api.gateway.routes import RouteRefused, RouteSource
 from kvindex.api.schemas import RouteRequest, RouteResponse
+from kvindex.scoring.outlier import Outcome as PodOutcome
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +97,7 @@ async def open_upstream(
     headers: list[Header],
     attempts: int,
     pd_mode: PdMode = PdMode.KV_TRANSFER,
+    first_byte_timeout_s: float | None = None,
 ) -> Opened:
     """Route ``request`` and open the chosen pod's answer (status and headers read, body
     not yet); under P/D the prefill leg comes first (:mod:`.pd`). Raises RouteRefused,
@@ -116,17 +122,25 @@ async def open_upstream(
                 )  # fmt: skip
             send_body, send_headers = (body, headers) if leg is None else (leg.body, leg.headers)
             send_headers = send_headers + _rank_header(send_headers, decision)
-            answer = await pods.send(pod, path, send_headers, send_body)
+            answer = await pods.send(
+                pod, path, send_headers, send_body, first_byte_timeout_s=first_byte_timeout_s
+            )
             return Opened(decision, answer, failed, leg)
         except PodUnreachable as exc:
             log.info("gateway: %s; trying another pod", exc)
             failed.append(pod)
+            # The pod's failure is reported (it is set aside) and the route released
+            # before a retry enters it anew, on another pod, under the same id.
+            why = PodOutcome.TIMEOUT if exc.timed_out else PodOutcome.CONNECT_ERROR
+            await routes.failed(decision.route_id, why)
             left = list(dict.fromkeys(c.pod for c in decision.candidates if c.pod not in failed))
             if len(failed) >= attempts or not left:
-                routes.done(decision.route_id)
                 raise PodsUnreachable(failed) from None
             reuse = leg is not None and leg.outcome is PrefillOutcome.REMOTE and not exc.delivered
             prefilled = leg if reuse else None
+        except PodBroken:  # no valid answer, or silent past the read timeout
+            routes.done(decision.route_id, PodOutcome.BROKEN)
+            raise
         except BaseException:
             routes.done(decision.route_id)
             raise

@@ -34,7 +34,8 @@ def _cell(text: str) -> str:
 def _type(schema: dict[str, Any]) -> str:
     """A short type name for a schema: ``int``, ``[string]``, ``ScoreResponse``."""
     if "$ref" in schema:
-        return schema["$ref"].rsplit("/", 1)[1]
+        name = schema["$ref"].rsplit("/", 1)[1]
+        return f"[{name}](#{name.lower()})"  # its field table, under Schemas
     for combined in ("anyOf", "oneOf"):
         if combined in schema:
             return " or ".join(_type(s) for s in schema[combined])

@@ -52,7 +52,7 @@ def anchors(page: Path) -> set[str]:
 
 def test_every_relative_link_resolves() -> None:
     broken = []
-    for page in PAGES:
+    for page in [*PAGES, ROOT / "deploy" / "README.md", ROOT / "bench" / "README.md"]:
         for target in LINK.findall(FENCE.sub("", page.read_text("utf-8"))):
             if re.match(r"[a-z]+:", target):
                 continue  # http(s), mailto: not ours to check offline

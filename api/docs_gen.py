@@ -194,7 +194,8 @@ def configuration_page() -> str:
 
 
 def openapi_document() -> dict[str, Any]:
-    """The document a default ``kvindex serve`` serves at ``/openapi.json``."""
+    """The document ``kvindex serve --gateway`` serves at ``/openapi.json``: every path
+    kvindex answers, the gateway's included."""
     # Imported here: the configuration page, and --help, need none of the app.
     from fastapi.testclient import TestClient
 
@@ -202,7 +203,7 @@ def openapi_document() -> dict[str, Any]:
     from kvindex.api.service import Service
     from kvindex.api.settings_load import from_flags
 
-    service = Service(from_flags())
+    service = Service(from_flags(gateway_enabled=True))
     try:
         app = create_http(service, manage_lifecycle=False).app
         with TestClient(app) as client:

@@ -61,8 +61,8 @@ DESCRIPTIONS = {
     405: "Method not allowed on this path",
     408: "The request body arrived too slowly (--body-timeout)",
     413: "Body or list larger than the configured limit",
-    415: "Content-Type is not application/json (or, on /score and /route, "
-    "application/octet-stream)",
+    415: "Content-Type is neither JSON nor (on /score and /route) application/octet-stream; "
+    "a form-urlencoded or missing one is read as JSON",
     429: "Too many requests in flight (--max-in-flight); retry shortly",
     503: "Index backend unavailable, too slow (backend_timeout) or busy (backend_busy), "
     "or tokenizer unavailable; fall back to default balancing",

@@ -58,7 +58,7 @@ class StreamReport(_Schema):
         str,
         _doc(
             "live, verifying, replaying, resync, gapped, incomplete, standby, stopped, "
-            "restored or unheard (see README, 'How it stays right')."
+            "restored or unheard (see docs/correctness.md)."
         ),
     ]
     rank: Annotated[int, _doc("Data-parallel rank.")] = 0

@@ -12,7 +12,8 @@ Besides JSON with ``token_ids``, ``prompt`` or ``messages`` (see ``api/app.py``)
   little-endian uint32s, the other fields as query parameters. An 8,192-token prompt is
   32 KiB read as one array instead of ~50 KB of JSON integers parsed one by one.
 
-Anything else is a 415, as before. The size limits are the JSON body's: the body
+A form-urlencoded body (curl's ``-d`` default) is read as JSON; anything else is
+a 415. The size limits are the JSON body's: the body
 (``--max-body-bytes``, in ``api/limits.py``) and the prompt (``--max-prompt-tokens``;
 for hashes, blocks times the model's block size).
 """
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from kvindex.api.service import Service
 
 OCTET = "application/octet-stream"
+FORM = "application/x-www-form-urlencoded"
 PROMPT_FORMS = ("token_ids", "prompt", "messages", "block_hashes")
 U64_MAX = 2**64 - 1
 # What a binary request takes from its query string (where the request type has it).
@@ -53,23 +55,28 @@ _UINT64 = "L" if array.array("L").itemsize == 8 else None
 R = TypeVar("R", bound=ScoreRequest)
 
 
+# ``curl -d '{...}'`` labels its body form-urlencoded unless told otherwise; a body
+# whose type claims nothing more specific is read as the JSON the user typed.
+READ_AS_JSON = frozenset({None, "", JSON, FORM})
+
+
 def body_media(declared: str | None) -> str:
     """The media type of a ``/score`` or ``/route`` body from its Content-Type header:
-    JSON (also when absent, or any ``application/*+json``) or OCTET; anything else is a
-    415, decided before the body is read."""
+    JSON (also when absent, form-urlencoded as curl's ``-d`` sends, or any
+    ``application/*+json``) or OCTET; anything else is a 415 saying how to fix it,
+    decided before the body is read."""
     media = None if declared is None else declared.partition(";")[0].strip().lower()
     if media == OCTET:
         return OCTET
-    if (
-        media is not None
-        and media != JSON
-        and not (media.startswith("application/") and media.endswith("+json"))
+    if media in READ_AS_JSON or (
+        media is not None and media.startswith("application/") and media.endswith("+json")
     ):
-        raise UnsupportedMediaType(
-            f"Content-Type {media!r}: send application/json, or application/octet-stream "
-            "(token ids as little-endian uint32, the other fields as query parameters)"
-        )
-    return JSON
+        return JSON
+    raise UnsupportedMediaType(
+        f"Content-Type {media!r}: send JSON (curl: -H 'content-type: application/json'), "
+        "or application/octet-stream (token ids as little-endian uint32, the other "
+        "fields as query parameters)"
+    )
 
 
 def parse_request(

@@ -123,7 +123,12 @@ class EventsSettings(_Section):
         None
     )
     replay_port: Annotated[
-        int, doc("pods' replay port (replay_endpoint of --kv-events-config); 0 = no replay")
+        int,
+        doc(
+            "pods' replay port (replay_endpoint of --kv-events-config), asked at the pod's "
+            "host, rank r at port + r; the fallback for a pod without an endpoint of its "
+            "own (--replay-endpoint); 0 = no replay"
+        ),
     ] = 0
     catch_up_on_first_contact: Annotated[
         bool,
@@ -208,7 +213,9 @@ class IndexSettings(_Section):
             metavar="PATH",
         ),
     ] = None
-    snapshot_interval: Annotated[float, doc("seconds between snapshots", metavar="SECONDS")] = 60.0
+    snapshot_interval: Annotated[
+        float, doc("seconds between snapshots; 0: only at shutdown", metavar="SECONDS")
+    ] = 60.0
     hash_algo: Annotated[HashAlgo, doc("pods' --prefix-caching-hash-algo")] = HashAlgo.SHA256
     hash_seed: Annotated[str | None, doc("pods' PYTHONHASHSEED, if set")] = None
     block_size: Annotated[int, doc("pods' KV block size in tokens")] = 16
@@ -478,7 +485,7 @@ class Settings(_Section):
           loras: {sql-adapter: /adapters/sql}
       scoring:
         tier_weights: {gpu: 1.0, cpu: 0.8, storage: 0.5}
-        route_weights: {prefix: 2.0, queue: 1.0, kv: 1.0, queue_unit: 4.0}
+        route_weights: {prefix: 2.0, queue: 1.0, decode: 1.0, kv: 1.0}
       http: {max_pods: 1024}
       k8s: {namespace: [serving]}
     """

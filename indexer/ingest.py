@@ -31,7 +31,7 @@ memory). Rules, each one a pitfall other indexers hit:
   ``incremental`` (the default) counts every store; ``full`` takes a store from the
   root for an ``Op.ANNOUNCE`` (a block not held gets one copy, a held block nothing),
   which never over-counts but drops a real root copy's hash at its first eviction.
-  The README ("Copies and report modes") has the cases.
+  docs/correctness.md ("Copies and report modes") has the cases.
 * Stores and removals marked ``locality="REMOTE"`` (vLLM >= 0.26) are not indexed
   (counted ``remote_locality``). In vLLM 0.33.0 only the offloading connector's
   secondary tiers set it (``v1/kv_offload/tiering/fs/manager.py`` and ``obj/manager.py``,

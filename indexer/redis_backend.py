@@ -1,13 +1,13 @@
 """The Redis backend: one index shared by every kvindex replica, kept across restarts.
 
-Layout (details in :mod:`kvindex.indexer.redis_scripts` and the README's "Shared index
-in Redis"): per model, block keys live in a fixed number of Redis hashes ("buckets"),
-each field a block key and each value a bitmap of the per-model member ids holding it
-in that tier: one hash field per block (~64 bytes) instead of a Redis key per block
-(~100 bytes), and with many buckets each stays small enough for Redis's compact
-listpack encoding (~19 bytes per block, slower lookups). Each member has a reverse
-record (the keys it came to hold), so clearing a pod costs that pod's blocks, never a
-scan. Every key starts with the prefix and carries the model as its hash tag.
+Layout (details in :mod:`kvindex.indexer.redis_scripts` and docs/redis.md): per model,
+block keys live in a fixed number of Redis hashes ("buckets"), each field a block key
+and each value a bitmap of the per-model member ids holding it in that tier: one hash
+field per block (~64 bytes) instead of a Redis key per block (~100 bytes), and with many
+buckets each stays small enough for Redis's compact listpack encoding (~19 bytes per
+block, slower lookups). Each member has a reverse record (the keys it came to hold), so
+clearing a pod costs that pod's blocks, never a scan. Every key starts with the prefix
+and carries the model as its hash tag.
 
 Round trips: ``apply`` is one pipeline of script calls per delivery chunk (plus, per
 CLEAR, two per chunk of the member's record: read it, then clear it); ``lookup`` and

@@ -14,7 +14,7 @@ URL options kvindex reads (and removes before redis-py sees the URL):
 * ``buckets=N`` - hash buckets per model, fixed by the model's first write (1..65536,
   default 16: fastest lookups); later writers use what the model's ``meta`` key says.
   Above 1,024, buckets stay small enough for Redis's compact listpack encoding: about
-  half the memory per entry, a slower lookup (see the README, "Shared index in Redis").
+  half the memory per entry, a slower lookup (see docs/redis.md, "Memory").
 * ``timeout=S`` - socket connect and read timeout in seconds (default 1).
 """
 

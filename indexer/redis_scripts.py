@@ -18,7 +18,7 @@ fixed keys first (``meta``, ``stats``, ``ids``, ``names``, ``free``, ``copies``:
 :meth:`kvindex.indexer.redis_keys.ModelKeys.script_keys`), then the reverse records
 and buckets the call touches, which ARGV points at by position; the scripts never build
 a key name. All share the model's hash tag, so in Redis Cluster they live in one slot
-(see the README, "Shared index in Redis"). The names are made in one place,
+(see docs/redis.md). The names are made in one place,
 :mod:`kvindex.indexer.redis_keys`. Layout 2 (``redis_keys.LAYOUT``), with ``B`` =
 ``<prefix>:{<model>}:``:
 

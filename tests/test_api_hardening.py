@@ -138,14 +138,22 @@ def test_a_declared_oversized_body_is_refused_unread(client: TestClient) -> None
 
 
 def test_non_json_content_type_is_a_415(client: TestClient) -> None:
+    """Issue 30: a 415 says how to fix it; curl's ``-d`` default (form-urlencoded) is
+    read as the JSON the user typed, as is a body with no Content-Type."""
     body = json.dumps({"model": "m", "token_ids": [1]})
-    for media in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+    for media in ("text/plain", "multipart/form-data"):
         answer = client.post("/score", content=body, headers={"content-type": media})
         assert answer.status_code == 415, media
         assert answer.json()["error"] == "unsupported_media_type"
-    for media in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        assert "-H 'content-type: application/json'" in answer.json()["detail"]
+    for media in (
+        "application/json; charset=utf-8",
+        "application/vnd.api+json",
+        "application/x-www-form-urlencoded",
+    ):
         answer = client.post("/score", content=body, headers={"content-type": media})
         assert answer.status_code == 200, media
+    assert client.post("/score", content=body).status_code == 200
 
 
 # --- one error shape -----------------------------------------------------------------

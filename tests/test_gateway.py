@@ -350,21 +350,23 @@ def test_a_separate_gateway_routes_over_http(cluster) -> None:
         cluster.wait_released()
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-def readme_snippet(after: str) -> str:
-    """The first python block after ``after`` in the README."""
-    section = README.read_text(encoding="utf-8").split(after, 1)[1]
+def readme_snippet(page: str, after: str) -> str:
+    """The first python block after ``after`` in ``docs/<page>``."""
+    section = (DOCS / page).read_text(encoding="utf-8").split(after, 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-@pytest.mark.parametrize("after", ["## Python client", "### The gateway"])
-def test_the_readme_examples_run(cluster, capsys, after: str) -> None:
-    """The README's client and gateway examples, as written, but for this test's kvindex
+@pytest.mark.parametrize(
+    ("page", "after"), [("quickstart.md", "## Python client"), ("gateway.md", "# The gateway")]
+)
+def test_the_readme_examples_run(cluster, capsys, page: str, after: str) -> None:
+    """The docs' client and gateway examples, as written, but for this test's kvindex
     URL and model."""
-    code = readme_snippet(after).replace("http://127.0.0.1:8080", cluster.server.url)
-    exec(compile(code.replace("Qwen/Qwen3-8B", MODEL), "README.md", "exec"), {})
+    code = readme_snippet(page, after).replace("http://127.0.0.1:8080", cluster.server.url)
+    exec(compile(code.replace("Qwen/Qwen3-8B", MODEL), page, "exec"), {})
     pod, printed = capsys.readouterr().out.split(" ", 1)
     assert pod in {p.pod for p in cluster.pods}
     assert printed.split()[-1].startswith("w")  # the fake pod's made-up answer

@@ -105,9 +105,16 @@ def test_every_leaf_has_a_description_and_a_unique_flag() -> None:
 
 
 def test_the_readmes_flag_table_states_the_trees_defaults() -> None:
-    """The README's configuration tables repeat each default for readers; they must say
-    what the tree says (the one place the defaults are written)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    """The docs' configuration tables repeat each default for readers; they must say
+    what the tree says (the one place the defaults are written). The full table is
+    generated (docs/configuration-reference.md); hand-written ones (docs/redis.md) too
+    must agree."""
+    root = Path(__file__).resolve().parents[1]
+    readme = "\n".join(
+        page.read_text(encoding="utf-8")
+        for page in [root / "README.md", *root.glob("docs/*.md")]
+        if page.name != "configuration-reference.md"  # generated from the tree itself
+    )
     by_flag = {leaf.flag: leaf for leaf in LEAVES.values()}
     checked = 0
     for flag, default in re.findall(r"^\| `(--[a-z0-9-]+)[^`]*` \| `([^`]+)`", readme, re.M):
@@ -120,7 +127,7 @@ def test_the_readmes_flag_table_states_the_trees_defaults() -> None:
         else:
             assert default == str(value), (flag, default, value)
         checked += 1
-    assert checked >= 30
+    assert checked >= 4  # the Redis settings table (docs/redis.md)
 
 
 def test_load_staleness_is_three_intervals_unless_set() -> None:

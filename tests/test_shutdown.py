@@ -339,7 +339,7 @@ def test_redis_leases_are_released_within_the_drain_timeout(
     engine: EnginePublisher,
     pool: ThreadPoolExecutor,
 ) -> None:
-    """README: "A replica shutting down cleanly writes its final positions and releases
+    """docs/redis.md: "A replica shutting down cleanly writes its final positions and releases
     its leases". Before, a request on a hung pod held the shutdown past any grace
     period, so the lease only expired; now it is released once the drain is cut."""
     pod = f"127.0.0.1:{hung.listener.getsockname()[1]}"

@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SHA = "conformance/sha256"
 CBOR = "conformance/sha256-cbor"
 #: The same hashes, for pods whose clients send kv_cache_report_mode="full" requests:
-#: the model config says so (README "Copies and report modes").
+#: the model config says so (docs/correctness.md, "Copies and report modes").
 SHA_FULL = "conformance/sha256-full"
 CBOR_FULL = "conformance/sha256-cbor-full"
 HYBRID = "conformance/hybrid"

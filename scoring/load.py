@@ -65,7 +65,7 @@ from kvindex.scoring.load_metrics import (
     parse_start_time,
     totals,
 )
-from kvindex.scoring.outlier import EjectionPolicy, OutlierDetector
+from kvindex.scoring.outlier import EjectionPolicy, Outcome, OutlierDetector
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,15 @@ class _PodState:
     good: PodLoad | None = None
     last_error: str | None = None
     failures_by_kind: dict[str, int] = field(default_factory=dict)
+    silent_in_a_row: int = 0  # scrapes timed out since its last answer
+
+
+#: Scrapes in a row that time out, of a pod that answered one before, that report it to
+#: the outlier detector as a timeout: a frozen engine answers neither requests nor
+#: /metrics, and a non-streamed request would otherwise learn it only at the gateway's
+#: read timeout (its status line comes with the whole answer). More than one, so a pod
+#: slow to render one page under load is not set aside for it.
+SILENT_SCRAPES_EJECT = 3
 
 
 def default_metrics_url(pod: str) -> str:
@@ -198,12 +207,18 @@ class LoadView:
             if isinstance(result, PodLoad):
                 state.good = result
                 state.last_error = None
+                state.silent_in_a_row = 0
             else:
                 kind, message = result
                 state.failures_by_kind[kind] = state.failures_by_kind.get(kind, 0) + 1
                 state.last_error = message
                 if kind == "bad_metrics":
                     state.good = None
+                if kind == "timeout" and state.good is not None:
+                    state.silent_in_a_row += 1
+                    if state.silent_in_a_row >= SILENT_SCRAPES_EJECT:
+                        state.silent_in_a_row = 0
+                        self.outliers.report(pod, Outcome.TIMEOUT)
 
     def snapshot(self, pods: Iterable[str]) -> dict[str, PodLoad | Unknown]:
         """Each of ``pods`` as a PodLoad, or Unknown when its figures are missing or older

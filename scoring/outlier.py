@@ -9,6 +9,11 @@ this process, or any gateway over ``POST /route/{id}/done`` with an ``outcome``)
 - ``http_5xx``: the pod answered with a 5xx status;
 - ``broken``: the answer broke off after it began.
 
+The load scraper reports too: a pod whose ``/metrics`` answered before and then times
+out :data:`~kvindex.scoring.load.SILENT_SCRAPES_EJECT` times in a row is a ``timeout``
+(a frozen engine, which a non-streamed request would otherwise find only at the
+gateway's read timeout). A good scrape clears nothing: only an answer to a request does.
+
 ``eject_after`` consecutive failures eject the pod for ``eject_base x times_ejected``
 seconds (capped at :data:`MAX_EJECTION_S` or the base, whichever is longer). Once that
 ejection time has passed the pod is on probation: one request may go to it as a probe

@@ -6,7 +6,8 @@
   ``BlockRemoved`` for the prompt's blocks as vLLM's block pool does;
 - ``http_500``: answers every completion 500 (its /metrics still answers: an engine
   that died under a live API server);
-- ``frozen``: accepts connections and reads requests, never answers;
+- ``frozen``: accepts connections and reads requests, never answers, not even
+  ``/metrics`` (a stopped process);
 - ``killed``: its port is closed (connections refused);
 - ``blackholed``: its port listens with a full accept queue and never accepts, so the
   kernel drops new connection attempts (a connect times out, as behind a dropped route).
@@ -143,7 +144,11 @@ class FaultyPod:
                     if name.strip().lower() == "content-length":
                         length = int(value)
                 body = await reader.readexactly(length) if length else b""
-                if method == "GET" and path == "/metrics" and self.mode != "frozen":
+                if self.mode == "frozen":  # a stopped process: not even /metrics answers
+                    self.received += method == "POST"
+                    await self._closing.wait()  # until the pod is closed
+                    return
+                if method == "GET" and path == "/metrics":
                     page = with_values(DP1_IDLE, "vllm:num_requests_running", "0", self.running)
                     await self._write(writer, 200, page.encode(), "text/plain")
                     continue
@@ -154,9 +159,6 @@ class FaultyPod:
                     await self._write(writer, 404, b"{}", "application/json")
                     continue
                 self.received += 1
-                if self.mode == "frozen":
-                    await self._closing.wait()  # never answers, until the pod is closed
-                    return
                 if self.mode == "http_500":
                     error = {"error": {"message": "engine dead", "type": "InternalServerError"}}
                     await self._write(writer, 500, json.dumps(error).encode(), "application/json")

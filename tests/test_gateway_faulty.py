@@ -40,8 +40,8 @@ class Cluster:
         self.server, self.good, self.bad = server, good, bad
         self.http = httpx.Client(base_url=server.url, timeout=30.0)
 
-    def complete(self, tokens: list[int]) -> httpx.Response:
-        body = {"model": MODEL, "prompt": tokens, "max_tokens": 1, "stream": True}
+    def complete(self, tokens: list[int], stream: bool = True) -> httpx.Response:
+        body = {"model": MODEL, "prompt": tokens, "max_tokens": 1, "stream": stream}
         return self.http.post("/v1/completions", json=body)
 
     def reached(self, answer: httpx.Response, pod: str) -> bool:
@@ -154,3 +154,24 @@ def test_a_gateway_over_http_reports_outcomes_in_route_done(cluster: Cluster) ->
     assert "http_5xx" in cluster.route_row(tokens, bad)["ejected"]
     metrics = cluster.http.get("/metrics").text
     assert "kvindex_route_ejections_total 1.0" in metrics
+
+
+def test_a_frozen_pod_is_set_aside_by_its_silent_metrics_before_a_request_waits_on_it(
+    cluster: Cluster,
+) -> None:
+    """A non-streamed answer's status line comes with the whole answer, so no first-byte
+    timeout can tell a frozen pod from a long generation; its /metrics going silent can
+    (three scrapes in a row): it is ejected before any request was sent to it, and the
+    non-streamed requests its prefix would draw go elsewhere at once."""
+    bad = cluster.bad.pod
+    tokens = prompt(3)
+    cluster.bad.compute(tokens)
+    eventually(lambda: cluster.held(tokens, bad) == 20, "the frozen pod's prefix indexed")
+    received_before = cluster.bad.received
+    cluster.bad.set_mode("frozen")
+    eventually(lambda: bool(cluster.route_row(tokens, bad)["ejected"]), "frozen pod ejected")
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: cluster.complete(tokens, stream=False), range(40)))
+    assert all(a.status_code == 200 for a in answers), [a.status_code for a in answers]
+    assert not any(cluster.reached(a, bad) for a in answers)
+    assert cluster.bad.received == received_before  # nothing was ever sent to it

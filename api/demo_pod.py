@@ -141,8 +141,12 @@ class _PodHandler(BaseHTTPRequestHandler):
             self._error(404, "NotFoundError", f"{self.path} is not served by the demo pod")
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("content-length") or 0)
-        raw = self.rfile.read(length)
+        length = self.headers.get("content-length") or "0"
+        if not length.isdigit():
+            self.close_connection = True  # where the next request starts is unknown
+            self._error(400, "BadRequestError", "a body needs a content-length")
+            return
+        raw = self.rfile.read(int(length))
         if self.path not in ("/v1/completions", "/v1/chat/completions"):
             self._error(404, "NotFoundError", f"{self.path} is not served by the demo pod")
             return

@@ -1,4 +1,4 @@
-"""``kvindex``: serve the index, query it, record and replay engine event traffic.
+"""``kvindex``: serve the index, query it, record and replay engine event traffic, demo it.
 
 Every ``serve`` option can also be set as ``KVINDEX_<NAME>`` (``--zmq-bind`` is
 ``KVINDEX_ZMQ_BIND``; repeatable options take a comma-separated list there) and in the
@@ -13,6 +13,7 @@ import difflib
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -232,6 +233,31 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from kvindex.api.demo import Demo
+    from kvindex.api.server import exit_cleanly
+
+    # SIGTERM stops the demo as Ctrl-C does, before serving starts too (serve() sets
+    # the same handler): the pods, the files and the service are always cleaned up.
+    signal.signal(signal.SIGTERM, exit_cleanly)
+    demo = Demo(args.port)
+    try:
+        demo.start()
+        status = _serve(build_parser().parse_args(["serve", *demo.serve_flags()]))
+    except KeyboardInterrupt:
+        status = 0  # Ctrl-C is how a demo ends
+    except ConfigError as exc:
+        if str(exc).startswith("--listen"):
+            raise ConfigError(f"{exc}; choose another port: kvindex demo --port PORT") from None
+        raise
+    finally:
+        demo.close()
+    if demo.failure is not None:
+        return 1
+    print("kvindex demo: stopped", file=sys.stderr)
+    return status
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that suggests the flag meant when one is mistyped (Python 3.11's does not)."""
 
@@ -325,6 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--json", action="store_true", help="print the raw JSON answer")
     score.add_argument("--timeout", type=float, default=10.0)
     score.set_defaults(run=run_score)
+
+    demo = commands.add_parser(
+        "demo",
+        help="kvindex with three simulated vLLM pods on loopback, and commands to try",
+    )
+    demo.add_argument(
+        "--port", type=int, default=8080, help="kvindex's HTTP port on 127.0.0.1 (default 8080)"
+    )
+    demo.set_defaults(run=_demo)
 
     rec = commands.add_parser("record", help="capture what a KV-event endpoint publishes")
     rec.add_argument(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.metadata
+import os
 import shutil
 import subprocess
 import sys
@@ -95,22 +96,45 @@ print(best_pod("http://127.0.0.1:8080", [1, 2]), asyncio.run(route("http://127.0
 """
 
 
-def test_a_users_script_using_the_client_passes_mypy_strict(tmp_path: Path) -> None:
-    """As installed: kvindex's subpackages in a site-packages of their own (linked, not
-    built), where mypy trusts only packages marked typed (PEP 561)."""
+def _mypy() -> str:
     mypy = shutil.which("mypy", path=str(Path(sys.executable).parent))
     assert mypy is not None, "mypy is in the test extra"
+    return mypy
+
+
+def _linked(folder: Path) -> None:
+    """kvindex laid out under ``folder`` as installed, its subpackages linked, not built."""
+    (folder / "kvindex").mkdir(parents=True)
+    for top in SUBPACKAGES:
+        (folder / "kvindex" / top).symlink_to(ROOT / top)
+
+
+def test_a_users_script_using_the_client_passes_mypy_strict(tmp_path: Path) -> None:
+    """In a site-packages of its own, where mypy trusts only packages marked typed
+    (PEP 561) and reports no error inside them."""
+    mypy = _mypy()
     env = tmp_path / "venv"
     venv.create(env, with_pip=False)
-    site = next(env.glob("lib/python*/site-packages"))
-    for top in SUBPACKAGES:
-        (site / "kvindex").mkdir(exist_ok=True)
-        (site / "kvindex" / top).symlink_to(ROOT / top)
+    _linked(next(env.glob("lib/python*/site-packages")))
     script = tmp_path / "user.py"
     script.write_text(USER_SCRIPT, encoding="utf-8")
     checked = subprocess.run(
         [mypy, "--strict", "--no-incremental", "--python-executable", str(env / "bin/python"),
          str(script)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_public_api_modules_pass_mypy_strict(tmp_path: Path) -> None:
+    """The client and the types it answers with, checked as source: what a user's
+    editor or type checker sees of them is what they declare."""
+    _linked(tmp_path / "src")
+    modules = ("kvindex.api.client", "kvindex.api.schemas", "kvindex.scoring.scorer")
+    checked = subprocess.run(
+        [_mypy(), "--strict", "--no-incremental", "--follow-imports=silent",
+         *(arg for module in modules for arg in ("-m", module))],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "MYPYPATH": str(tmp_path / "src")},
     )  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr

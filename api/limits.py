@@ -31,9 +31,15 @@ CLOSE = [(b"connection", b"close")]  # a refusal before the body: the body is no
 _EXEMPT = frozenset({"/healthz", "/readyz", "/metrics", "/health"})  # /health: the gateway's
 
 
+def _kvindex_error_body(status: int, code: str, detail: str) -> bytes:
+    return error_body(code, detail)
+
+
 class RequestLimits:
     """ASGI middleware: ``max_body_bytes`` (413), ``body_timeout_s`` (408),
-    ``max_in_flight`` (429). ``on_refusal(path, code)`` counts what it refuses itself."""
+    ``max_in_flight`` (429). ``on_refusal(path, code)`` counts what it refuses itself;
+    ``error_body_of(status, code, detail)`` writes its refusals (kvindex's shape unless
+    the app answers in another: the gateway's is OpenAI's)."""
 
     def __init__(
         self,
@@ -43,8 +49,10 @@ class RequestLimits:
         body_timeout_s: float,
         max_in_flight: int,
         on_refusal: Callable[[str, str], None] = lambda path, code: None,
+        error_body_of: Callable[[int, str, str], bytes] = _kvindex_error_body,
     ) -> None:
         self.app = app
+        self.error_body_of = error_body_of
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.max_in_flight = max_in_flight
@@ -57,6 +65,7 @@ class RequestLimits:
         app: ASGIApp,
         http: HttpSettings,
         on_refusal: Callable[[str, str], None] = lambda path, code: None,
+        error_body_of: Callable[[int, str, str], bytes] = _kvindex_error_body,
     ) -> RequestLimits:
         """``app`` under the limits ``http`` (the settings' section) names."""
         return cls(
@@ -65,6 +74,7 @@ class RequestLimits:
             body_timeout_s=http.body_timeout,
             max_in_flight=http.max_in_flight,
             on_refusal=on_refusal,
+            error_body_of=error_body_of,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -76,8 +86,9 @@ class RequestLimits:
         refused = self.admission(path, _content_length(scope.get("headers", ())))
         if refused is not None:
             self.on_refusal(path, refused.code)
-            body = error_body(refused.code, refused.detail)
-            await send_json(send, status_of(refused), body, CLOSE)
+            status = status_of(refused)
+            body = self.error_body_of(status, refused.code, refused.detail)
+            await send_json(send, status, body, CLOSE)
             return
         self.in_flight += 0 if exempt else 1
         try:

@@ -6,9 +6,11 @@ gateway's own."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import sys
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -70,6 +72,20 @@ def test_every_v1_error_is_in_openai_shape(gateway: str) -> None:
     wrong_method = httpx.get(f"{gateway}/v1/completions", timeout=10)
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
     assert openai_error(wrong_method)["type"] == "method_not_allowed"
+    # Refused on its declared length, before any byte of the body is read.
+    over = 16 * 1024 * 1024 + 1  # --max-body-bytes' default, plus one
+    connection = http.client.HTTPConnection(urlsplit(gateway).netloc, timeout=10)
+    try:
+        connection.putrequest("POST", "/v1/chat/completions")
+        connection.putheader("content-type", "application/json")
+        connection.putheader("content-length", str(over))
+        connection.endheaders()
+        answer = connection.getresponse()
+        too_large = httpx.Response(answer.status, content=answer.read())
+    finally:
+        connection.close()
+    assert too_large.status_code == 413
+    assert openai_error(too_large)["type"] == "too_large"
     # No pod is known: the documented 503 no_pods, which the openai client raises.
     with pytest.raises(openai.InternalServerError) as no_pods:
         client(gateway).completions.create(model="m", prompt="hello", max_tokens=1)

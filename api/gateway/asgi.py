@@ -34,6 +34,7 @@ from kvindex.api.asgi import (
 from kvindex.api.errors import status_of
 from kvindex.api.gateway.app import Gateway, openai_error
 from kvindex.api.gateway.bodies import Endpoint
+from kvindex.api.gateway.errors import openai_error_body
 from kvindex.api.gateway.openapi import SUPPORTED, gateway_document
 from kvindex.api.limits import RequestLimits
 from kvindex.api.settings import Settings
@@ -61,7 +62,9 @@ class GatewayApp:
         if inner is None:  # alone: its own metrics (in front of kvindex: the index's page)
             self._routes[("GET", "/metrics")] = lambda s, r: gateway.metrics_page()
             self._routes[("GET", "/openapi.json")] = lambda s, r: _document()
-        self._limited = RequestLimits.of(self._serve, settings.http)
+        self._limited = RequestLimits.of(
+            self._serve, settings.http, error_body_of=openai_error_body
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]

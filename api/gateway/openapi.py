@@ -34,10 +34,10 @@ OPENAI_ERROR = {
 _ERRORS = {
     400: "invalid_request: the body is not an OpenAI request the gateway can route "
     "(a pod's own 4xx keeps its status and message)",
-    408: "request_timeout: the body arrived too slowly",
-    413: "payload_too_large: the body is over the size limit",
+    408: "request_timeout: the body did not arrive within --body-timeout",
+    413: "too_large: the body is over the size limit (--max-body-bytes)",
     429: "no_capacity: no pod admissible now (KV cache or queue over the limit), see "
-    "Retry-After; or too many requests in flight",
+    "Retry-After; or too_many_requests: more requests in flight than --max-in-flight",
     502: "pods_unreachable: no candidate pod accepted the connection; pod_failed: the "
     "pod failed the request",
     503: "no_pods: no pod is known for the model (none configured, discovered or "

@@ -31,15 +31,26 @@ CLOSE = [(b"connection", b"close")]  # a refusal before the body: the body is no
 _EXEMPT = frozenset({"/healthz", "/readyz", "/metrics", "/health"})  # /health: the gateway's
 
 
-def _kvindex_error_body(status: int, code: str, detail: str) -> bytes:
+def _kvindex_error_body(path: str, status: int, code: str, detail: str) -> bytes:
+    return error_body(code, detail)
+
+
+def gateway_error_body(path: str, status: int, code: str, detail: str) -> bytes:
+    """A refusal in front of the gateway: OpenAI's shape on its /v1 paths, kvindex's
+    elsewhere. The gateway's package is imported at the first refusal on /v1, not at
+    start (a serving worker has no other use for it)."""
+    from kvindex.api.gateway.errors import is_openai_path, openai_error_body
+
+    if is_openai_path(path):
+        return openai_error_body(status, code, detail)
     return error_body(code, detail)
 
 
 class RequestLimits:
     """ASGI middleware: ``max_body_bytes`` (413), ``body_timeout_s`` (408),
     ``max_in_flight`` (429). ``on_refusal(path, code)`` counts what it refuses itself;
-    ``error_body_of(status, code, detail)`` writes its refusals (kvindex's shape unless
-    the app answers in another: the gateway's is OpenAI's)."""
+    ``error_body_of(path, status, code, detail)`` writes its refusals (kvindex's shape
+    unless the app answers a path in another: the gateway's /v1 is OpenAI's)."""
 
     def __init__(
         self,
@@ -49,7 +60,7 @@ class RequestLimits:
         body_timeout_s: float,
         max_in_flight: int,
         on_refusal: Callable[[str, str], None] = lambda path, code: None,
-        error_body_of: Callable[[int, str, str], bytes] = _kvindex_error_body,
+        error_body_of: Callable[[str, int, str, str], bytes] = _kvindex_error_body,
     ) -> None:
         self.app = app
         self.error_body_of = error_body_of
@@ -65,7 +76,7 @@ class RequestLimits:
         app: ASGIApp,
         http: HttpSettings,
         on_refusal: Callable[[str, str], None] = lambda path, code: None,
-        error_body_of: Callable[[int, str, str], bytes] = _kvindex_error_body,
+        error_body_of: Callable[[str, int, str, str], bytes] = _kvindex_error_body,
     ) -> RequestLimits:
         """``app`` under the limits ``http`` (the settings' section) names."""
         return cls(
@@ -87,7 +98,7 @@ class RequestLimits:
         if refused is not None:
             self.on_refusal(path, refused.code)
             status = status_of(refused)
-            body = self.error_body_of(status, refused.code, refused.detail)
+            body = self.error_body_of(path, status, refused.code, refused.detail)
             await send_json(send, status, body, CLOSE)
             return
         self.in_flight += 0 if exempt else 1

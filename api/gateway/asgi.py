@@ -34,9 +34,9 @@ from kvindex.api.asgi import (
 from kvindex.api.errors import status_of
 from kvindex.api.gateway.app import Gateway, openai_error
 from kvindex.api.gateway.bodies import Endpoint
-from kvindex.api.gateway.errors import openai_error_body
+from kvindex.api.gateway.errors import is_openai_path
 from kvindex.api.gateway.openapi import SUPPORTED, gateway_document
-from kvindex.api.limits import RequestLimits
+from kvindex.api.limits import RequestLimits, gateway_error_body
 from kvindex.api.settings import Settings
 from kvindex.api.version import VERSION
 from kvindex.events.errors import KvindexError
@@ -63,7 +63,7 @@ class GatewayApp:
             self._routes[("GET", "/metrics")] = lambda s, r: gateway.metrics_page()
             self._routes[("GET", "/openapi.json")] = lambda s, r: _document()
         self._limited = RequestLimits.of(
-            self._serve, settings.http, error_body_of=openai_error_body
+            self._serve, settings.http, error_body_of=gateway_error_body
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -72,7 +72,7 @@ class GatewayApp:
             await self._limited(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(scope, receive, send)
-        elif self.inner is not None and not _is_openai(scope):
+        elif self.inner is not None and not (kind == "http" and is_openai_path(scope["path"])):
             await self.inner(scope, receive, send)
         elif kind == "http":
             await self._unrouted(scope["method"], scope["path"])(scope, receive, send)
@@ -116,12 +116,6 @@ class GatewayApp:
             await self.inner(scope, receive, sending)
             return
         await answer_lifespan(receive, sending)
-
-
-def _is_openai(scope: Scope) -> bool:
-    """An HTTP request under /v1: the OpenAI surface, answered by the gateway alone."""
-    path = scope.get("path", "")
-    return scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/"))
 
 
 async def _document() -> Response:

@@ -45,7 +45,7 @@ COPY --from=tokenizer-download /tokenizers/ /
 FROM ${BUILD_IMAGE} AS build
 ARG EXTRAS=k8s,redis,tokenize
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY events/ events/
 COPY indexer/ indexer/
 COPY scoring/ scoring/

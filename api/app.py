@@ -240,6 +240,10 @@ def create_http(service: Service, *, manage_lifecycle: bool = True) -> Http:
 
     hot_paths, hot_components = openapi_paths()
     components.update(hot_components)
+    if service.settings.gateway.enabled:  # GatewayApp answers them in front of this app
+        from kvindex.api.gateway.openapi import gateway_paths
+
+        hot_paths.update(gateway_paths())
     app.openapi_schema = None
     _original_openapi = app.openapi
 

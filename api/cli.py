@@ -9,6 +9,7 @@ The options are generated from the settings tree (:mod:`kvindex.api.settings`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import logging
 import os
@@ -17,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvindex.api import settings_load
@@ -213,9 +214,18 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
 def _record(args: argparse.Namespace) -> int:
     from kvindex.events.capture import record
 
-    print(f"recording {args.endpoint} to {args.file} (Ctrl-C to stop)", file=sys.stderr)
+    def recording(endpoint: str) -> None:  # the socket is up and the file open
+        print(f"recording {endpoint} to {args.file} (Ctrl-C to stop)", file=sys.stderr)
+
     try:
-        count = record(args.endpoint, args.file, max_messages=args.count, duration_s=args.duration)
+        with _capture_errors(args.endpoint):
+            count = record(
+                args.endpoint,
+                args.file,
+                max_messages=args.count,
+                duration_s=args.duration,
+                on_ready=recording,
+            )
     except KeyboardInterrupt:
         return 0
     print(f"recorded {count} messages", file=sys.stderr)
@@ -225,10 +235,13 @@ def _record(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from kvindex.events.capture import replay_capture
 
+    if args.speed < 0:
+        raise UsageError(f"--speed {args.speed}: give a factor > 0, or 0 for as fast as possible")
     speed = float("inf") if args.speed == 0 else args.speed
-    sent = replay_capture(
-        args.file, args.endpoint, speed=speed, wait_for_subscribers=args.wait_for_subscribers
-    )
+    with _capture_errors(args.endpoint):
+        sent = replay_capture(
+            args.file, args.endpoint, speed=speed, wait_for_subscribers=args.wait_for_subscribers
+        )
     print(f"published {sent} messages on {args.endpoint}", file=sys.stderr)
     return 0
 
@@ -256,6 +269,25 @@ def _demo(args: argparse.Namespace) -> int:
         return 1
     print("kvindex demo: stopped", file=sys.stderr)
     return status
+
+
+@contextlib.contextmanager
+def _capture_errors(endpoint: str) -> Iterator[None]:
+    """A capture file that cannot be read or written, or an endpoint ZMQ refuses, as one
+    line (a UsageError: exit status 2), not a traceback."""
+    import zmq
+
+    from kvindex.events.capture import CaptureError
+
+    try:
+        yield
+    except CaptureError as exc:
+        raise UsageError(str(exc)) from None
+    except zmq.ZMQError as exc:
+        raise UsageError(f"endpoint {endpoint!r}: {exc}") from None
+    except OSError as exc:  # the file (no such file, a directory, no permission) or a timeout
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise UsageError(f"{where}{exc.strerror or exc}") from None
 
 
 class _Parser(argparse.ArgumentParser):

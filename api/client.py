@@ -116,7 +116,7 @@ class Retries:
             raise ValueError("Retries: attempts >= 1, backoff_s and max_backoff_s >= 0")
 
     def wait_s(self, retry: int, retry_after: float | None = None) -> float:
-        base = min(self.max_backoff_s, self.backoff_s * 2 ** (retry - 1))
+        base = min(self.max_backoff_s, self.backoff_s * 2.0 ** (retry - 1))
         wait = base * (0.5 + random.random() / 2)
         # A server's Retry-After is a floor, but never longer than the cap.
         return max(wait, min(retry_after or 0.0, self.max_backoff_s))

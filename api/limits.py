@@ -31,9 +31,26 @@ CLOSE = [(b"connection", b"close")]  # a refusal before the body: the body is no
 _EXEMPT = frozenset({"/healthz", "/readyz", "/metrics", "/health"})  # /health: the gateway's
 
 
+def _kvindex_error_body(path: str, status: int, code: str, detail: str) -> bytes:
+    return error_body(code, detail)
+
+
+def gateway_error_body(path: str, status: int, code: str, detail: str) -> bytes:
+    """A refusal in front of the gateway: OpenAI's shape on its /v1 paths, kvindex's
+    elsewhere. The gateway's package is imported at the first refusal on /v1, not at
+    start (a serving worker has no other use for it)."""
+    from kvindex.api.gateway.errors import is_openai_path, openai_error_body
+
+    if is_openai_path(path):
+        return openai_error_body(status, code, detail)
+    return error_body(code, detail)
+
+
 class RequestLimits:
     """ASGI middleware: ``max_body_bytes`` (413), ``body_timeout_s`` (408),
-    ``max_in_flight`` (429). ``on_refusal(path, code)`` counts what it refuses itself."""
+    ``max_in_flight`` (429). ``on_refusal(path, code)`` counts what it refuses itself;
+    ``error_body_of(path, status, code, detail)`` writes its refusals (kvindex's shape
+    unless the app answers a path in another: the gateway's /v1 is OpenAI's)."""
 
     def __init__(
         self,
@@ -43,8 +60,10 @@ class RequestLimits:
         body_timeout_s: float,
         max_in_flight: int,
         on_refusal: Callable[[str, str], None] = lambda path, code: None,
+        error_body_of: Callable[[str, int, str, str], bytes] = _kvindex_error_body,
     ) -> None:
         self.app = app
+        self.error_body_of = error_body_of
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.max_in_flight = max_in_flight
@@ -57,6 +76,7 @@ class RequestLimits:
         app: ASGIApp,
         http: HttpSettings,
         on_refusal: Callable[[str, str], None] = lambda path, code: None,
+        error_body_of: Callable[[str, int, str, str], bytes] = _kvindex_error_body,
     ) -> RequestLimits:
         """``app`` under the limits ``http`` (the settings' section) names."""
         return cls(
@@ -65,6 +85,7 @@ class RequestLimits:
             body_timeout_s=http.body_timeout,
             max_in_flight=http.max_in_flight,
             on_refusal=on_refusal,
+            error_body_of=error_body_of,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -76,8 +97,9 @@ class RequestLimits:
         refused = self.admission(path, _content_length(scope.get("headers", ())))
         if refused is not None:
             self.on_refusal(path, refused.code)
-            body = error_body(refused.code, refused.detail)
-            await send_json(send, status_of(refused), body, CLOSE)
+            status = status_of(refused)
+            body = self.error_body_of(path, status, refused.code, refused.detail)
+            await send_json(send, status, body, CLOSE)
             return
         self.in_flight += 0 if exempt else 1
         try:

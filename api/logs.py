@@ -7,6 +7,12 @@ import logging
 import sys
 import time
 
+#: Third-party loggers whose info lines are chatter, quiet above --log-level debug:
+#: a line per request (uvicorn's access log; httpx and httpcore, for every request
+#: kvindex makes, each pod /metrics scrape included) or per lifecycle step uvicorn
+#: takes (kvindex logs its own start and shutdown). Their warnings and errors stay.
+CHATTY_LOGGERS = ("uvicorn.access", "uvicorn.error", "httpx", "httpcore")
+
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
@@ -38,7 +44,6 @@ def setup_logging(fmt: str = "text", level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # uvicorn's access log repeats every request; keep it at warning unless debugging.
-    logging.getLogger("uvicorn.access").setLevel(
-        logging.DEBUG if level.lower() == "debug" else logging.WARNING
-    )
+    chatter = logging.DEBUG if level.lower() == "debug" else logging.WARNING
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(chatter)

@@ -222,10 +222,8 @@ class Service:
             except zmq.ZMQError as exc:
                 self.stop()
                 raise ConfigError(f"--zmq-bind {endpoint}: cannot bind: {exc}") from None
-            log.info("listening for KV events on %s", self.bound[-1])
         for target in self._connect:
-            self.subscriber.connect(target)
-            log.info("subscribed to %s (pod %s)", target.endpoint, target.pod or "from topic")
+            self.subscriber.connect(target)  # the receiver logs it
         if self.discovery is not None:
             self.discovery.start()
         if self.snapshotter is not None:

@@ -91,7 +91,13 @@ class LogSettings(_Section):
     flag_prefix: ClassVar[str] = "log-"
 
     format: Annotated[Literal["text", "json"], doc("log line format")] = "text"
-    level: Annotated[Literal["debug", "info", "warning", "error"], doc("log level")] = "info"
+    level: Annotated[
+        Literal["debug", "info", "warning", "error"],
+        doc(
+            "log level; debug also shows the libraries' line per request (uvicorn's "
+            "access log, httpx's per pod scrape)"
+        ),
+    ] = "info"
 
 
 class EventsSettings(_Section):

@@ -1,18 +1,17 @@
-"""kvindex's version, from the installed package's metadata (pyproject.toml is the one
-place it is written), and which of its optional compiled parts run."""
+"""kvindex's version, and which of its optional compiled parts run.
+
+``__version__`` is the one place the version is written: pyproject.toml reads it from
+here when a wheel is built (statically, without importing this module), and a release
+is the commit that sets it, tagged ``v<version>`` (CHANGELOG.md says how)."""
 
 from __future__ import annotations
-
-from importlib.metadata import PackageNotFoundError, version
 
 from kvindex.api.json_tokens import implementation as token_reader
 from kvindex.indexer.compiled import describe
 from kvindex.scoring.route_pass import implementation as route_loop
 
-try:
-    VERSION = version("kvindex")
-except PackageNotFoundError:  # run from a source tree that was never installed
-    VERSION = "0+unknown"
+__version__ = "0.1.0"
+VERSION = __version__
 
 
 def implementations() -> str:

@@ -30,7 +30,7 @@ import msgspec
 from kvindex.api.config import Settings
 from kvindex.api.hot_lane import HotLane
 from kvindex.api.hot_path import Answer, HotPath, HotRoutes, Posted, Route
-from kvindex.api.limits import RequestLimits
+from kvindex.api.limits import RequestLimits, gateway_error_body
 from kvindex.api.logs import setup_logging
 from kvindex.api.relay import Relay
 from kvindex.api.server import bind, serve
@@ -230,7 +230,8 @@ def main(argv: list[str]) -> int:
 
     routes = WorkerRoutes(service, refused_at, relay)
     http = settings.http
-    limits = RequestLimits.of(HotPath(routes, relay), http, refused_at)
+    # With --gateway the primary answers /v1 behind the relay; refusals here look the same.
+    limits = RequestLimits.of(HotPath(routes, relay), http, refused_at, gateway_error_body)
     host, _, port = listen.rpartition(":")
     sock = bind(host.strip("[]"), int(port), reuse_port=True)
     channel = socket.socket(fileno=int(channel_fd))

@@ -15,6 +15,8 @@ kept as they were). Times are Unix seconds. A truncated last record is ignored.
 
 from __future__ import annotations
 
+import itertools
+import os
 import struct
 import threading
 import time
@@ -125,7 +127,10 @@ def read_capture(path: str | Path) -> tuple[CaptureHeader, Iterator[CapturedMess
     try:
         first = _read(handle)
         if first is None:
-            raise CaptureError(f"{path} is empty, not a kvindex capture")
+            if os.fstat(handle.fileno()).st_size == 0:
+                raise CaptureError(f"{path} is empty, not a kvindex capture")
+            # any file's first 4 bytes read as a length; a non-capture's is rarely whole
+            raise CaptureError(f"{path} is not a kvindex capture (no capture header)")
         try:
             header = msgspec.msgpack.decode(first, type=CaptureHeader)
         except msgspec.DecodeError as exc:
@@ -138,7 +143,7 @@ def read_capture(path: str | Path) -> tuple[CaptureHeader, Iterator[CapturedMess
     except BaseException:
         handle.close()
         raise
-    return header, _messages(handle)
+    return header, _messages(handle, path)
 
 
 def replay_capture(
@@ -208,11 +213,15 @@ def _read(handle: BinaryIO) -> bytes | None:
     return body
 
 
-def _messages(handle: BinaryIO) -> Iterator[CapturedMessage]:
+def _messages(handle: BinaryIO, path: str | Path) -> Iterator[CapturedMessage]:
     decoder = msgspec.msgpack.Decoder(CapturedMessage)
     with handle:
-        while True:
+        for number in itertools.count(1):
             body = _read(handle)
             if body is None:
                 return
-            yield decoder.decode(body)
+            try:
+                message = decoder.decode(body)
+            except msgspec.DecodeError as exc:
+                raise CaptureError(f"{path}: message {number} is damaged: {exc}") from None
+            yield message

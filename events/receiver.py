@@ -269,7 +269,7 @@ class Receiver:
         self._add(sock, Source(target.endpoint, target))
         if self._reconnected is not None:
             self._monitor(sock, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        log.info("KV events: connected to %s", target.endpoint)
+        log.info("KV events: connected to %s (pod %s)", target.endpoint, target.pod or "from topic")
 
     def _monitor(self, sock: zmq.Socket, events: int) -> None:
         monitor = sock.get_monitor_socket(events)

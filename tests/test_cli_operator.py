@@ -94,6 +94,31 @@ def test_bad_token_ids_are_one_line() -> None:
     assert "'x' is not a token id" in line
 
 
+def test_record_and_replay_say_what_is_wrong_with_a_path_in_one_line(tmp_path: Path) -> None:
+    nowhere = tmp_path / "no-such-dir" / "x.cap"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: nothing is sent
+    line = one_clear_line(run_cli("record", endpoint, str(nowhere), "--duration", "0.1"))
+    assert line == f"kvindex record: {nowhere}: No such file or directory"
+    line = one_clear_line(run_cli("replay", str(nowhere), endpoint))
+    assert line == f"kvindex replay: {nowhere}: No such file or directory"
+    line = one_clear_line(run_cli("replay", str(tmp_path), endpoint))
+    assert line == f"kvindex replay: {tmp_path}: Is a directory"
+    line = one_clear_line(run_cli("record", "127.0.0.1:5557", str(tmp_path / "x.cap")))
+    assert line.startswith("kvindex record: endpoint '127.0.0.1:5557': Invalid argument")
+
+
+def test_replaying_a_file_that_is_no_capture_says_so(tmp_path: Path) -> None:
+    not_capture = tmp_path / "notes.txt"
+    not_capture.write_text("hello, this is no capture")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    line = one_clear_line(run_cli("replay", str(not_capture), endpoint))
+    assert line == f"kvindex replay: {not_capture} is not a kvindex capture (no capture header)"
+    empty = tmp_path / "empty.cap"
+    empty.write_bytes(b"")
+    line = one_clear_line(run_cli("replay", str(empty), endpoint))
+    assert line == f"kvindex replay: {empty} is empty, not a kvindex capture"
+
+
 def test_a_mistyped_flag_suggests_the_right_one() -> None:
     line = one_clear_line(run_cli("serve", "--zmq-bnd", "tcp://127.0.0.1:5557"))
     assert "did you mean --zmq-bind?" in line

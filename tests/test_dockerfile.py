@@ -178,6 +178,7 @@ def test_build_stage_copies_every_package_and_the_context_allows_it(stages) -> N
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     needed = set(project["tool"]["setuptools"]["package-dir"].values())
     needed |= {"pyproject.toml", "setup.py", project["project"]["readme"]}
+    needed |= set(project["project"]["license-files"])  # the build reads them
     assert needed <= set(sources), f"not copied: {needed - set(sources)}"
     for source in sources:
         assert (ROOT / source).exists(), source

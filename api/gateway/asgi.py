@@ -3,10 +3,12 @@
 Plain ASGI rather than FastAPI routes because the gateway's budget is 1 ms per request
 and FastAPI's route machinery (dependency solving, its middleware stack) costs a large
 part of that on the benchmark machine, for endpoints whose bodies are not ours to
-validate anyway (the pod does). The four paths are matched in a dict; everything else
-goes to the inner app (``kvindex serve --gateway``: /score, /route, /metrics ...), or is
-a 404 in the OpenAI error shape when the gateway runs alone (which then answers
-``GET /metrics`` itself: :mod:`.metrics`).
+validate anyway (the pod does). The four paths are matched in a dict. Every other
+``/v1`` path is the gateway's too: an OpenAI client sent it, so its 404 (or 405) is in
+OpenAI's error shape and names what is served, in both modes. Everything else goes to
+the inner app (``kvindex serve --gateway``: /score, /route, /metrics ...), or is a 404
+in the OpenAI error shape when the gateway runs alone (which then answers
+``GET /metrics`` and ``GET /openapi.json`` itself).
 
 The gateway's requests get their own :class:`kvindex.api.limits.RequestLimits` (body size
 and pace, and an in-flight cap of their own), so long streamed answers never use up the
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from kvindex.api.asgi import (
     ASGIApp,
@@ -32,8 +34,11 @@ from kvindex.api.asgi import (
 from kvindex.api.errors import status_of
 from kvindex.api.gateway.app import Gateway, openai_error
 from kvindex.api.gateway.bodies import Endpoint
-from kvindex.api.limits import RequestLimits
+from kvindex.api.gateway.errors import is_openai_path
+from kvindex.api.gateway.openapi import SUPPORTED, gateway_document
+from kvindex.api.limits import RequestLimits, gateway_error_body
 from kvindex.api.settings import Settings
+from kvindex.api.version import VERSION
 from kvindex.events.errors import KvindexError
 
 log = logging.getLogger(__name__)
@@ -56,7 +61,10 @@ class GatewayApp:
         }
         if inner is None:  # alone: its own metrics (in front of kvindex: the index's page)
             self._routes[("GET", "/metrics")] = lambda s, r: gateway.metrics_page()
-        self._limited = RequestLimits.of(self._serve, settings.http)
+            self._routes[("GET", "/openapi.json")] = lambda s, r: _document()
+        self._limited = RequestLimits.of(
+            self._serve, settings.http, error_body_of=gateway_error_body
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -64,13 +72,25 @@ class GatewayApp:
             await self._limited(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(scope, receive, send)
-        elif self.inner is not None:
+        elif self.inner is not None and not (kind == "http" and is_openai_path(scope["path"])):
             await self.inner(scope, receive, send)
         elif kind == "http":
-            path = scope["path"]
-            await openai_error(404, "not_found", f"no route {scope['method']} {path}")(
-                scope, receive, send
+            await self._unrouted(scope["method"], scope["path"])(scope, receive, send)
+
+    def _unrouted(self, method: str, path: str) -> Response:
+        """A 405 for a served path asked with another method, else a 404; both name
+        what the gateway serves (an OpenAI client shows only the message)."""
+        allowed = sorted(m for m, p in self._routes if p == path)
+        if allowed:
+            return openai_error(
+                405,
+                "method_not_allowed",
+                f"{method} is not allowed on {path}; this gateway serves {SUPPORTED}",
+                headers={"allow": ", ".join(allowed)},
             )
+        return openai_error(
+            404, "not_found", f"no route {method} {path}: this gateway serves {SUPPORTED}"
+        )
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -96,3 +116,7 @@ class GatewayApp:
             await self.inner(scope, receive, sending)
             return
         await answer_lifespan(receive, sending)
+
+
+async def _document() -> Response:
+    return JSONResponse(gateway_document(VERSION))

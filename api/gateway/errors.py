@@ -34,6 +34,11 @@ def openai_error_body(status: int, kind: str, message: str, param: str | None = 
     return _encode({"error": {"message": message, "type": kind, "param": param, "code": status}})
 
 
+def is_openai_path(path: str) -> bool:
+    """A path under /v1: the gateway's, answered in OpenAI's shape in every mode."""
+    return path == "/v1" or path.startswith("/v1/")
+
+
 def pod_error_body(pod: str, status: int, raw: bytes) -> bytes:
     """What the client gets for a pod's error answer (``status`` >= 400, ``raw`` its body,
     possibly cut short): an OpenAI error under the pod's status."""

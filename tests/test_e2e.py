@@ -8,13 +8,12 @@ serve replay on the same port of their own loopback address, as vLLM pods would.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from kvindex.api.testing import ServeProcess, free_port
+from kvindex.api.testing import ServeProcess, eventually, free_port
 from kvindex.events.endpoints import from_source
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockRemoved, BlockStored
@@ -28,15 +27,6 @@ OTHER = list(range(50_000, 50_000 + 16 * 8))
 HASHER = BlockHasher(HashConfig())
 KEYS, OTHER_KEYS = HASHER.keys(TOKENS), HASHER.keys(OTHER)
 POD_A, POD_B, POD_C = "127.0.0.1:8000", "127.0.0.2:8000", "127.0.0.3:8000"
-
-
-def eventually(check: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what or check}")
 
 
 @pytest.fixture

@@ -10,13 +10,13 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvindex.api.testing import ServeProcess, free_port
+from kvindex.api.testing import ServeProcess, eventually, free_port
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -67,15 +67,6 @@ class ConnectionCounter:
         self._closed.set()
         self._thread.join(5.0)
         self.sock.close()
-
-
-def eventually(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Cluster:

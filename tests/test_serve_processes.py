@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -191,7 +190,9 @@ def test_a_signal_to_the_whole_group_stops_without_starting_workers_again(
     server, _ = served
     (worker,) = children(server.process.pid)
     os.kill(worker, signal.SIGTERM)
-    time.sleep(0.3)  # the supervisor sees the worker gone first; it restarts after 1 s
+    # The supervisor sees the worker gone first (reaped: its /proc entry is gone); it
+    # would start another after 1 s.
+    eventually(lambda: not os.path.exists(f"/proc/{worker}"), "the worker reaped", 10)
     server.stop(signal.SIGTERM)
     assert server.process.returncode == 0, server.log_tail()
     log = server.log_tail(100_000)

@@ -16,8 +16,8 @@ is up. Case ``n`` of seed ``s`` is always the same input, so a failure names the
 numbers that replay it; tests/fuzz/README.md says how, how to run longer, and how to
 run under ASAN/UBSan.
 
-Environment: ``KVINDEX_FUZZ_SECONDS`` (per target, default 1.5), ``KVINDEX_FUZZ_SEED``
-(default 0), ``KVINDEX_FUZZ_CASE`` (run that case alone), ``KVINDEX_FUZZ_TRACE`` (print
+Environment: ``KVTEST_FUZZ_SECONDS`` (per target, default 1.5), ``KVTEST_FUZZ_SEED``
+(default 0), ``KVTEST_FUZZ_CASE`` (run that case alone), ``KVTEST_FUZZ_TRACE`` (print
 each case's number before it runs: a crash's last line names it).
 """
 
@@ -69,10 +69,10 @@ from tests.test_keys_compiled import config, pure_hashing
 from tests.test_memory_table_paths import SEED as TABLE_SEED
 from tests.test_memory_table_paths import colliding, facts
 
-SECONDS = float(os.environ.get("KVINDEX_FUZZ_SECONDS", "1.5"))
-FUZZ_SEED = int(os.environ.get("KVINDEX_FUZZ_SEED", "0"))
-ONLY_CASE = os.environ.get("KVINDEX_FUZZ_CASE")
-TRACE = bool(os.environ.get("KVINDEX_FUZZ_TRACE"))
+SECONDS = float(os.environ.get("KVTEST_FUZZ_SECONDS", "1.5"))
+FUZZ_SEED = int(os.environ.get("KVTEST_FUZZ_SEED", "0"))
+ONLY_CASE = os.environ.get("KVTEST_FUZZ_CASE")
+TRACE = bool(os.environ.get("KVTEST_FUZZ_TRACE"))
 
 #: A hang fails the test: the thread method dumps every stack and ends the run, which
 #: works while a C loop holds the GIL (the signal method would wait for it).
@@ -86,7 +86,7 @@ def needs(module: object, what: str) -> pytest.MarkDecorator:
 def fuzz(name: str, seeds: list, mutate: Callable[[random.Random], Any], check: Callable) -> None:
     """``check`` every seed, then mutated inputs until the time is up (at least one).
     A failure names the input and the command that replays it."""
-    command = f"KVINDEX_FUZZ_SEED={FUZZ_SEED} python -m pytest tests/fuzz -k {name}"
+    command = f"KVTEST_FUZZ_SEED={FUZZ_SEED} python -m pytest tests/fuzz -k {name}"
 
     def run(label: str, data: Any, replay: str) -> None:
         if TRACE:
@@ -110,7 +110,7 @@ def fuzz(name: str, seeds: list, mutate: Callable[[random.Random], Any], check: 
     deadline = time.monotonic() + SECONDS
     case = 0
     while case == 0 or time.monotonic() < deadline:
-        run(f"case {case}", case_input(case), f"KVINDEX_FUZZ_CASE={case} {command}")
+        run(f"case {case}", case_input(case), f"KVTEST_FUZZ_CASE={case} {command}")
         case += 1
     print(f"fuzz {name}: seed {FUZZ_SEED}, {len(seeds)} seed inputs, {case} mutated cases")
 

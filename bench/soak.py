@@ -239,7 +239,7 @@ def serve_metrics(host: str) -> http.server.ThreadingHTTPServer:
     that two soaks (or a soak and the test suite) never collide."""
     handler = type("Handler", (_MetricsHandler,), {})
     server = http.server.ThreadingHTTPServer((host, 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     return server
 
 

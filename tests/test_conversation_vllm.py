@@ -19,6 +19,9 @@ from kvindex.scoring.conversation import conversation, detect_content_format
 from tests.chat_models import FAMILIES, FIXTURES
 from tests.support.vllm import vllm_python
 
+# vLLM's own code runs in a subprocess: seconds each, outside the everyday subset.
+pytestmark = pytest.mark.slow
+
 CASES: dict[str, list[dict[str, Any]]] = {
     "plain turns": [
         {"role": "system", "content": "s"},

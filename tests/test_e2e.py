@@ -13,8 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvindex.api.testing import ServeProcess, eventually, free_port
-from kvindex.events.endpoints import from_source
+from kvindex.api.testing import ServeProcess, eventually, free_port, publisher_into
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockRemoved, BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -46,11 +45,13 @@ def cluster() -> Iterator[dict]:
         server.wait_ready(20.0)
         for pod in (POD_A, POD_B):
             host = pod.split(":")[0]
+            replay_endpoint = f"tcp://{host}:{replay}"
             pubs.append(
-                EnginePublisher(
-                    from_source(f"tcp://127.0.0.1:{bind}", host),  # bind mode checks the sender
-                    topic=f"kv@{pod}@{MODEL}",
-                    replay_endpoint=f"tcp://{host}:{replay}",
+                publisher_into(
+                    f"tcp://127.0.0.1:{bind}",
+                    pod,
+                    MODEL,
+                    replay_endpoint=replay_endpoint,
                     vllm_version="0.22",
                 )
             )
@@ -62,8 +63,7 @@ def cluster() -> Iterator[dict]:
                 bind=True,
             )
         )
-        for pub in pubs:
-            assert pub.wait_for_subscribers(1, 10.0)
+        assert pubs[-1].wait_for_subscribers(1, 10.0)
         yield {"url": server.url, "a": pubs[0], "b": pubs[1], "c": pubs[2], "server": server}
     finally:
         for pub in pubs:

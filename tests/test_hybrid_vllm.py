@@ -33,6 +33,9 @@ from kvindex.indexer.models import ModelCatalog, ModelKeying
 from kvindex.scoring.scorer import Scorer
 from tests.support.vllm import vllm_python
 
+# vLLM's own code runs in a subprocess: seconds each, outside the everyday subset.
+pytestmark = pytest.mark.slow
+
 DRIVER = Path(__file__).with_name("hybrid_vllm_driver.py")
 MODEL = "hybrid-model"
 POD = StreamId("127.0.0.1:8000")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvindex.api.testing import ServeProcess, eventually, free_port
+from kvindex.api.testing import ServeProcess, eventually, free_port, publisher_into
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -130,11 +130,7 @@ def cluster() -> Iterator[Cluster]:
     try:
         server.wait_ready(20.0)
         for m in metrics:
-            pub = EnginePublisher(
-                f"tcp://127.0.0.1:{bind}", topic=f"kv@{m.pod}@{MODEL}", vllm_version="0.33"
-            )
-            pubs.append(pub)
-            assert pub.wait_for_subscribers(1, 10.0)
+            pubs.append(publisher_into(f"tcp://127.0.0.1:{bind}", m.pod, MODEL))
         cluster = Cluster(server, metrics, pubs)
         # Pod A holds half the prompt; B and C something else, so all three are known.
         pubs[0].publish([BlockStored(KEYS[:16], None, TOKENS[: 16 * 16], 16)])

@@ -31,6 +31,9 @@ from kvindex.indexer.models import ModelCatalog, ModelKeying, ReportMode
 from tests.redis_fixtures import redis_backend_factory
 from tests.support.vllm import vllm_python
 
+# vLLM's own code runs in a subprocess: seconds each, outside the everyday subset.
+pytestmark = pytest.mark.slow
+
 DRIVER = Path(__file__).with_name("vllm_copies_driver.py")
 MODEL = "m"
 POD = StreamId("127.0.0.1:8000")

@@ -459,7 +459,9 @@ def test_a_session_between_turns_counts_on_its_pod_until_its_next_turn() -> None
     server = ServeProcess(
         "--zmq-bind", f"tcp://127.0.0.1:{free_port()}",
         "--model", MODEL,
-        "--load-interval", "0.5",
+        # The pages never change here: a long interval keeps the loads from going stale
+        # (after three intervals) between the probe and the decisions on a loaded machine.
+        "--load-interval", "3",
         "--speculative-ttl", "0",
         "--pod-role", f"{a}=both", "--pod-role", f"{b}=both",  # known: nothing publishes
         env={**os.environ},

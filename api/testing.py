@@ -21,6 +21,9 @@ from types import TracebackType
 
 import httpx
 
+from kvindex.events.endpoints import from_source
+from kvindex.events.publisher import EnginePublisher
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 nothing listens on right now."""
@@ -119,6 +122,24 @@ class ServeProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def publisher_into(
+    endpoint: str, pod: str, model: str, timeout_s: float = 10.0, **options: object
+) -> EnginePublisher:
+    """An engine publishing ``pod``'s KV events for ``model`` into the kvindex bound at
+    ``endpoint``, sent from the pod's own host (bind mode checks the sender's address),
+    returned once kvindex has subscribed. ``options`` go to :class:`EnginePublisher`."""
+    host = pod.rpartition(":")[0]
+    publisher = EnginePublisher(
+        from_source(endpoint, host),
+        topic=f"kv@{pod}@{model}",
+        **options,  # type: ignore[arg-type]
+    )
+    if not publisher.wait_for_subscribers(1, timeout_s):
+        publisher.close()
+        raise AssertionError(f"kvindex at {endpoint} never subscribed to {pod}")
+    return publisher
 
 
 def eventually(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:

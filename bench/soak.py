@@ -187,6 +187,20 @@ def client_loop(
     conn.close()
 
 
+def wait_until_routable(url: str, pods: int, timeout_s: float = 30.0) -> None:
+    """Until a /route (released at once) has ``pods`` candidates."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=url, timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            answer = client.post("/route", json={"model": MODEL, "token_ids": [1] * 16})
+            if answer.status_code == 200:
+                client.post(f"/route/{answer.json()['route_id']}/done")
+                if len(answer.json()["candidates"]) == pods:
+                    return
+            time.sleep(0.05)
+    raise RuntimeError(f"/route did not know the {pods} pods within {timeout_s:g} s")
+
+
 class _MetricsHandler(http.server.BaseHTTPRequestHandler):
     """A pod's vLLM /metrics page: the three gauges /route scrapes."""
 
@@ -225,7 +239,7 @@ def serve_metrics(host: str) -> http.server.ThreadingHTTPServer:
     that two soaks (or a soak and the test suite) never collide."""
     handler = type("Handler", (_MetricsHandler,), {})
     server = http.server.ThreadingHTTPServer((host, 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     return server
 
 
@@ -385,22 +399,29 @@ def main() -> int:
             pods.append(SoakPod(pod_id, publisher, args.capacity))
             metrics_servers[-1].RequestHandlerClass.pod = pods[-1]  # type: ignore[attr-defined]
         driver = threading.Thread(target=drive, args=(pods, prompts, args, stop, ops))
+        driver.start()
         threads.append(driver)
+        # The clients start once /route knows every pod (it learns them from their first
+        # events and re-reads the pod list at most every 0.5 s); before that a /route is
+        # a 503 no_pods, which is a slow start, not an error of the soak.
+        wait_until_routable(server.url, len(pods))
+        clients: list[threading.Thread] = []
         for c in range(args.clients):
-            threads.append(
+            clients.append(
                 threading.Thread(
                     target=client_loop, args=(server.port, prompts, stop, lat, args.seed + c)
                 )
             )
         for c in range(args.route_clients):
-            threads.append(
+            clients.append(
                 threading.Thread(
                     target=client_loop,
                     args=(server.port, prompts, stop, route_lat, args.seed + 100 + c, "/route"),
                 )
             )
-        for thread in threads:
+        for thread in clients:
             thread.start()
+        threads += clients
         print(
             f"soak: {args.pods} pods, {args.clients} /score clients, "
             f"{args.route_clients} /route clients, {args.rate:g} batches/s, "

@@ -1,7 +1,8 @@
 """Real Redis for tests: the shared server, private servers on free ports, a 3-master cluster.
 
 The shared server's URL comes from ``KVTEST_REDIS_URL`` (default
-``redis://127.0.0.1:6379/0``; CI may point it at a throwaway server). Tests that stop or
+``redis://127.0.0.1:6379/15``: db 15, so a developer's db 0 is never written; CI may point
+it at a throwaway server). Tests that stop or
 restart Redis start their own :class:`RedisServer`. Every test works under a key prefix
 of its own and deletes it afterwards; that cleanup is the only place a SCAN is used.
 """
@@ -25,7 +26,7 @@ from redis.cluster import RedisCluster
 from kvindex.api.testing import free_port
 from kvindex.indexer.redis_backend import RedisBackend
 
-REDIS_URL = os.environ.get("KVTEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("KVTEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 _STARTUP_S = 10.0
 
 

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvindex.api.testing import ServeProcess, eventually, free_port
-from kvindex.events.endpoints import from_source
+from kvindex.api.testing import ServeProcess, eventually, free_port, publisher_into
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -39,12 +38,8 @@ class Bind:
         self.pubs: list[EnginePublisher] = []
 
     def publisher(self, pod: str, model: str = MODEL) -> EnginePublisher:
-        host = pod.rpartition(":")[0]
-        pub = EnginePublisher(
-            from_source(self.endpoint, host), topic=f"kv@{pod}@{model}", bind=False
-        )
+        pub = publisher_into(self.endpoint, pod, model, bind=False)
         self.pubs.append(pub)
-        assert pub.wait_for_subscribers(1, 10.0)
         return pub
 
     def get(self, path: str) -> httpx.Response:

@@ -14,16 +14,15 @@ from typing import Any
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
-
-from kvindex.scoring.chat_template import ChatTemplateError  # noqa: E402
-from kvindex.scoring.conversation import (  # noqa: E402
+from kvindex.scoring.chat_template import ChatTemplateError
+from kvindex.scoring.conversation import (
     conversation,
     detect_content_format,
     vllm_tools,
 )
-from kvindex.scoring.tokenize import ChatOptions, ModelTokenizer  # noqa: E402
-from tests.chat_models import FAMILIES, model_directory  # noqa: E402
+from kvindex.scoring.tokenize import ChatOptions, ModelTokenizer
+from tests.chat_models import FAMILIES, model_directory
+from tests.support.reference import transformers
 
 WEATHER_TOOL = {
     "type": "function",
@@ -160,7 +159,7 @@ CASES: list[tuple[str, list[dict[str, Any]], ChatOptions]] = [
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory) -> tuple[str, Any, ModelTokenizer]:
     directory = model_directory(request.param, tmp_path_factory.mktemp(request.param))
-    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    reference = transformers().AutoTokenizer.from_pretrained(str(directory))
     return request.param, reference, ModelTokenizer(request.param, directory)
 
 

@@ -9,15 +9,13 @@ from pathlib import Path
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
-from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
-
-from kvindex.scoring.chat_template import (  # noqa: E402
+from kvindex.scoring.chat_template import (
     ChatTemplateError,
     Untokenizable,
     load_chat_templates,
     render,
 )
+from tests.support.reference import render_jinja_template
 
 MESSAGES = [
     {"role": "system", "content": "Sé <breve> & claro"},

@@ -1,6 +1,6 @@
 """kvindex rebuilds chat messages exactly as vLLM 0.33 does, checked against vLLM's own
 code: every case here goes through vLLM's ``parse_chat_messages`` and content-format
-detection in a Python that has vLLM (``$KVTEST_VLLM_PYTHON``, else /tmp/vv/bin/python),
+detection in a Python that has vLLM (``$KVTEST_VLLM_PYTHON``, else the checkout's ``.venv-vllm``),
 and the results must be equal, key order included. Skipped where no vLLM is installed.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,10 @@ import pytest
 from kvindex.scoring.chat_template import ChatTemplateError, load_chat_templates
 from kvindex.scoring.conversation import conversation, detect_content_format
 from tests.chat_models import FAMILIES, FIXTURES
+from tests.support.vllm import vllm_python
 
-VLLM_PYTHON = os.environ.get("KVTEST_VLLM_PYTHON", "/tmp/vv/bin/python")
+# vLLM's own code runs in a subprocess: seconds each, outside the everyday subset.
+pytestmark = pytest.mark.slow
 
 CASES: dict[str, list[dict[str, Any]]] = {
     "plain turns": [
@@ -124,16 +125,17 @@ for family in FAMILIES:
 
 
 def _vllm_results(tmp_path: Path) -> dict[str, Any]:
-    if not Path(VLLM_PYTHON).is_file():
-        pytest.skip(f"no vLLM Python at {VLLM_PYTHON} (set KVTEST_VLLM_PYTHON)")
+    python = vllm_python()
+    if python is None or not Path(python).is_file():
+        pytest.skip(f"no vLLM Python at {python} (set KVTEST_VLLM_PYTHON)")
     request = tmp_path / "request.json"
     request.write_text(json.dumps({"templates": TEMPLATES, "cases": CASES}), encoding="utf-8")
     script = Path(__file__).parent / "vllm_side" / "conversation.py"
     done = subprocess.run(
-        [VLLM_PYTHON, str(script), str(request)], capture_output=True, timeout=240, text=True
+        [python, str(script), str(request)], capture_output=True, timeout=240, text=True
     )
     if done.returncode != 0 and "Error: No module named" in done.stderr:
-        pytest.skip(f"vLLM does not import under {VLLM_PYTHON}: {done.stderr[-300:]}")
+        pytest.skip(f"vLLM does not import under {python}: {done.stderr[-300:]}")
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
 

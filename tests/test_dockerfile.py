@@ -235,7 +235,7 @@ def test_the_tokenizer_stage_fetches_each_models_files_from_the_hub(stages, tmp_
     (hub / "acme/one/resolve/main/chat_template.jinja").write_text("{{ messages }}")
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(hub))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
         download = named(stages, "tokenizer-download")

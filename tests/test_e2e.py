@@ -8,14 +8,12 @@ serve replay on the same port of their own loopback address, as vLLM pods would.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from kvindex.api.testing import ServeProcess, free_port
-from kvindex.events.endpoints import from_source
+from kvindex.api.testing import ServeProcess, eventually, free_port, publisher_into
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockRemoved, BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -28,15 +26,6 @@ OTHER = list(range(50_000, 50_000 + 16 * 8))
 HASHER = BlockHasher(HashConfig())
 KEYS, OTHER_KEYS = HASHER.keys(TOKENS), HASHER.keys(OTHER)
 POD_A, POD_B, POD_C = "127.0.0.1:8000", "127.0.0.2:8000", "127.0.0.3:8000"
-
-
-def eventually(check: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what or check}")
 
 
 @pytest.fixture
@@ -56,11 +45,13 @@ def cluster() -> Iterator[dict]:
         server.wait_ready(20.0)
         for pod in (POD_A, POD_B):
             host = pod.split(":")[0]
+            replay_endpoint = f"tcp://{host}:{replay}"
             pubs.append(
-                EnginePublisher(
-                    from_source(f"tcp://127.0.0.1:{bind}", host),  # bind mode checks the sender
-                    topic=f"kv@{pod}@{MODEL}",
-                    replay_endpoint=f"tcp://{host}:{replay}",
+                publisher_into(
+                    f"tcp://127.0.0.1:{bind}",
+                    pod,
+                    MODEL,
+                    replay_endpoint=replay_endpoint,
                     vllm_version="0.22",
                 )
             )
@@ -72,8 +63,7 @@ def cluster() -> Iterator[dict]:
                 bind=True,
             )
         )
-        for pub in pubs:
-            assert pub.wait_for_subscribers(1, 10.0)
+        assert pubs[-1].wait_for_subscribers(1, 10.0)
         yield {"url": server.url, "a": pubs[0], "b": pubs[1], "c": pubs[2], "server": server}
     finally:
         for pub in pubs:

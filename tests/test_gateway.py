@@ -8,15 +8,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from kvindex.api.client import ApiError, Client
-from kvindex.api.testing import ServeProcess, free_port
+from kvindex.api.testing import ServeProcess, eventually, free_port
 from tests.chat_models import model_directory
 
 openai = pytest.importorskip("openai", reason="the gateway tests need the test extra (openai)")
@@ -28,15 +27,6 @@ MODEL = "acme/gateway-oss"
 # Long enough for many blocks with the fixtures' small vocabulary.
 DOCUMENT = " ".join(f"Section {i}: the KV cache of a prompt is reused when" for i in range(30))
 SYSTEM = "You are terse. " + DOCUMENT
-
-
-def eventually(check: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Cluster:
@@ -226,9 +216,16 @@ def test_a_dead_pod_is_skipped_before_any_byte(cluster) -> None:
             return route.candidates[0].load == "known"
 
         eventually(scraped, "the doomed pod scraped")
-        # A request that names no pods chooses among the known pods, which /route reads
-        # at most every 0.5 s (api/route_view.py): let that view include the new pod.
-        time.sleep(0.6)
+
+        def in_route_view() -> bool:
+            # A request that names no pods chooses among the known pods, which /route
+            # re-reads at most every 0.5 s (api/route_view.py); asked with an unrelated
+            # prompt so that no speculative entry lands on this one.
+            route = cluster.index.route(model=MODEL, token_ids=[7] * 16, request_id="v")
+            cluster.index.done("v")
+            return doomed.pod in {c.pod for c in route.candidates}
+
+        eventually(in_route_view, "the route view to include the doomed pod")
         doomed.stop_http()
         answer = cluster.openai().completions.with_raw_response.create(
             model=MODEL, prompt=prompt, max_tokens=2

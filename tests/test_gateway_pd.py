@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from kvindex.api.client import Client
-from kvindex.api.testing import ServeProcess, free_port
+from kvindex.api.testing import ServeProcess, eventually, free_port
 from tests.chat_models import model_directory
-from tests.test_gateway import DOCUMENT, MODEL, eventually
+from tests.test_gateway import DOCUMENT, MODEL
 
 openai = pytest.importorskip("openai", reason="the gateway tests need the test extra (openai)")
 from tests.fake_vllm import FakeVllmPod  # noqa: E402  (imports transformers)

@@ -7,7 +7,7 @@ what ``get_computed_blocks`` (and the uncapped ``find_longest_cache_hit``) retur
 probe prompts. Here each batch goes through kvindex's decoder and ingestor into the
 memory backend, and every probe's ``/score`` answer must equal vLLM's hit.
 
-The interpreter is ``KVTEST_VLLM_PYTHON``, else ``/tmp/vv/bin/python`` when it exists;
+The interpreter is ``KVTEST_VLLM_PYTHON``, else the checkout's ``.venv-vllm``;
 without one the tests skip and say why.
 """
 
@@ -31,18 +31,14 @@ from kvindex.indexer.kv_groups import group_model
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.models import ModelCatalog, ModelKeying
 from kvindex.scoring.scorer import Scorer
+from tests.support.vllm import vllm_python
+
+# vLLM's own code runs in a subprocess: seconds each, outside the everyday subset.
+pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).with_name("hybrid_vllm_driver.py")
 MODEL = "hybrid-model"
 POD = StreamId("127.0.0.1:8000")
-
-
-def vllm_python() -> str | None:
-    configured = os.environ.get("KVTEST_VLLM_PYTHON")
-    if configured:
-        return configured
-    default = Path("/tmp/vv/bin/python")
-    return str(default) if default.exists() else None
 
 
 CONFIGS = ["full+window", "full+window+window", "full+window+wide", "full16+window32", "window"]

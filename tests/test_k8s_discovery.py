@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvindex.api.testing import eventually
 from kvindex.events import BlockStored, EnginePublisher, PodEndpoint, StreamId, Subscriber
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.discovery import KubernetesDiscovery
@@ -88,14 +89,6 @@ class RecordingTarget:
                 if remaining <= 0:
                     raise AssertionError(f"timed out waiting for {what}; calls: {self.calls}")
                 self._cond.wait(min(remaining, 0.05))
-
-
-def eventually(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Block keys against vLLM's own hashing: compiled and pure paths, every algorithm.
 
 ``tests/vllm_side/block_hashes.py`` runs in an interpreter that has vLLM 0.33
-(``KVTEST_VLLM_PYTHON``, else ``/tmp/vv/bin/python`` when it exists) and hashes each
+(``KVTEST_VLLM_PYTHON``, else the checkout's ``.venv-vllm``) and hashes each
 prompt as the engine core does: a ``Request`` with its LoRA adapter and cache salt,
 through ``get_request_block_hasher`` (with lookahead tokens where asked) over
 ``vllm.utils.hashing``, NONE_HASH from the case's PYTHONHASHSEED. kvindex's keys and
@@ -22,6 +22,7 @@ import xxhash
 
 from kvindex.indexer import compiled
 from kvindex.indexer.keys import BlockExtras, BlockHasher, HashAlgo, HashConfig
+from tests.support.vllm import vllm_python
 
 SCRIPT = Path(__file__).parent / "vllm_side" / "block_hashes.py"
 EDGES = [0, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32 + 5, 2**40, 2**63, 2**70, -1, -(2**31)]
@@ -33,14 +34,6 @@ EXTRAS = {
     "salt": (None, "tenant-a"),
     "lora+salt": (("my-lora", "/adapters/my-lora"), "tenant-a"),
 }
-
-
-def vllm_python() -> str | None:
-    configured = os.environ.get("KVTEST_VLLM_PYTHON")
-    if configured:
-        return configured
-    default = Path("/tmp/vv/bin/python")
-    return str(default) if default.exists() else None
 
 
 def cases() -> list[dict]:

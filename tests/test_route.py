@@ -10,13 +10,13 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvindex.api.testing import ServeProcess, free_port
+from kvindex.api.testing import ServeProcess, eventually, free_port, publisher_into
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -67,15 +67,6 @@ class ConnectionCounter:
         self._closed.set()
         self._thread.join(5.0)
         self.sock.close()
-
-
-def eventually(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Cluster:
@@ -139,11 +130,7 @@ def cluster() -> Iterator[Cluster]:
     try:
         server.wait_ready(20.0)
         for m in metrics:
-            pub = EnginePublisher(
-                f"tcp://127.0.0.1:{bind}", topic=f"kv@{m.pod}@{MODEL}", vllm_version="0.33"
-            )
-            pubs.append(pub)
-            assert pub.wait_for_subscribers(1, 10.0)
+            pubs.append(publisher_into(f"tcp://127.0.0.1:{bind}", m.pod, MODEL))
         cluster = Cluster(server, metrics, pubs)
         # Pod A holds half the prompt; B and C something else, so all three are known.
         pubs[0].publish([BlockStored(KEYS[:16], None, TOKENS[: 16 * 16], 16)])
@@ -472,7 +459,9 @@ def test_a_session_between_turns_counts_on_its_pod_until_its_next_turn() -> None
     server = ServeProcess(
         "--zmq-bind", f"tcp://127.0.0.1:{free_port()}",
         "--model", MODEL,
-        "--load-interval", "0.5",
+        # The pages never change here: a long interval keeps the loads from going stale
+        # (after three intervals) between the probe and the decisions on a loaded machine.
+        "--load-interval", "3",
         "--speculative-ttl", "0",
         "--pod-role", f"{a}=both", "--pod-role", f"{b}=both",  # known: nothing publishes
         env={**os.environ},

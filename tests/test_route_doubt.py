@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvindex.api.testing import ServeProcess, free_port
+from kvindex.api.testing import ServeProcess, eventually, free_port, publisher_into
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.status import StreamStatus
 from kvindex.events.wire import BlockStored
@@ -27,7 +27,7 @@ from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.pods import HASH_MISMATCH, PodDirectory
 from kvindex.scoring.doubt import LAGGING, NO_CREDIT, credits_prefix, discredit
 from tests.test_load import MetricsServer
-from tests.test_route import HASHER, MODEL, Cluster, eventually, page
+from tests.test_route import HASHER, MODEL, Cluster, page
 
 BS = 16
 BASE = list(range(20_000, 20_200))  # turn 1: 12 full blocks and 8 tokens
@@ -63,11 +63,7 @@ def doubted_cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, s
     try:
         server.wait_ready(20.0)
         for m in metrics:
-            pub = EnginePublisher(
-                f"tcp://127.0.0.1:{bind}", topic=f"kv@{m.pod}@{MODEL}", vllm_version="0.33"
-            )
-            pubs.append(pub)
-            assert pub.wait_for_subscribers(1, 10.0)
+            pubs.append(publisher_into(f"tcp://127.0.0.1:{bind}", m.pod, MODEL))
         cluster = Cluster(server, metrics, pubs)
         for pub, base in ((pubs[0], 5000), (pubs[1], 6000)):  # known, live, nothing shared
             other = list(range(base, base + BS))

@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from kvindex.api.app import create_app
 from kvindex.api.service import Service
 from kvindex.api.settings_load import from_flags
+from kvindex.api.testing import eventually
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
@@ -32,15 +33,6 @@ KEYS = BlockHasher(HashConfig()).keys(TOKENS)
 def page(waiting: int = 0, kv: float = 0.0) -> str:
     text = with_values(DP1_IDLE, "vllm:num_requests_waiting", "0", waiting)
     return with_values(text, "vllm:kv_cache_usage_perc", "0", kv)
-
-
-def eventually(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def two_free_ports() -> int:
@@ -197,7 +189,7 @@ def test_speculative_entries_expire_after_their_ttl(live) -> None:
     cluster.scraped(a, b)
     chosen = cluster.route(request_id="x1")["pod"]
     cluster.client.post("/route/x1/done")
-    time.sleep(0.4)
+    eventually(lambda: len(cluster.service.speculative) == 0, "x1's entry to expire")
     answer = cluster.route(request_id="x2")
     assert all(c["speculative_blocks"] == 0 for c in answer["candidates"])
     assert answer["reason"] == "prefix"  # both hold block 0: a tie, any pod

@@ -14,17 +14,16 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-transformers = pytest.importorskip("transformers")
-
-from kvindex.api.app import create_app  # noqa: E402
-from kvindex.api.service import Service  # noqa: E402
-from kvindex.api.settings_load import from_flags  # noqa: E402
-from kvindex.api.testing import free_port  # noqa: E402
-from kvindex.events.publisher import EnginePublisher  # noqa: E402
-from kvindex.events.testing import wait_until  # noqa: E402
-from kvindex.events.wire import BlockStored  # noqa: E402
-from kvindex.indexer.keys import BlockHasher, HashConfig  # noqa: E402
-from tests.chat_models import model_directory  # noqa: E402
+from kvindex.api.app import create_app
+from kvindex.api.service import Service
+from kvindex.api.settings_load import from_flags
+from kvindex.api.testing import free_port
+from kvindex.events.publisher import EnginePublisher
+from kvindex.events.testing import wait_until
+from kvindex.events.wire import BlockStored
+from kvindex.indexer.keys import BlockHasher, HashConfig
+from tests.chat_models import model_directory
+from tests.support.reference import transformers
 
 POD = "127.0.0.1:8000"
 CONVERSATION = [
@@ -59,7 +58,7 @@ def setup(model_dir: Path, tmp_path: Path) -> Iterator[tuple[TestClient, str, Se
 
 
 def reference_ids(model_dir: Path, **chat: object) -> list[int]:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = transformers().AutoTokenizer.from_pretrained(str(model_dir))
     tools = chat.pop("tools", None)
     kwargs = chat.pop("chat_template_kwargs", None) or {}
     return tokenizer.apply_chat_template(

@@ -16,13 +16,12 @@ from kvindex.api.config import ConfigError, discovery_config
 from kvindex.api.service import Service
 from kvindex.api.settings import SECTIONS, Settings
 from kvindex.api.settings_load import LEAVES, decode_settings, from_flags
-from kvindex.api.testing import free_port
+from kvindex.api.testing import eventually, free_port
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from kvindex.scoring.route_cost import CostWeights
 from kvindex.scoring.scorer import TierWeights
-from tests.test_route import eventually
 
 
 def config_file(tmp_path: Path, tree: dict) -> str:

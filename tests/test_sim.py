@@ -434,6 +434,7 @@ def test_command_line_runs_a_partial_comparison(tmp_path: Path) -> None:
     assert '"claims"' in (tmp_path / "routing.json").read_text()
 
 
+@pytest.mark.slow
 def test_quick_mode_runs_every_study_end_to_end(tmp_path: Path) -> None:
     """The issue's CI smoke: ``--quick`` runs all four studies (the standard table, the
     load sweeps, the replica and fault studies) through a real kvindex, prints every

@@ -359,7 +359,7 @@ def test_snapshot_settings_that_cannot_work_are_refused_before_anything_starts(
     from kvindex.api.settings_load import from_flags
 
     with pytest.raises(ConfigError, match="memory backend"):
-        Service(from_flags(backend="redis://127.0.0.1:6379/0", snapshot=str(tmp_path / "s")))
+        Service(from_flags(backend="redis://127.0.0.1:6379/15", snapshot=str(tmp_path / "s")))
     with pytest.raises(ConfigError, match="does not exist"):
         Service(from_flags(snapshot=str(tmp_path / "no-such-dir" / "s")))
     args = build_parser().parse_args(["serve"])

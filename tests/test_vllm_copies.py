@@ -1,8 +1,8 @@
 """Copy counts against real vLLM: the index equals each engine's prefix-cache map.
 
 ``tests/vllm_copies_driver.py`` runs vLLM 0.33's own ``KVCacheManager`` (CPU, no model)
-in an interpreter that has vLLM (``KVTEST_VLLM_PYTHON``, default
-``/tmp/vv/bin/python``) and prints each step's event batch, encoded by vLLM's own
+in an interpreter that has vLLM (``KVTEST_VLLM_PYTHON``, else
+the checkout's ``.venv-vllm``) and prints each step's event batch, encoded by vLLM's own
 encoder, with the hashes its ``cached_block_hash_to_block`` holds afterwards. Here
 every batch goes through kvindex's decoder and Ingestor into each backend, and after
 every step the member's keys must equal that truth, with the model's
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -30,9 +29,12 @@ from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.models import ModelCatalog, ModelKeying, ReportMode
 from tests.redis_fixtures import redis_backend_factory
+from tests.support.vllm import vllm_python
+
+# vLLM's own code runs in a subprocess: seconds each, outside the everyday subset.
+pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).with_name("vllm_copies_driver.py")
-VLLM_PYTHON = os.environ.get("KVTEST_VLLM_PYTHON", "/tmp/vv/bin/python")
 MODEL = "m"
 POD = StreamId("127.0.0.1:8000")
 
@@ -40,11 +42,12 @@ POD = StreamId("127.0.0.1:8000")
 @pytest.fixture(scope="module")
 def steps() -> list[dict]:
     """The driver's output (one run for every backend: importing vLLM takes a while)."""
-    if not Path(VLLM_PYTHON).exists():
-        pytest.skip(f"no vLLM interpreter at {VLLM_PYTHON} (set KVTEST_VLLM_PYTHON)")
+    python = vllm_python()
+    if python is None or not Path(python).exists():
+        pytest.skip(f"no vLLM interpreter at {python} (set KVTEST_VLLM_PYTHON)")
     try:
         done = subprocess.run(
-            [VLLM_PYTHON, str(DRIVER), "--rounds", "250"],
+            [python, str(DRIVER), "--rounds", "250"],
             capture_output=True,
             text=True,
             timeout=600,
@@ -53,7 +56,7 @@ def steps() -> list[dict]:
     except subprocess.TimeoutExpired:
         pytest.fail("the vLLM driver ran past 600 s")
     if done.returncode != 0 and "ModuleNotFoundError" in done.stderr:
-        pytest.skip(f"{VLLM_PYTHON} cannot import vLLM: {done.stderr.strip().splitlines()[-1]}")
+        pytest.skip(f"{python} cannot import vLLM: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
 

@@ -200,7 +200,8 @@ class PodMetricsServers:
                 host, _, port = pod.pod_id.rpartition(":")
                 server = ThreadingHTTPServer((host, int(port)), _handler(self._board, i))
                 server.daemon_threads = True
-                threading.Thread(target=server.serve_forever, daemon=True).start()
+                # polled every 50 ms: close() waits for one poll per server
+                threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
                 self._servers.append(server)
         except OSError as exc:
             self.close()

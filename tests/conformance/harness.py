@@ -24,7 +24,6 @@ import queue
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,19 +32,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("vllm_driver.py")
-DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 #: The KV group namespace of group g > 0 in kvindex (the hybrid indexing's rule: group 0
 #: under the model's own name, group g under ``<model>#kv-group-<g>``).
 GROUP_SEPARATOR = "#kv-group-"
-
-
-def vllm_python() -> str | None:
-    """The vLLM venv's interpreter: ``$KVTEST_VLLM_PYTHON``, else ``.venv-vllm`` in the
-    repository (what ``tests/conformance/vllm_env.sh`` makes), else None."""
-    configured = os.environ.get("KVTEST_VLLM_PYTHON")
-    if configured:
-        return configured
-    return str(DEFAULT_VLLM_PYTHON) if DEFAULT_VLLM_PYTHON.exists() else None
 
 
 class DriverError(RuntimeError):
@@ -141,15 +130,6 @@ class PodSpec:
 
 def group_namespace(model: str, group: int) -> str:
     return model if group == 0 else f"{model}{GROUP_SEPARATOR}{group}"
-
-
-def eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 class Kvindex:

@@ -30,18 +30,17 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.api.testing import ServeProcess, free_port
+from kvindex.api.testing import ServeProcess, eventually, free_port
 from tests.conformance.harness import (
     Divergence,
     DriverProcess,
     Kvindex,
     PodSpec,
     compare_pod,
-    eventually,
     hash_alarms,
     hash_check_problems,
-    vllm_python,
 )
+from tests.support.vllm import vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -175,9 +174,9 @@ def run_phase(
     for pod in pods:
         eventually(
             lambda pod=pod: kvindex.caught_up(pod, published[pod]),
-            30.0,
             f"{pod} to apply its {published[pod]} batches and be live "
             f"(report: {kvindex.pod_report(pod)})\n{suite['server'].log_tail(2000)}",
+            timeout_s=30.0,
         )
     truth = driver.call("truth", pods=pods, probes=probes)["truth"]
     problems = [line for pod in pods for line in compare_pod(kvindex, BY_ID[pod], truth[pod])]

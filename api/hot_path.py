@@ -30,8 +30,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import parse_qsl, urlencode
 
 import msgspec
 
@@ -107,12 +108,13 @@ class HotRoutes:
         self.on_refusal = on_refusal
         #: The index work runs on the caller (memory backend): :meth:`answer` may be used.
         self.inline = service.index_work.inline
+        timed = self._timed if service.route_clock is not None else _untimed
         self._exact = {
             "/score": Route(self._score, self._score_awaited),
-            "/route": Route(self._route, self._route_awaited),
+            "/route": timed(Route(self._route, self._route_awaited)),
         }
-        self._done_route = Route(self._done, self._done_awaited)
-        self._first_route = Route(self._first, self._first_awaited)
+        self._done_route = timed(Route(self._done, self._done_awaited))
+        self._first_route = timed(Route(self._first, self._first_awaited))
 
     def match(self, path: str) -> tuple[Route, str] | None:
         """The route of ``path`` and its path parameter (a route id), or None."""
@@ -162,6 +164,33 @@ class HotRoutes:
         self.on_refusal(path, "method_not_allowed")
         return 405, error_body("method_not_allowed", f"{method} is not allowed on {path}"), ALLOW
 
+    def _timed(self, route: Route) -> Route:
+        """``route`` with the caller's time applied first (``--clock external``)."""
+
+        async def awaited(posted: Posted) -> Answer:
+            return await route.awaited(self._at_its_time(posted))
+
+        return Route(lambda posted: route.inline(self._at_its_time(posted)), awaited)
+
+    def _at_its_time(self, posted: Posted) -> Posted:
+        """Moves the external clock to the call's ``?now=``, and returns the call without
+        it (a binary body's query takes only the request's fields)."""
+        clock = self.service.route_clock
+        assert clock is not None  # only routes wrapped by _timed get here
+        pairs = parse_qsl(posted.query.decode("latin-1"), keep_blank_values=True)
+        times = [value for name, value in pairs if name == "now"]
+        if len(times) != 1:
+            raise ClientError(
+                "kvindex runs with --clock external: every /route call carries its "
+                "time once, as ?now=SECONDS"
+            )
+        try:
+            clock.advance_to(float(times[0]))
+        except ValueError as exc:
+            raise ClientError(f"?now={times[0]!r}: {exc}") from None
+        rest = urlencode([(name, value) for name, value in pairs if name != "now"])
+        return replace(posted, query=rest.encode("latin-1"))
+
     # -- the handlers ------------------------------------------------------------------
 
     def _score(self, posted: Posted) -> Answer:
@@ -207,6 +236,10 @@ class HotRoutes:
 
     async def _first_awaited(self, posted: Posted) -> Answer:
         return self._first(posted)
+
+
+def _untimed(route: Route) -> Route:
+    return route
 
 
 def _parse(posted: Posted, kind: type[R], decode_json: Callable[[bytes], R]) -> R:

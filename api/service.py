@@ -54,6 +54,7 @@ from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.pods import Mark, PodDirectory
 from kvindex.indexer.snapshot import SnapshotGate, Snapshotter
 from kvindex.indexer.verify import HashVerifier
+from kvindex.scoring.clock import ExternalClock
 from kvindex.scoring.event_lag import EventLag
 from kvindex.scoring.pd import Role
 from kvindex.scoring.scorer import Scorer
@@ -193,10 +194,16 @@ class Service:
             expected=self.configured_pods,
             ingest_failure=lambda: self.subscriber.failure,
         )
-        self.load, self.router = make_routing(settings, self.known_pods, route_seed)
+        # --clock external: the caller's virtual time ages /route's state (a simulator's
+        # reproducible runs; the hot path moves it from each call's ?now=).
+        self.route_clock = ExternalClock() if settings.scoring.clock == "external" else None
+        clock = self.route_clock or time.monotonic
+        if route_seed is None:
+            route_seed = settings.scoring.route_seed
+        self.load, self.router = make_routing(settings, self.known_pods, route_seed, clock)
         self.route_metrics = RouteMetrics(self.registry)
         self.registry.register(LoadCollector(self.load))
-        self.speculative = make_speculative(settings)
+        self.speculative = make_speculative(settings, clock)
         self.registry.register(SpeculativeCollector(self.speculative))
         self.registry.register(EventLagCollector(self.event_lag))
         self.route_view = RouteView(self.known_pods, self.directory.index_doubts)

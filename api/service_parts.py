@@ -7,6 +7,7 @@ the composition root reads as a list of parts and each rule lives in one place.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -171,8 +172,11 @@ def make_routing(
     settings: Settings,
     pods: Callable[[], Iterable[str]],
     seed: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[LoadView, Router]:
-    """/route's parts: the load view scraping every known pod, and the router."""
+    """/route's parts: the load view scraping every known pod, and the router; ``clock``
+    ages their state (the ledger, session homes, ejections, scrape ages), ``seed`` seeds
+    the router's tie-breaks."""
     scoring = settings.scoring
     if scoring.load_interval <= 0 or scoring.load_timeout <= 0:
         raise ConfigError("--load-interval and --load-timeout must be positive")
@@ -196,9 +200,11 @@ def make_routing(
         interval_s=scoring.load_interval,
         timeout_s=scoring.load_timeout,
         stale_after_s=scoring.load_stale_after or None,
+        clock=clock,
         pods_source=pods,
         outliers=OutlierDetector(
-            EjectionPolicy(scoring.eject_after, scoring.eject_base, scoring.eject_max_percent)
+            EjectionPolicy(scoring.eject_after, scoring.eject_base, scoring.eject_max_percent),
+            clock,
         ),
     )
     admission = Admission(scoring.max_kv_usage, scoring.max_waiting)
@@ -206,10 +212,12 @@ def make_routing(
     return view, Router(scoring.route_weights, admission, seed, least_bad=least_bad)
 
 
-def make_speculative(settings: Settings) -> SpeculativeIndex:
+def make_speculative(
+    settings: Settings, clock: Callable[[], float] = time.monotonic
+) -> SpeculativeIndex:
     scoring = settings.scoring
     try:
-        return SpeculativeIndex(scoring.speculative_ttl, scoring.speculative_max_blocks)
+        return SpeculativeIndex(scoring.speculative_ttl, scoring.speculative_max_blocks, clock)
     except ValueError:
         raise ConfigError(
             "--speculative-ttl must be >= 0 (0: off) and --speculative-max-blocks positive"

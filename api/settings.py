@@ -352,6 +352,21 @@ class ScoringSettings(_Section):
             "(the cheapest pod anyway, reason least_bad)"
         ),
     ] = "reject"
+    route_seed: Annotated[
+        int | None,
+        doc(
+            "/route: seed of the random choice among equally cheap pods (a simulator's "
+            "reproducible runs); unset = seeded from the OS"
+        ),
+    ] = None
+    clock: Annotated[
+        Literal["monotonic", "external"],
+        doc(
+            "/route's clock: monotonic, or external for simulators only: every /route, "
+            "/route/{id}/done and /first-token call must carry ?now=SECONDS, the caller's "
+            "virtual time, and kvindex's route state ages by it (docs/routing.md)"
+        ),
+    ] = "monotonic"
     speculative_ttl: Annotated[
         float,
         doc(

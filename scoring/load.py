@@ -260,15 +260,17 @@ class LoadView:
         }
 
     def _run(self) -> None:
+        # Rounds are paced on the wall clock whatever the view's clock: a clock that
+        # moves only when told (a simulator's) must not stall or spin the scraper.
         while not self._stop.is_set():
-            started = self._clock()
+            started = time.monotonic()
             try:
                 if self._pods_source is not None:
                     self.set_pods(self._pods_source())
                 self.scrape_once()
             except Exception:  # a bug, not a pod's failure (those are counted): keep going
                 log.exception("load scrape round failed")
-            elapsed = self._clock() - started
+            elapsed = time.monotonic() - started
             self._stop.wait(max(0.0, self.interval_s - elapsed))
 
     def _http(self):  # -> httpx.Client

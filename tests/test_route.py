@@ -505,3 +505,41 @@ def test_a_session_between_turns_counts_on_its_pod_until_its_next_turn() -> None
         server.stop()
         for m in metrics:
             m.close()
+
+
+def test_an_external_clock_ages_route_state_by_the_callers_time() -> None:
+    """``--clock external``: each /route call's ``?now=`` is kvindex's time. A route
+    entered at 0 is still held at 59 virtual seconds (--route-ttl 60) and gone at 61,
+    however little wall time passed; a call without its time, or going back, is a 400."""
+    metrics = MetricsServer(page())
+    server = ServeProcess(
+        "--zmq-bind", f"tcp://127.0.0.1:{free_port()}",
+        "--model", MODEL,
+        "--load-interval", "0.5",
+        "--route-ttl", "60",
+        "--clock", "external",
+        "--route-seed", "3",
+        "--pod-role", f"{metrics.pod}=both",
+        env={**os.environ},
+    )  # fmt: skip
+    body = {"model": MODEL, "token_ids": TOKENS, "pods": [metrics.pod]}
+
+    def post(path: str, now: float | None, **kwargs) -> httpx.Response:
+        params = {} if now is None else {"now": str(now)}
+        return httpx.post(f"{server.url}{path}", params=params, timeout=5, **kwargs)
+
+    try:
+        server.wait_ready(20.0)
+        for rid, now in (("held", 0.0), ("expired", 0.0)):
+            answer = post("/route", now, json={**body, "request_id": rid})
+            assert answer.status_code == 200, answer.text
+        assert post("/route/held/done", 59.0).status_code == 200
+        assert post("/route/expired/done", 61.0).status_code == 404  # its TTL passed
+        missing = post("/route", None, json=body)
+        assert missing.status_code == 400 and "?now=SECONDS" in missing.text
+        back = post("/route", 30.0, json=body)
+        assert back.status_code == 400 and "before the last time" in back.text
+        assert post("/route", float("nan"), json=body).status_code == 400
+    finally:
+        server.stop()
+        metrics.close()

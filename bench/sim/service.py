@@ -116,6 +116,9 @@ class IndexClient:
         self.sync_waits = 0  # wait_applied calls that found the index behind
         self.sync_timeouts = 0  # counted by whoever gives up waiting (Cluster.sync)
         self.sync_wait_s = 0.0
+        #: The virtual time sent with every /route call (``?now=``), for a kvindex run
+        #: with ``--clock external``; None: none sent (kvindex's own clock).
+        self.now: float | None = None
 
     def score(self, model: str, tokens: Sequence[int], pods: Sequence[str]) -> dict[str, int]:
         """``POST /score``: matched blocks per candidate pod."""
@@ -143,7 +146,10 @@ class IndexClient:
             }
         )
         response = self._http.post(
-            "/route", content=body, headers={"content-type": "application/json"}
+            "/route",
+            content=body,
+            headers={"content-type": "application/json"},
+            params=self._at_now(),
         )
         if response.status_code == 429:
             return None
@@ -155,15 +161,18 @@ class IndexClient:
 
     def route_first_token(self, rid: str) -> None:
         """``POST /route/{id}/first-token``; an id kvindex no longer holds (404) is fine."""
-        response = self._http.post(f"/route/{rid}/first-token")
+        response = self._http.post(f"/route/{rid}/first-token", params=self._at_now())
         if response.status_code not in (200, 404):
             raise ServiceError(f"/route/first-token answered {response.status_code}")
 
     def route_done(self, rid: str) -> None:
         """``POST /route/{id}/done``; an id kvindex no longer holds (404) is fine."""
-        response = self._http.post(f"/route/{rid}/done")
+        response = self._http.post(f"/route/{rid}/done", params=self._at_now())
         if response.status_code not in (200, 404):
             raise ServiceError(f"/route/done answered {response.status_code}")
+
+    def _at_now(self) -> dict[str, str] | None:
+        return None if self.now is None else {"now": repr(self.now)}
 
     def pods(self) -> dict[str, dict[str, Any]]:
         """``GET /index/pods`` by pod id."""

@@ -149,8 +149,13 @@ def test_owner_killed_another_replica_takes_over_and_replays(
     eventually(lambda: POD in a.pod().get("owners", {}), "an owner in /index/pods", 10.0)
     owner_name = a.pod()["owners"][POD]
     owner, survivor = (a, b) if owner_name == "replica-a" else (b, a)
-    survivor_report = survivor.pod()
-    assert survivor_report["streams"][0]["state"] == "standby"
+    # The survivor stands by once its gate knows the lease is another's (until then a
+    # batch it received reads ``resync``: who owns the stream is not known yet).
+    eventually(
+        lambda: survivor.pod()["streams"][0]["state"] == "standby",
+        f"{survivor.name} to stand by:\n{survivor.log()}",
+        10.0,
+    )
     client = redis.client()
     position = f"kvtest-replicas:stream:{{{POD}}}:pos"
     eventually(lambda: client.get(position) == b"0", "the owner to store its position", 10.0)

@@ -183,38 +183,32 @@ def decide_route(service: Service, req: RouteRequest, inputs: RouteInputs) -> Ro
             for pod in done.dropped:  # each a PodLoad with a start time (the loop's rule)
                 _ignore_restarted(view, pod, loads[pod].started)  # type: ignore[union-attr]
             answer = _answer_pass(service, req, view, pods, done, block_size)
-            return _with_states(service, _with_ejected(answer, excluded), view.doubts)
+            return _with_rows_state(service, answer, view.doubts, excluded)
     _drop_restarted(service, loads, view)
     answer = _decide_targets(
         service, req, view, pods, loads, in_flight, roles, block_size, excluded
     )
-    return _with_states(service, _with_ejected(answer, excluded), view.doubts)
+    return _with_rows_state(service, answer, view.doubts, excluded)
 
 
-def _with_ejected(answer: RouteResponse, excluded: dict[str, str]) -> RouteResponse:
-    """Each ejected candidate's reason in its row."""
-    if excluded:
-        for candidate in answer.candidates:
-            candidate.ejected = excluded.get(candidate.pod)
-    return answer
-
-
-def _with_states(service: Service, answer: RouteResponse, doubts: dict[str, str]) -> RouteResponse:
-    """Each candidate's doubt and stream state, and a warning for each candidate not
-    heard from since kvindex started: its engine may hold the prompt's prefix though the
-    index says nothing of it (doubt ``unheard``: its matches, a lower bound, count)."""
+def _with_rows_state(
+    service: Service, answer: RouteResponse, doubts: dict[str, str], excluded: dict[str, str]
+) -> RouteResponse:
+    """Each candidate's doubt, ejection and stream state, and a warning for each
+    candidate not heard from since kvindex started: its engine may hold the prompt's
+    prefix though the index says nothing of it (doubt ``unheard``: its matches, a lower
+    bound, count)."""
     states = service.directory.stream_states()
-    if doubts:
-        for candidate in answer.candidates:
-            candidate.doubt = doubts.get(candidate.pod)
-    if not states:
+    if not (doubts or excluded or states):
         return answer
     unheard = set()
     for candidate in answer.candidates:
-        state = candidate.stream_state = states.get(candidate.pod)
+        pod = candidate.pod
+        candidate.ejected = excluded.get(pod)
+        state = candidate.stream_state = states.get(pod)
+        candidate.doubt = doubts.get(pod) or (UNHEARD if state == UNHEARD else None)
         if state == UNHEARD:
-            unheard.add(candidate.pod)
-            candidate.doubt = candidate.doubt or UNHEARD
+            unheard.add(pod)
     answer.warnings.extend(f"pod {pod}: {UNHEARD_REASON}" for pod in sorted(unheard))
     return answer
 

@@ -171,7 +171,7 @@ def openapi_paths() -> tuple[dict[str, Any], dict[str, Any]]:
             "200": decision,
             **error_responses(error, 400, 408, 413, 415),
             "429": described(
-                "no_capacity: no pod admissible (KV cache or queue over the limit), see "
+                "no_capacity: no pod admissible (every one over --max-waiting), see "
                 "Retry-After; or too many requests in flight (--max-in-flight)"
             ),
             "503": described(

@@ -260,6 +260,8 @@ def _answer_pass(
 ) -> RouteResponse:
     """The one-pass decision entered and answered: its rows are the candidates."""
     service.route_metrics.decided(done.reason)
+    if done.saturated:
+        _saturated(service, view)
     if done.chosen is None:
         _no_capacity(service, "; ".join(done.refused))
     pod = pods[done.chosen]
@@ -322,6 +324,8 @@ def _decide_targets(
             ejected,
         )
     service.route_metrics.decided(decision.reason)
+    if decision.saturated or (prefill is not None and prefill.saturated):
+        _saturated(service, view)
     if decision.pod is None:
         _no_capacity(
             service, "; ".join(f"{c.inputs.pod}: {c.refused}" for c in decision.candidates)
@@ -360,6 +364,17 @@ def _decide_targets(
                 usable.usable_blocks, prefill_leg=route_id + _PREFILL,
             )  # fmt: skip
     return answer
+
+
+def _saturated(service: Service, view: _IndexView) -> None:
+    """No candidate had KV room, so KV usage refused none of them
+    (:meth:`~kvindex.scoring.router.Admission.kv_limit`): say so, and count it."""
+    service.route_metrics.saturated.inc()
+    limit = service.router.admission.max_kv_usage
+    view.warnings.append(
+        f"every candidate's KV cache is above --max-kv-usage {limit} (saturated): "
+        "all admitted, chosen by cost"
+    )
 
 
 def _no_capacity(service: Service, refused: str) -> None:

@@ -39,6 +39,12 @@ class RouteMetrics:
             registry=registry,
         )
 
+        self.saturated = Counter(
+            "kvindex_route_saturated",
+            "Routing decisions taken while no candidate with known load had KV-cache room "
+            "(usage at most --max-kv-usage): every candidate was admitted and the cost chose.",
+            registry=registry,
+        )
         self._by_reason: dict[str, Any] = {}
 
     def decided(self, reason: str) -> None:

@@ -338,12 +338,14 @@ class ScoringSettings(_Section):
     max_kv_usage: Annotated[
         float,
         doc(
-            "/route: never choose a pod whose KV cache usage (fullest engine) is "
-            "above this fraction"
+            "/route: pass over a pod whose KV cache usage (fullest engine) is above "
+            "this fraction while another candidate has room; when none has (saturated), "
+            "the cost decides among all"
         ),
     ] = 0.95
     max_waiting: Annotated[
-        int, doc("/route: never choose a pod with more requests waiting; 0 = no limit")
+        int,
+        doc("/route: never choose a pod with more requests waiting (none left: 429); 0 = no limit"),
     ] = 0
     when_full: Annotated[
         Literal["reject", "least_bad"],

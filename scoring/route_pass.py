@@ -25,8 +25,10 @@ the general path does beforehand (``api/route.py``'s ``_drop_restarted``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+import math
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Generic, TypeVar
 
 from kvindex.scoring.event_lag import Lag
@@ -84,6 +86,7 @@ class Pass(Generic[R]):
     usable: int  # the chosen pod's usable prefix (blocks it need not prefill)
     dropped: list[str]  # pods that restarted unheard: their index entries were ignored
     refused: list[str]  # "pod: why" for each pod refused admission
+    saturated: bool = False  # no candidate had KV room: the KV limit was lifted
 
 
 def one_pass(
@@ -124,30 +127,44 @@ def one_pass(
     else:
         total_blocks = cap = 0
         per_token = 0.0
+    max_kv = admission.kv_limit(_known_room(pods, loads))
+    saturated = max_kv == math.inf
+    refusal = partial(admission.refusal, kv_limit=max_kv) if saturated else admission.refusal
     consts = (
         load_only, prompt_tokens, block_size, total_blocks, cap,
         0.0 if load_only else weights.prefix * per_token, weights.queue * per_token,
         weights.decode * per_token, weights.kv,
-        float(admission.max_kv_usage), admission.max_waiting, PENDING_WAITING,
+        max_kv, admission.max_waiting, PENDING_WAITING,
         float(future_tokens), *_busiest(pods, loads, in_flight, prompt_tokens),
     )  # fmt: skip
     pods = pods if type(pods) is list else list(pods)
     heard = {} if heard is None else heard
     inputs = (pods, matches, speculative, loads, in_flight, heard)
     if compiled is not None and all(type(m) is dict for m in inputs[1:]):
-        done = compiled.rows(*inputs, PodLoad, row, admission.refusal, consts)
+        done = compiled.rows(*inputs, PodLoad, row, refusal, consts)
     else:
-        done = _rows_python(*inputs, row, admission.refusal, consts)
+        done = _rows_python(*inputs, row, refusal, consts)
     if done is None:
         return None
     rows, totals, loads_terms, usables, admitted, dropped, refused = done
     admitted = prefer_included(pods, admitted, excluded)
     chosen, reason = router.choose(pods, totals, loads_terms, usables, admitted, fallback)
     if chosen is None:
-        return Pass(None, reason, rows, 0, 0, dropped, refused)
+        return Pass(None, reason, rows, 0, 0, dropped, refused, saturated)
     match = matches.get(pods[chosen])
     confirmed = 0 if match is None or pods[chosen] in dropped else match.matched_blocks
-    return Pass(chosen, reason, rows, confirmed, usables[chosen], dropped, refused)
+    return Pass(chosen, reason, rows, confirmed, usables[chosen], dropped, refused, saturated)
+
+
+def _known_room(
+    pods: Sequence[str], loads: Mapping[str, PodLoad | Unknown]
+) -> Iterator[tuple[float | None, int]]:
+    """(fullest engine's KV usage, waiting) of each candidate whose load is known, read
+    as the candidate loop reads them, for :meth:`~kvindex.scoring.router.Admission.kv_limit`."""
+    for pod in pods:
+        load = loads[pod]
+        if type(load) is PodLoad:
+            yield load.kv_usage_max, _count(load.waiting)
 
 
 def _busiest(

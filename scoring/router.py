@@ -4,8 +4,13 @@ Pure apart from its tie-breaking state (a seeded RNG and a round-robin counter),
 rule here is unit-tested without a network; ``POST /route`` gathers the inputs (index
 matches, scraped load, in-flight ledger) and enters the decision in the ledger.
 
-- Admission: a pod whose fullest engine's KV usage is above ``max_kv_usage``, or whose
-  scraped waiting queue is longer than ``max_waiting`` (0: no limit), is not chosen.
+- Admission: a pod whose scraped waiting queue is longer than ``max_waiting`` (0: no
+  limit) is not chosen, nor one whose fullest engine's KV usage is above
+  ``max_kv_usage`` *while another candidate has room* (:meth:`Admission.kv_limit`).
+  When none has, the cluster is saturated: every vLLM queues what it cannot run, so
+  refusing them all would only hand the request to a cache-blind fallback, and that
+  spraying is what collapsed hit ratios at twice the cache-oblivious knee. Then every
+  candidate is admitted and the cost decides (``saturated``).
   A pod with unknown load is admitted (nothing says it is full) but costed as busy.
   No admitted pod: no decision (``no_capacity``; the API answers 429), or, with
   ``least_bad``, the cheapest pod of all (``least_bad``): for a gateway that has nowhere
@@ -26,8 +31,9 @@ matches, scraped load, in-flight ledger) and enters the decision in the ledger.
 from __future__ import annotations
 
 import itertools
+import math
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from enum import StrEnum
 
 import msgspec
@@ -59,18 +65,36 @@ class Decision(msgspec.Struct, frozen=True):
     pod: str | None  # None with NO_CAPACITY
     reason: Reason
     candidates: list[Candidate]
+    saturated: bool = False  # no candidate had KV room: the KV limit was lifted
 
 
 class Admission(msgspec.Struct, frozen=True):
     max_kv_usage: float = 0.95
     max_waiting: int = 0  # 0: no limit
 
-    def refusal(self, kv_usage_max: float | None, waiting: int | None) -> str | None:
-        if kv_usage_max is not None and kv_usage_max > self.max_kv_usage:
+    def refusal(
+        self, kv_usage_max: float | None, waiting: int | None, kv_limit: float | None = None
+    ) -> str | None:
+        """Why a pod is refused, or None; ``kv_limit`` is the decision's
+        (:meth:`kv_limit`), ``max_kv_usage`` when not given."""
+        limit = self.max_kv_usage if kv_limit is None else kv_limit
+        if kv_usage_max is not None and kv_usage_max > limit:
             return f"kv_usage {kv_usage_max:.3f} above --max-kv-usage {self.max_kv_usage}"
         if self.max_waiting and waiting is not None and waiting > self.max_waiting:
             return f"{waiting} waiting, more than --max-waiting {self.max_waiting}"
         return None
+
+    def kv_limit(self, known: Iterable[tuple[float | None, int]]) -> float:
+        """The KV-usage limit of one decision, from its candidates whose load is known,
+        each as (fullest engine's KV usage, waiting): ``max_kv_usage`` while one of them
+        has room (usage at most the limit, waiting within ``max_waiting``); infinity when
+        none has, so KV usage refuses nobody. Stops at the first pod with room, the
+        usual case."""
+        limit, max_waiting = self.max_kv_usage, self.max_waiting
+        for usage, waiting in known:
+            if usage is not None and usage <= limit and not (max_waiting and waiting > max_waiting):
+                return limit
+        return math.inf
 
 
 def prefer_included(
@@ -119,7 +143,10 @@ class Router:
         (``/route`` without P/D or data-parallel ranks takes the same decision in one
         pass over its candidates: :mod:`kvindex.scoring.route_pass`.)"""
         admission = self.admission
-        max_kv, max_waiting = admission.max_kv_usage, admission.max_waiting
+        max_waiting = admission.max_waiting
+        max_kv = admission.kv_limit(
+            (kv_usage_max.get(p.pod), p.waiting) for p in pods if p.waiting is not None
+        )
         costs = pod_costs(
             pods, prompt_tokens, block_size, self.weights, fallback is not None, future_tokens
         )
@@ -130,7 +157,7 @@ class Router:
             if (usage is not None and usage > max_kv) or (
                 max_waiting and waiting is not None and waiting > max_waiting
             ):  # the refusal text only when refused
-                candidates.append(Candidate(p, terms, admission.refusal(usage, waiting)))
+                candidates.append(Candidate(p, terms, admission.refusal(usage, waiting, max_kv)))
                 continue
             candidates.append(Candidate(p, terms, None))
             admitted.append(i)
@@ -143,7 +170,8 @@ class Router:
             admitted,
             fallback,
         )
-        return Decision(None if chosen is None else pods[chosen].pod, reason, candidates)
+        pod = None if chosen is None else pods[chosen].pod
+        return Decision(pod, reason, candidates, max_kv == math.inf)
 
     def choose(
         self,

@@ -120,6 +120,7 @@ def cluster() -> Iterator[Cluster]:
         "--load-interval", "0.5",
         "--load-timeout", "2",
         "--max-kv-usage", "0.9",
+        "--max-waiting", "40",
         "--route-ttl", "60",
         # The cost model on confirmed entries alone: speculative entries would send a
         # same-prompt burst to one pod (tests/test_route_live.py covers them).
@@ -265,10 +266,35 @@ def test_a_pod_restarted_since_its_last_events_is_not_credited_its_old_cache(
     cluster.set_pages()
 
 
-def test_no_admissible_pod_is_429_with_retry_after(cluster: Cluster) -> None:
+def test_every_pod_full_is_saturation_and_the_cost_still_decides(cluster: Cluster) -> None:
+    """Issue 28: past --max-kv-usage on every pod (running requests fill every cache at
+    twice the knee) the cluster is saturated, not closed: each pod is admitted, the prefix
+    still decides, and a warning and a counter say so."""
     full = page(running=50, kv=0.97)
     for server in cluster.metrics:
         server.page = full
+
+    def saturated() -> bool:
+        answer = cluster.route()
+        assert answer.status_code == 200, answer.text
+        cluster.done(answer.json()["route_id"])
+        return any("saturated" in w for w in answer.json()["warnings"])
+
+    eventually(saturated, "every pod over --max-kv-usage")
+    answer = cluster.route()
+    body = answer.json()
+    cluster.done(body["route_id"])
+    assert (body["pod"], body["reason"]) == (cluster.a, "prefix")
+    assert all(c["admitted"] and c["refused"] is None for c in body["candidates"])
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=5).text
+    assert "kvindex_route_saturated_total" in metrics
+    cluster.set_pages()
+
+
+def test_no_admissible_pod_is_429_with_retry_after(cluster: Cluster) -> None:
+    queued = page(running=50, waiting=41, kv=0.5)
+    for server in cluster.metrics:
+        server.page = queued
 
     def refused() -> bool:
         answer = cluster.route(COLD)
@@ -276,9 +302,10 @@ def test_no_admissible_pod_is_429_with_retry_after(cluster: Cluster) -> None:
             cluster.done(answer.json()["route_id"])
         return answer.status_code == 429
 
-    eventually(refused, "every pod over --max-kv-usage")
+    eventually(refused, "every pod over --max-waiting")
     refused = cluster.route(COLD)
     assert refused.json()["error"] == "no_capacity"
+    assert "more than --max-waiting 40" in refused.json()["detail"]
     assert int(refused.headers["retry-after"]) == math.ceil(0.1)
     metrics = httpx.get(f"{cluster.url}/metrics", timeout=5).text
     assert 'kvindex_route_decisions_total{reason="no_capacity"}' in metrics

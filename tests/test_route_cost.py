@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -159,15 +160,44 @@ def test_admission_refuses_full_and_queued_pods_and_none_left_is_no_capacity() -
     assert [c.refused is None for c in decision.candidates] == [False, False, True]
     assert "max-kv-usage" in decision.candidates[0].refused
     assert "max-waiting" in decision.candidates[1].refused
-    none = decide(router, pods[:2])
+    assert not decision.saturated  # c has room
+    none = decide(router, [pods[1], pod("d", kv=0.2, waiting=12)])
     assert (none.pod, none.reason) == (None, Reason.NO_CAPACITY)
+
+
+def test_kv_usage_refuses_only_while_another_candidate_has_room() -> None:
+    """Issue 28: at twice the cache-oblivious knee every pod's KV cache is full of
+    running requests and vLLM queues what it cannot run. Refusing every pod then answered
+    429s, and the caller's cache-blind fallback collapsed the hit ratio. With no KV room
+    anywhere, every pod is admitted and the cost (the prefix) decides."""
+    router = Router(admission=Admission(max_kv_usage=0.9, max_waiting=10), seed=0)
+    full = [pod("a", matched=32, kv=0.99), pod("b", kv=0.97), pod("c", kv=0.95)]
+    decision = decide(router, full)
+    assert (decision.pod, decision.reason, decision.saturated) == ("a", Reason.PREFIX, True)
+    assert all(c.refused is None for c in decision.candidates)
+    # a pod with room: the full ones are refused as before
+    roomy = decide(router, [*full, pod("d", kv=0.5)])
+    assert (roomy.pod, roomy.saturated) == ("d", False)
+    assert [c.refused is None for c in roomy.candidates] == [False, False, False, True]
+    # room means under both limits: a pod over --max-waiting has none; an unknown load
+    # is not room either (nothing says it has any)
+    queued = decide(router, [*full, pod("d", kv=0.5, waiting=11), pod("e", waiting=None)])
+    assert (queued.pod, queued.saturated) == ("a", True)
+    assert "max-waiting" in queued.candidates[3].refused
+    assert Admission(max_kv_usage=0.9).kv_limit([(None, 0), (0.95, 0)]) == math.inf
+    assert Admission(max_kv_usage=0.9).kv_limit([(0.95, 0), (0.9, 0)]) == 0.9
 
 
 def test_admission_uses_the_fullest_engine_and_admits_unknown_load() -> None:
     router = Router(admission=Admission(max_kv_usage=0.9), seed=0)
-    pods = [pod("a", kv=0.5), pod("b", waiting=None, kv=None)]
-    decision = decide(router, pods, kv_max={"a": 0.95, "b": None})
-    assert decision.pod == "b" and decision.candidates[1].refused is None
+    pods = [pod("a", kv=0.5), pod("b", waiting=None, kv=None), pod("c", kv=0.3)]
+    decision = decide(router, pods, kv_max={"a": 0.95, "b": None, "c": 0.3})
+    assert decision.pod == "c" and decision.candidates[1].refused is None
+    assert "max-kv-usage" in decision.candidates[0].refused
+    # without c no known pod has room: a is not refused, and the unknown pod, costed
+    # busy, does not draw every request for want of an admitted rival
+    decision = decide(router, pods[:2], kv_max={"a": 0.95, "b": None})
+    assert (decision.pod, decision.saturated) == ("a", True)
 
 
 def test_ties_are_broken_at_random_and_reproducibly_per_seed() -> None:

@@ -246,13 +246,13 @@ def test_every_pod_incomplete_still_routes_by_prefix(live) -> None:
 
 def test_least_bad_instead_of_429(live) -> None:
     full = page(waiting=3, kv=0.99)
-    strict = live()
+    strict = live(max_waiting=2)
     a = strict.pod(full)
     strict.hold(a, 4)
     strict.scraped(a)
     refused = strict.client.post("/route", json={"model": MODEL, "token_ids": TOKENS})
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
-    lenient = live(when_full="least_bad")
+    lenient = live(when_full="least_bad", max_waiting=2)
     a, b = lenient.pod(full), lenient.pod(page(waiting=9, kv=0.98))
     lenient.hold(a, 4)
     lenient.hold(b, 1)

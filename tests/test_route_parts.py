@@ -115,11 +115,12 @@ def inputs(name: str, matched: int = 0, waiting: int | None = 0, kv: float | Non
 
 
 def test_least_bad_chooses_the_cheapest_when_none_is_admitted() -> None:
-    pods = [inputs("a", 16, kv=0.99), inputs("b", kv=0.97)]
+    pods = [inputs("a", 16, waiting=12, kv=0.99), inputs("b", waiting=11, kv=0.97)]
     kv_max = {"a": 0.99, "b": 0.97}
-    strict = Router(admission=Admission(max_kv_usage=0.9), seed=0)
+    admission = Admission(max_kv_usage=0.9, max_waiting=10)
+    strict = Router(admission=admission, seed=0)
     assert strict.decide(pods, kv_max, 32 * BS + 1, BS).reason is Reason.NO_CAPACITY
-    lenient = Router(admission=Admission(max_kv_usage=0.9), seed=0, least_bad=True)
+    lenient = Router(admission=admission, seed=0, least_bad=True)
     decision = lenient.decide(pods, kv_max, 32 * BS + 1, BS)
     assert (decision.pod, decision.reason) == ("a", Reason.LEAST_BAD)
     assert all(c.refused for c in decision.candidates)

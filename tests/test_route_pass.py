@@ -121,19 +121,20 @@ def general(
         excluded,
     )
     rows = _candidates_of(decision, None, {t.member: t for t in targets}, {})
-    return decision.pod, decision.reason, rows
+    return decision.pod, decision.reason, rows, decision.saturated
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_one_pass_decides_and_answers_as_the_general_path(seed: int, loop: str) -> None:
     rng = random.Random(seed)
-    admission = Admission(max_kv_usage=0.95, max_waiting=rng.choice([0, 10]))
+    # every pairing of a waiting limit (or none) with least_bad or 429
+    admission = Admission(max_kv_usage=0.95, max_waiting=(0, 10)[seed // 2 % 2])
     weights = CostWeights(*rng.choice([(1.0, 1.0, 1.0, 1.0), (0.0, 1.0, 0.5, 2.0)]))
     least_bad = seed % 2 == 1
     fast = Router(weights, admission, seed=seed, least_bad=least_bad)
     slow = Router(weights, admission, seed=seed, least_bad=least_bad)
     reasons = set()
-    restarted = 0
+    restarted = saturated = 0
     for step in range(150):
         pods = [f"10.0.{step % 3}.{i}:8000" for i in range(rng.choice([1, 2, 7, 64]))]
         prompt_blocks = rng.choice([1, 4, 32, 512])
@@ -157,7 +158,8 @@ def test_one_pass_decides_and_answers_as_the_general_path(seed: int, loop: str) 
         assert done is not None
         assert set(done.dropped) == dropped, f"step {step}"
         pod = None if done.chosen is None else pods[done.chosen]
-        assert (pod, done.reason, done.rows) == want, f"step {step}"
+        assert (pod, done.reason, done.rows, done.saturated) == want, f"step {step}"
+        saturated += done.saturated
         if done.chosen is not None:
             assert done.confirmed == (matches[pod].matched_blocks if pod in matches else 0)
             assert done.usable == done.rows[done.chosen].usable_blocks
@@ -166,7 +168,11 @@ def test_one_pass_decides_and_answers_as_the_general_path(seed: int, loop: str) 
         restarted += len(dropped)
     assert Reason.PREFIX in reasons and Reason.LOAD in reasons  # both kinds were decided
     assert restarted  # some pods restarted unheard
-    assert (Reason.LEAST_BAD if least_bad else Reason.NO_CAPACITY) in reasons
+    assert saturated  # some decisions found no KV room and admitted every pod
+    if admission.max_waiting:
+        assert (Reason.LEAST_BAD if least_bad else Reason.NO_CAPACITY) in reasons
+    else:  # KV usage alone never leaves no pod admissible
+        assert not {Reason.LEAST_BAD, Reason.NO_CAPACITY} & reasons
 
 
 def test_pods_with_data_parallel_ranks_take_the_general_path(loop: str) -> None:

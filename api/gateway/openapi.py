@@ -36,7 +36,7 @@ _ERRORS = {
     "(a pod's own 4xx keeps its status and message)",
     408: "request_timeout: the body did not arrive within --body-timeout",
     413: "too_large: the body is over the size limit (--max-body-bytes)",
-    429: "no_capacity: no pod admissible now (KV cache or queue over the limit), see "
+    429: "no_capacity: no pod admissible now (every one over --max-waiting), see "
     "Retry-After; or too_many_requests: more requests in flight than --max-in-flight",
     502: "pods_unreachable: no candidate pod accepted the connection; pod_failed: the "
     "pod failed the request",

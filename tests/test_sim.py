@@ -76,6 +76,23 @@ def test_pool_evicts_least_recently_freed_tail_first() -> None:
     assert pool.evictions == 1
 
 
+def test_pool_reuses_blocks_without_a_hash_before_any_cached_block() -> None:
+    # vLLM 0.33 BlockPool.free_blocks: a released block without a hash (a partial last
+    # block) goes to the free queue's head, a cached one to its tail.
+    pool = BlockPool(4, BS)
+    cached = pool.allocate(2)
+    pool.cache(cached, [1, 2], 0, 2, list(range(8)))
+    pool.release(cached)
+    request = pool.allocate(2)
+    pool.cache(request, [3, 4], 0, 1, list(range(8)))  # the second block stays partial
+    pool.drain_events()
+    pool.release(request)
+    assert pool.allocate(1) == [request[1]]  # the partial block: no eviction
+    assert pool.drain_events() == []
+    pool.allocate(1)
+    assert pool.drain_events() == [BlockRemoved([2], medium="GPU")]  # then LRU, tail first
+
+
 def test_pool_touch_revives_a_free_block_and_pins_it() -> None:
     pool = BlockPool(2, BS)
     blocks = pool.allocate(2)

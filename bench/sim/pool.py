@@ -9,8 +9,9 @@ Facts followed (vLLM ``v1/core/block_pool.py`` and ``kv_cache_manager.py``, 0.9-
   per evicted block, as vLLM does);
 * a cache hit "touches" a block: its reference count goes up and, if it was free, it
   leaves the free queue;
-* a request's blocks are released in reverse order to the queue's tail, so the tail of a
-  sequence is evicted before its head;
+* a request's blocks are released in reverse order, so the tail of a sequence is evicted
+  before its head: cached (hashed) blocks to the queue's tail, blocks without a hash to
+  its head, to be reused before any cached block (0.33 ``BlockPool.free_blocks``);
 * a block gets its hash when it is scheduled, and ``BlockStored`` carries exactly the new
   full blocks, their token ids and the hash of the block before the first of them;
 * the same hash may be held by two blocks (a fully cached prompt recomputes its last
@@ -174,12 +175,20 @@ class BlockPool:
         )
 
     def release(self, blocks: Sequence[int]) -> None:
-        """Unpin a finished request's blocks, tail first into the free queue's tail."""
-        refs, free = self._refs, self._free
+        """Unpin a finished request's blocks, tail first: cached ones into the free
+        queue's tail, the others to its head (reused first: they hold nothing to hit)."""
+        refs, free, key = self._refs, self._free, self._key
+        unhashed = []
         for block in reversed(blocks):
             refs[block] -= 1
             if refs[block] == 0:
-                free[block] = None
+                if key[block] is None:
+                    unhashed.append(block)
+                else:
+                    free[block] = None
+        for block in reversed(unhashed):  # the first released ends up at the very head
+            free[block] = None
+            free.move_to_end(block, last=False)
 
     def reset(self) -> None:
         """vLLM's ``reset_prefix_cache``: drop every hash; only when nothing is in use."""

@@ -34,9 +34,14 @@ from bench.sim.workloads import (
     Workload,
     prepare,
 )
+from kvindex.events.identity import StreamId
+from kvindex.events.sink import Delivery
 from kvindex.events.testing import wait_until
-from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import BlockHasher, HashConfig
+from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.models import ModelCatalog
 from kvindex.scoring.load import LoadView
 
 BS = 4  # small blocks keep the pool tests readable
@@ -71,6 +76,23 @@ def test_pool_evicts_least_recently_freed_tail_first() -> None:
     assert pool.evictions == 1
 
 
+def test_pool_reuses_blocks_without_a_hash_before_any_cached_block() -> None:
+    # vLLM 0.33 BlockPool.free_blocks: a released block without a hash (a partial last
+    # block) goes to the free queue's head, a cached one to its tail.
+    pool = BlockPool(4, BS)
+    cached = pool.allocate(2)
+    pool.cache(cached, [1, 2], 0, 2, list(range(8)))
+    pool.release(cached)
+    request = pool.allocate(2)
+    pool.cache(request, [3, 4], 0, 1, list(range(8)))  # the second block stays partial
+    pool.drain_events()
+    pool.release(request)
+    assert pool.allocate(1) == [request[1]]  # the partial block: no eviction
+    assert pool.drain_events() == []
+    pool.allocate(1)
+    assert pool.drain_events() == [BlockRemoved([2], medium="GPU")]  # then LRU, tail first
+
+
 def test_pool_touch_revives_a_free_block_and_pins_it() -> None:
     pool = BlockPool(2, BS)
     blocks = pool.allocate(2)
@@ -94,10 +116,11 @@ def test_pool_stored_event_names_its_parent_and_only_new_tokens() -> None:
     assert pool.drain_events()[1] == BlockStored([8, 9], 7, tokens[4:12], BS, medium="GPU")
 
 
-def test_pool_duplicate_copy_eviction_leaves_a_ghost() -> None:
-    # vLLM keeps two blocks with one hash (a fully cached prompt recomputes its last
-    # block) and publishes BlockRemoved when either goes: the index then lacks a block
-    # the pod still holds.
+def test_pool_root_copies_each_have_their_store_and_removal_like_vllm() -> None:
+    # vLLM 0.33 keeps two blocks with one hash, also when both were stored from the
+    # chain's root (BlockHashToBlockMap.insert), publishes a BlockStored per copy and a
+    # BlockRemoved per evicted copy (_maybe_evict_cached_block), and hits the hash while
+    # a copy is left (get_cached_block returns any): the events say exactly what is held.
     pool = BlockPool(3, BS)
     first = pool.allocate(1)
     pool.cache(first, [5], 0, 1, list(range(4)))
@@ -106,10 +129,45 @@ def test_pool_duplicate_copy_eviction_leaves_a_ghost() -> None:
     assert pool.duplicate_stores == 1
     pool.release(first)
     pool.release(second)
+    pool.drain_events()
     pool.allocate(2)  # the never-used block, then the first copy
+    assert pool.drain_events() == [BlockRemoved([5], medium="GPU")]
     assert pool.match([5]) == 1
-    assert pool.ghosts == {5}
-    assert 5 not in pool.event_view()
+    assert pool.event_view() == pool.cached_keys() == {5}
+    assert pool.ghosts == set()
+    pool.allocate(1)  # the second copy
+    assert pool.drain_events() == [BlockRemoved([5], medium="GPU")]
+    assert pool.match([5]) == 0
+    assert pool.event_view() == pool.cached_keys() == set()
+
+
+def test_kvindex_fed_the_pools_events_holds_what_the_pool_holds() -> None:
+    """The pool's events through kvindex's own ingest (default report mode) leave the
+    index equal to the pool at every step, through root copies, copies stored after a
+    hit and constant eviction."""
+    backend = MemoryBackend()
+    ingestor = Ingestor(backend, ModelCatalog())
+    pod = StreamId("127.0.0.1:8001")
+    pool = BlockPool(6, BS)
+    chains = {c: [100 * (c + 1) + i for i in range(3)] for c in range(4)}
+    # (chain, blocks, first block to store): the second and third requests store chain
+    # 0 again from its root and after a one-block hit; the rest evict.
+    plan = [(0, 2, 0), (0, 2, 0), (0, 3, 1), (1, 3, 0), (2, 3, 0), (0, 1, 0), (3, 3, 0)]
+    held: list[list[int]] = []
+    for seq, (chain, count, start) in enumerate(plan):
+        keys = chains[chain]
+        hit = pool.touch(keys[:start])
+        while len(hit) + count - start > pool.free_blocks and held:
+            pool.release(held.pop(0))
+        blocks = hit + pool.allocate(count - start)
+        pool.cache(blocks, keys, start, count, list(range(4 * count)))
+        held.append(blocks)
+        batch = EventBatch(float(seq), pool.drain_events())
+        ingestor.deliver([Delivery(pod, "m", seq, batch, 0.0)])
+        assert set(backend.member_keys(pod.member, "m")) == pool.cached_keys(), seq
+        assert pool.ghosts == set()
+    assert pool.duplicate_stores >= 2
+    assert pool.evictions > 0
 
 
 def test_pool_reset_only_when_idle() -> None:

@@ -3,17 +3,20 @@
 Three checks, from the raw sets to what a gateway sees:
 
 1. **keys** - each pod's key set from ``/index/pods/{pod}/blocks`` equals the set of
-   hashes its events say it holds: block for block;
+   hashes the pod holds: block for block;
 2. **counts** - each pod's GPU block count in ``/index/pods`` equals the same number
    (and nothing sits in other tiers);
 3. **probes** - for every cached chain (a leaf block of a pod's cache and the blocks
    before it) one ``/score`` call with the chain's tokens must return, for *every* pod,
    exactly the length of the chain's leading run that pod holds.
 
-The pods' event view (copy counts over their own events, kvindex's rule) is the
-reference. It equals the pool's true contents unless vLLM evicted the first of two
-copies both stored from the chain's root (see ``pool.BlockPool.ghosts``); those are
-reported separately as ``ghost_blocks``.
+The reference is what each pod's pool holds, what vLLM itself would hit. vLLM 0.33
+publishes every copy of a hash and every copy's eviction (``BlockPool.cache_full_blocks``,
+``_maybe_evict_cached_block``), so under the report mode the simulator's pods use
+(``incremental``) the events determine it exactly, duplicate copies included.
+``ghost_blocks`` counts hashes where a pod's own events say otherwise
+(``pool.BlockPool.ghosts``): a simulator bug that no index could follow, which shows up
+here as missing or extra keys.
 """
 
 from __future__ import annotations
@@ -36,17 +39,17 @@ def check_agreement(
 ) -> dict[str, Any]:
     """Compare the index with the pods; ``agrees`` is the verdict."""
     reports = client.pods()
-    views = {pod.pod_id: pod.pool.event_view() for pod in cluster.pods}
-    indexed = {pod_id: client.block_keys(pod_id, cluster.model) for pod_id in views}
+    held = {pod.pod_id: pod.pool.cached_keys() for pod in cluster.pods}
+    indexed = {pod_id: client.block_keys(pod_id, cluster.model) for pod_id in held}
     pods: dict[str, dict[str, Any]] = {}
     for pod in cluster.pods:
         report = reports.get(pod.pod_id, {})
         tiers = report.get("blocks", {})
         pods[pod.pod_id] = {
-            "sim_blocks": len(views[pod.pod_id]),
+            "sim_blocks": len(held[pod.pod_id]),
             "index_blocks": tiers.get("gpu", 0),
-            "missing_keys": len(views[pod.pod_id] - indexed[pod.pod_id]),
-            "extra_keys": len(indexed[pod.pod_id] - views[pod.pod_id]),
+            "missing_keys": len(held[pod.pod_id] - indexed[pod.pod_id]),
+            "extra_keys": len(indexed[pod.pod_id] - held[pod.pod_id]),
             "index_other_tiers": tiers.get("cpu", 0) + tiers.get("storage", 0),
             "ghost_blocks": len(pod.pool.ghosts),
             "stream_state": report.get("stream_state"),
@@ -56,13 +59,13 @@ def check_agreement(
             "mismatched_probes": 0,
         }
 
-    where = _locate(prepared, set().union(*views.values()))
-    leaves = sorted(set().union(*(_leaves(view, where, prepared) for view in views.values())))
+    where = _locate(prepared, set().union(*held.values()))
+    leaves = sorted(set().union(*(_leaves(view, where, prepared) for view in held.values())))
     probed = leaves
     if max_probes is not None and len(leaves) > max_probes:
         probed = sorted(random.Random(seed).sample(leaves, max_probes))
-    confirmed: dict[str, set[int]] = {pod_id: set() for pod_id in views}
-    pod_ids = list(views)
+    confirmed: dict[str, set[int]] = {pod_id: set() for pod_id in held}
+    pod_ids = list(held)
     mismatches: list[dict[str, Any]] = []
     size = prepared.block_size
     for leaf in probed:
@@ -71,7 +74,7 @@ def check_agreement(
         chain = k.keys[: j + 1]
         tokens = (k.request.prompt + k.request.output)[: (j + 1) * size]
         answer = client.score(cluster.model, tokens, pod_ids)
-        for pod_id, view in views.items():
+        for pod_id, view in held.items():
             expected = _leading(chain, view)
             got = answer.get(pod_id, 0)
             if got == expected:
@@ -82,7 +85,7 @@ def check_agreement(
                     mismatches.append(
                         {"pod": pod_id, "chain_blocks": j + 1, "expected": expected, "got": got}
                     )
-    for pod_id, view in views.items():
+    for pod_id, view in held.items():
         entry = pods[pod_id]
         entry["confirmed_blocks"] = len(confirmed[pod_id])
         if probed is leaves:
@@ -91,7 +94,7 @@ def check_agreement(
         p["sim_blocks"] == p["index_blocks"] and p["index_other_tiers"] == 0 for p in pods.values()
     )
     probes_agree = all(p["mismatched_probes"] == 0 for p in pods.values())
-    keys_agree = all(views[pod_id] == indexed[pod_id] for pod_id in views)
+    keys_agree = all(held[pod_id] == indexed[pod_id] for pod_id in held)
     return {
         "agrees": keys_agree and counts_agree and probes_agree,
         "keys_agree": keys_agree,

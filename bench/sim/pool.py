@@ -9,21 +9,25 @@ Facts followed (vLLM ``v1/core/block_pool.py`` and ``kv_cache_manager.py``, 0.9-
   per evicted block, as vLLM does);
 * a cache hit "touches" a block: its reference count goes up and, if it was free, it
   leaves the free queue;
-* a request's blocks are released in reverse order to the queue's tail, so the tail of a
-  sequence is evicted before its head;
+* a request's blocks are released in reverse order, so the tail of a sequence is evicted
+  before its head: cached (hashed) blocks to the queue's tail, blocks without a hash to
+  its head, to be reused before any cached block (0.33 ``BlockPool.free_blocks``);
 * a block gets its hash when it is scheduled, and ``BlockStored`` carries exactly the new
   full blocks, their token ids and the hash of the block before the first of them;
 * the same hash may be held by two blocks (a fully cached prompt recomputes its last
-  block): vLLM keeps both copies and publishes ``BlockRemoved`` when *either* is
-  evicted (kvindex counts copies, so the other one stays indexed);
+  block; a one-block prompt sent twice stores both copies from the chain's root): vLLM
+  0.33 keeps both (``BlockHashToBlockMap``: "we don't de-duplicate"), publishes a
+  ``BlockStored`` per copy and a ``BlockRemoved`` per copy evicted, and still hits the
+  hash while one copy is left (``get_cached_block`` returns any);
 * ``reset_prefix_cache`` works only when no block is in use; it drops every hash and
   publishes ``AllBlocksCleared``.
 
 Block keys are the published uint64s (the digest's last 8 bytes), which is what the
 index stores. Besides the truth (which hashes the pool holds) the pool keeps the *event
-view*: what kvindex builds from its events (copy counts). The two differ only after the
-first of two copies stored from the chain's root was evicted (see
-:attr:`BlockPool.ghosts`).
+view*: copy counts folded from the published events alone, as kvindex counts them under
+vLLM's default report mode (``incremental``: every store adds a copy). vLLM's events
+describe its pool exactly, so the two must be equal; :attr:`BlockPool.ghosts` names any
+hash where they are not (a simulator bug, never vLLM behaviour).
 """
 
 from __future__ import annotations
@@ -61,9 +65,9 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._key: list[int | None] = [None] * num_blocks
         self._cached: dict[int, list[int]] = {}  # key -> block ids holding it
-        # What the published events say the pool holds, as kvindex counts it: copies per
-        # hash, a store from the chain's root only ensuring one (see README, "Copies and
-        # report modes").
+        # Copies per hash as the published events count them (every store adds one, every
+        # removal takes one): built from the events only, so it checks that they
+        # describe the pool (docs/correctness.md, "Copies and report modes").
         self._view: dict[int, int] = {}
         self.events: list[Event] = []
         self.evictions = 0
@@ -98,10 +102,10 @@ class BlockPool:
 
     @property
     def ghosts(self) -> set[int]:
-        """Hashes still cached although the events' copy count says none is: a second
-        copy stored from the chain's root (a one-block prompt sent twice) is taken for
-        an announcement, so the first copy's eviction drops the hash."""
-        return set(self._cached) - set(self._view)
+        """Hashes on which the pool and its event view disagree (held without the events
+        saying so, or the reverse). Always empty while the pool publishes what vLLM
+        publishes: anything here is a simulator bug."""
+        return set(self._cached).symmetric_difference(self._view)
 
     def hit_cost(self, keys: Sequence[int]) -> int:
         """Free blocks that touching ``keys``'s blocks would take off the free queue."""
@@ -160,9 +164,7 @@ class BlockPool:
             else:
                 holders.append(block)
                 self.duplicate_stores += 1
-            view = self._view
-            view[key] = view.get(key, 0) + 1 if start else max(view.get(key, 0), 1)
-        self.events.append(
+        self._publish(
             BlockStored(
                 block_hashes=list(keys[start:end]),
                 parent_block_hash=keys[start - 1] if start else None,
@@ -173,12 +175,20 @@ class BlockPool:
         )
 
     def release(self, blocks: Sequence[int]) -> None:
-        """Unpin a finished request's blocks, tail first into the free queue's tail."""
-        refs, free = self._refs, self._free
+        """Unpin a finished request's blocks, tail first: cached ones into the free
+        queue's tail, the others to its head (reused first: they hold nothing to hit)."""
+        refs, free, key = self._refs, self._free, self._key
+        unhashed = []
         for block in reversed(blocks):
             refs[block] -= 1
             if refs[block] == 0:
-                free[block] = None
+                if key[block] is None:
+                    unhashed.append(block)
+                else:
+                    free[block] = None
+        for block in reversed(unhashed):  # the first released ends up at the very head
+            free[block] = None
+            free.move_to_end(block, last=False)
 
     def reset(self) -> None:
         """vLLM's ``reset_prefix_cache``: drop every hash; only when nothing is in use."""
@@ -186,8 +196,7 @@ class BlockPool:
             raise PoolBusy(f"{self.used_blocks} blocks are in use")
         self._key = [None] * self.num_blocks
         self._cached.clear()
-        self._view.clear()
-        self.events.append(AllBlocksCleared())
+        self._publish(AllBlocksCleared())
 
     def drain_events(self) -> list[Event]:
         """The events since the last drain (one scheduler step's batch)."""
@@ -203,8 +212,20 @@ class BlockPool:
         holders.remove(block)
         if not holders:
             del self._cached[key]
-        left = self._view.pop(key, 0) - 1
-        if left > 0:
-            self._view[key] = left
         self.evictions += 1
-        self.events.append(BlockRemoved(block_hashes=[key], medium=MEDIUM))
+        self._publish(BlockRemoved(block_hashes=[key], medium=MEDIUM))
+
+    def _publish(self, event: Event) -> None:
+        """Queue ``event`` and fold it into the event view, reading only the event."""
+        self.events.append(event)
+        view = self._view
+        if isinstance(event, BlockStored):
+            for key in event.block_hashes:
+                view[key] = view.get(key, 0) + 1
+        elif isinstance(event, BlockRemoved):
+            for key in event.block_hashes:
+                left = view.pop(key, 0) - 1
+                if left > 0:
+                    view[key] = left
+        else:
+            view.clear()

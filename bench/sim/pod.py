@@ -157,6 +157,7 @@ class SimPod:
                 if victim is job:
                     break
             else:
+                self._cache(job, job.computed + n)
                 work.append((job, n))
                 budget -= n
                 i += 1
@@ -166,8 +167,6 @@ class SimPod:
             return None
         tokens = sum(n for _, n in work)
         context = sum(job.computed + n for job, n in work)
-        for job, n in work:
-            self._cache(job, job.computed + n)
         self.steps += 1
         self.batched_tokens += tokens
         duration = self.costs.step_s(tokens, context)
@@ -227,6 +226,9 @@ class SimPod:
             else:
                 job.recomputed_tokens += job.known - job.computed
             self.running.append(job)
+            # vLLM's allocate_slots caches as it schedules: the next waiting request of
+            # this same step already hits these blocks.
+            self._cache(job, job.computed + n)
             work.append((job, n))
             budget -= n
         return budget

@@ -212,9 +212,7 @@ def create_http(service: Service, *, manage_lifecycle: bool = True) -> Http:
                         "schema": {"type": "integer"},
                     }
                 },
-                "content": {
-                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
-                },
+                "content": {"application/octet-stream": {"schema": {"type": "string"}}},
             },
             **errors(401, 403, 503),
         },

@@ -11,6 +11,7 @@ damaged, of another format version, or forged, as a broken peer would.
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import signal
@@ -20,7 +21,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 from kvindex.api.peers import DUMP_PATH, DUMP_SIZE_HEADER
@@ -131,7 +131,7 @@ class Relay:
         stated = len(body) if size is None else size
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header(DUMP_SIZE_HEADER, str(stated))
@@ -238,7 +238,7 @@ def test_a_replica_of_several_processes_copies_a_peer_of_several_processes(world
     peer = replica("peer", "--processes", "2", "--peers", closed_port_url())
     ingest(peer, engines, 20)
     dumps = {peer.dump() for _ in range(6)}  # fresh connections: primary and worker answer
-    assert all(read_snapshot_from(_Bytes(d), len(d), "dump") for d in dumps)
+    assert all(read_snapshot_from(io.BytesIO(d), len(d), "dump") for d in dumps)
     fresh = replica("fresh", "--processes", "2", "--peers", peer.url)
     assert 'kvindex_peer_recovery{result="copied"} 1.0' in fresh.metrics()
     for engine in engines:
@@ -249,22 +249,6 @@ def test_a_replica_of_several_processes_copies_a_peer_of_several_processes(world
     held = held_by(engines, keys)
     eventually(lambda: fresh.scores(keys) == held, "every process answers what engines hold")
     assert fresh.scores(keys) == peer.scores(keys)
-
-
-class _Bytes:
-    def __init__(self, data: bytes) -> None:
-        self._data, self._at = memoryview(data), 0
-
-    def read(self, n: int) -> bytes:
-        out = bytes(self._data[self._at : self._at + n])
-        self._at += len(out)
-        return out
-
-    def readinto(self, buffer: memoryview) -> int:
-        out = self._data[self._at : self._at + len(buffer)]
-        buffer[: len(out)] = out
-        self._at += len(out)
-        return len(out)
 
 
 def _truncated(dump: bytes) -> tuple[bytes, int | None]:
@@ -283,7 +267,7 @@ def _other_version(dump: bytes) -> tuple[bytes, int | None]:
 
 def _forged(dump: bytes) -> tuple[bytes, int | None]:
     """A valid checksum over a table whose counters do not hold."""
-    tree = read_snapshot_from(_Bytes(dump), len(dump), "dump")
+    tree = read_snapshot_from(io.BytesIO(dump), len(dump), "dump")
     tree["index"]["tables"][MODEL]["counts"][0, 0] = 18
     forged = b"".join(bytes(c) for c in SnapshotBytes(tree).chunks())
     return forged, None

@@ -236,5 +236,12 @@ class _BodyReader:
         return filled
 
     def read(self, n: int) -> bytes:
-        out = bytearray(n)
-        return bytes(out[: self.readinto(memoryview(out))])
+        # Gathered as it arrives, never allocated at the stated size up front: a header
+        # that claims more than the peer sends costs only what it sent.
+        parts = []
+        while n > 0 and (self._pending or self._more()):
+            piece = self._pending[:n]
+            parts.append(bytes(piece))
+            self._pending = self._pending[len(piece) :]
+            n -= len(piece)
+        return b"".join(parts)

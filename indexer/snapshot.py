@@ -9,7 +9,7 @@ and, per stream, the last applied seq and payload digest to one file (every
 ``--snapshot-interval`` seconds, and at shutdown before and after the drain), restores
 it at start, and resumes every stream by replay after its snapshot seq.
 
-Two parts:
+Three parts:
 
 * :class:`SnapshotGate` is the subscriber's :class:`~kvindex.events.gate.StreamGate`
   (one replica owns every stream) and wraps its sink. It records each stream's applied
@@ -18,6 +18,9 @@ Two parts:
   "in flight" from the moment the sink is called until the subscriber commits its seq
   (or the call fails), and a cut waits for no delivery to be in flight and holds new
   ones back while it copies, so the positions saved match the index saved exactly.
+* :class:`IndexImage` turns a cut into one tree (index, ingest state, stream
+  positions) and installs such a tree at start: the snapshot file's content, and what
+  a peer's dump ships to a replica started with ``--peers``.
 * :class:`Snapshotter` writes cuts to the file (periodically, and a final one at
   shutdown) and restores them at start, never crashing on a bad file: it logs why,
   starts empty and makes the gate strict (every stream then needs its history from seq

@@ -23,8 +23,19 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_snapshot import BLOCKS_PER_EVENT, EVENTS_PER_BATCH, MODEL, Engine, _counts, _wait
 from kvindex.api.testing import ServeProcess, free_port
+
+try:  # run as a script: bench/ is sys.path[0]
+    from bench_snapshot import BLOCKS_PER_EVENT, EVENTS_PER_BATCH, MODEL, Engine, _counts, _wait
+except ModuleNotFoundError:
+    from bench.bench_snapshot import (
+        BLOCKS_PER_EVENT,
+        EVENTS_PER_BATCH,
+        MODEL,
+        Engine,
+        _counts,
+        _wait,
+    )
 
 TOKEN = "bench"
 

@@ -106,6 +106,7 @@ class Service:
         for endpoint in settings.events.zmq_bind:
             check_bind_endpoint(endpoint)
         check_tokenizer_dirs(tokenizer_dirs(settings))
+        peers = parse_peers(settings.index.peers)
         self._static_roles = static_roles(settings)  # known pods, before they publish
         self.backend = backend or make_backend(settings)
         self.leases = make_leases(settings, self.backend)
@@ -151,7 +152,6 @@ class Service:
             self.index_image = IndexImage(
                 snapshotted, self.ingestor, self.snapshot_gate, self.subscriber.streams
             )
-            peers = parse_peers(settings.index.peers)
             if peers and self.admin_token:
                 self.peer_recovery = PeerRecovery(
                     peers, self.admin_token, self.index_image, self.snapshot_gate

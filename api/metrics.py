@@ -497,7 +497,7 @@ class PeerRecoveryCollector(Collector):
             "kvindex_peer_recovery",
             "1 for what --peers recovery did at start: copied, none (a snapshot was "
             "restored), or why the last peer tried failed (unreachable, timeout, "
-            "unauthorized, refused, foreign, version, truncated, corrupt, invalid).",
+            "unauthorized, refused, foreign, version, truncated, corrupt, invalid, error).",
             labels=["result"],
         )
         result.add_metric([stats.result], 1.0)

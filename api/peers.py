@@ -114,9 +114,11 @@ class PeerRecovery:
                 size, tree = self._fetch(peer)
                 streams = self._image.install(tree, f"the dump of peer {peer}")
             except (PeerDumpError, SnapshotError) as exc:
-                self.stats.tried.append((peer, exc.reason, str(exc)))
-                self.stats.result = exc.reason
-                log.warning("cannot copy the index from peer %s (%s): %s", peer, exc.reason, exc)
+                self._failed(peer, exc.reason, str(exc))
+                continue
+            except Exception as exc:  # a peer's bytes must never stop this replica's start
+                log.exception("copying the index from peer %s failed unexpectedly", peer)
+                self._failed(peer, "error", repr(exc))
                 continue
             seconds = time.perf_counter() - started
             self.stats.result, self.stats.peer, self.stats.seconds = "copied", peer, seconds
@@ -139,6 +141,11 @@ class PeerRecovery:
             "; ".join(f"{peer}: {reason}" for peer, reason, _ in self.stats.tried),
         )
         return False
+
+    def _failed(self, peer: str, reason: str, detail: str) -> None:
+        self.stats.tried.append((peer, reason, detail))
+        self.stats.result = reason
+        log.warning("cannot copy the index from peer %s (%s): %s", peer, reason, detail)
 
     def _fetch(self, peer: str) -> tuple[int, dict]:
         url = peer + DUMP_PATH

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi import FastAPI, Path, Query, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.api.asgi import ASGIApp
@@ -33,6 +33,7 @@ from kvindex.api.hot_lane import HotLane
 from kvindex.api.hot_openapi import openapi_paths
 from kvindex.api.hot_path import HotPath, HotRoutes
 from kvindex.api.limits import RequestLimits
+from kvindex.api.peers import DUMP_PATH, DUMP_SIZE_HEADER
 from kvindex.api.schemas import ErrorBody, PurgeResponse, openapi_schema
 from kvindex.api.schemas import ok_response as ok
 from kvindex.api.schemas_pods import Health, PodBlocks, PodList, PodReport, Readiness
@@ -191,6 +192,41 @@ def create_http(service: Service, *, manage_lifecycle: bool = True) -> Http:
         if not members:
             raise _unknown_pod(pod_id)
         return _json(PurgeResponse(pod_id, members, removed))
+
+    @app.get(
+        DUMP_PATH,
+        summary="A consistent copy of this replica's memory index, for a peer's --peers recovery",
+        description="Needs `Authorization: Bearer <token>`; refused (403) unless an admin "
+        "token is configured, and on replicas that keep no stream positions (a Redis "
+        "backend, or a memory one without `--peers` or `--snapshot`). The body is the "
+        "snapshot file's format (magic bytes, format version, checksum), streamed: the "
+        "index, the ingest state and every stream's last applied seq, taken as one cut. "
+        f"`{DUMP_SIZE_HEADER}` gives its size before the body.",
+        response_class=Response,
+        responses={
+            "200": {
+                "description": "The dump, streamed",
+                "headers": {
+                    DUMP_SIZE_HEADER: {
+                        "description": "The body's size in bytes",
+                        "schema": {"type": "integer"},
+                    }
+                },
+                "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+            },
+            **errors(401, 403, 503),
+        },
+    )
+    def dump(request: Request) -> Response:
+        _check_admin(request, admin_token)
+        encoded = service.dump()
+        # No Content-Length: a serving worker (--processes) relays an answer of stated
+        # length whole, and a dump streams through it chunk by chunk only without one.
+        return StreamingResponse(
+            encoded.chunks(),
+            media_type="application/octet-stream",
+            headers={DUMP_SIZE_HEADER: str(encoded.size)},
+        )
 
     @app.get(
         "/healthz",

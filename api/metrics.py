@@ -25,6 +25,7 @@ from kvindex.indexer.backend import MemberStats, Tier
 if TYPE_CHECKING:
     from kvindex.api.index_figures import IndexFigures
     from kvindex.api.offload import IndexWork
+    from kvindex.api.peers import PeerRecoveryStats
     from kvindex.events.subscriber import Subscriber
     from kvindex.indexer.ingest import Ingestor
     from kvindex.indexer.leases import RedisLeases
@@ -479,3 +480,41 @@ class SnapshotCollector(Collector):
             per_pod.add_metric([member, mark.state], 1.0)
         yield unverified
         yield per_pod
+
+
+class PeerRecoveryCollector(Collector):
+    """What ``--peers`` recovery did at start: copied, or why the last peer failed."""
+
+    def __init__(self, stats: PeerRecoveryStats) -> None:
+        self._stats = stats
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator:
+        stats = self._stats
+        result = GaugeMetricFamily(
+            "kvindex_peer_recovery",
+            "1 for what --peers recovery did at start: copied, none (a snapshot was "
+            "restored), or why the last peer tried failed (unreachable, timeout, "
+            "unauthorized, refused, foreign, version, truncated, corrupt, invalid, error).",
+            labels=["result"],
+        )
+        result.add_metric([stats.result], 1.0)
+        yield result
+        failures = CounterMetricFamily(
+            "kvindex_peer_recovery_failures",
+            "Peers whose dump could not be used at start, by reason.",
+            labels=["reason"],
+        )
+        for reason in sorted({reason for _, reason, _ in stats.tried}):
+            failures.add_metric([reason], sum(r == reason for _, r, _ in stats.tried))
+        yield failures
+        yield GaugeMetricFamily(
+            "kvindex_peer_recovery_seconds",
+            "Time to fetch and install a peer's dump at start (all peers tried).",
+            value=stats.seconds,
+        )
+        yield GaugeMetricFamily(
+            "kvindex_peer_recovery_bytes", "Size of the dump copied at start.", value=stats.bytes
+        )

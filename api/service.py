@@ -29,12 +29,14 @@ from kvindex.api.index_figures import LatestFigures, read_figures
 from kvindex.api.metrics import (
     IndexWorkCollector,
     InstrumentedSink,
+    PeerRecoveryCollector,
     RedisCollector,
     ScoreMetrics,
     ServiceCollector,
     SnapshotCollector,
     register_process_metrics,
 )
+from kvindex.api.peers import PeerRecovery, parse_peers
 from kvindex.api.route_metrics import (
     EventLagCollector,
     LoadCollector,
@@ -45,6 +47,7 @@ from kvindex.api.route_view import RouteView
 from kvindex.api.version import VERSION, implementations
 from kvindex.events.config import SubscriberConfig
 from kvindex.events.discovery import KubernetesDiscovery
+from kvindex.events.errors import Forbidden, Unavailable
 from kvindex.events.known_pods import KnownPods
 from kvindex.events.subscriber import Subscriber
 from kvindex.indexer.backend import BackendError, IndexBackend
@@ -52,7 +55,8 @@ from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.kv_groups import is_group_namespace
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.pods import Mark, PodDirectory
-from kvindex.indexer.snapshot import SnapshotGate, Snapshotter
+from kvindex.indexer.snapshot import IndexImage, SnapshotGate, Snapshotter
+from kvindex.indexer.snapshot_file import SnapshotBytes
 from kvindex.indexer.verify import HashVerifier
 from kvindex.scoring.clock import ExternalClock
 from kvindex.scoring.event_lag import EventLag
@@ -102,6 +106,7 @@ class Service:
         for endpoint in settings.events.zmq_bind:
             check_bind_endpoint(endpoint)
         check_tokenizer_dirs(tokenizer_dirs(settings))
+        peers = parse_peers(settings.index.peers)
         self._static_roles = static_roles(settings)  # known pods, before they publish
         self.backend = backend or make_backend(settings)
         self.leases = make_leases(settings, self.backend)
@@ -141,6 +146,16 @@ class Service:
             replay_resolver=replays,
             discovered_pods=known,
         )
+        self.index_image: IndexImage | None = None
+        self.peer_recovery: PeerRecovery | None = None
+        if snapshotted is not None and self.snapshot_gate is not None:
+            self.index_image = IndexImage(
+                snapshotted, self.ingestor, self.snapshot_gate, self.subscriber.streams
+            )
+            if peers and self.admin_token:
+                self.peer_recovery = PeerRecovery(
+                    peers, self.admin_token, self.index_image, self.snapshot_gate
+                )
         self.snapshotter: Snapshotter | None = None
         if snapshotted is not None and self.snapshot_gate is not None and settings.index.snapshot:
             self.snapshotter = Snapshotter(
@@ -184,6 +199,8 @@ class Service:
             owners = owners or self.leases.owners
         if self.snapshotter is not None and self.snapshot_gate is not None:
             self.registry.register(SnapshotCollector(self.snapshotter, self.snapshot_gate))
+        if self.peer_recovery is not None:
+            self.registry.register(PeerRecoveryCollector(self.peer_recovery.stats))
         self.directory = PodDirectory(
             self.backend,
             self.subscriber.streams,
@@ -220,8 +237,10 @@ class Service:
         self.backend_health.start()
         if self.leases is not None:
             self.leases.start(on_marks_changed=self.directory.marks_changed)
-        if self.snapshotter is not None:
-            self.snapshotter.restore()  # before any batch is applied
+        # Before any batch is applied: the snapshot, else a peer's copy.
+        restored = self.snapshotter.restore() if self.snapshotter is not None else None
+        if self.peer_recovery is not None and restored != "restored":
+            self.peer_recovery.recover()
         self.subscriber.start()
         for endpoint in self.settings.events.zmq_bind:
             try:
@@ -403,10 +422,34 @@ class Service:
         return bool(self.settings.events.zmq_bind or self._connect or self.discovery is not None)
 
     def readiness_notes(self) -> list[str]:
-        """Why a replica that looks idle is ready anyway."""
+        """Why a replica that looks idle is ready anyway, and where its index came from
+        when a peer was asked for it."""
+        notes = []
         if not self.has_event_source():
-            return ["no event source configured: answering from the shared index only"]
-        return []
+            notes.append("no event source configured: answering from the shared index only")
+        peer_note = self.peer_recovery.note() if self.peer_recovery is not None else None
+        if peer_note is not None:
+            notes.append(peer_note)
+        return notes
+
+    def dump(self) -> SnapshotBytes:
+        """A consistent cut of the memory index for a peer's ``--peers`` recovery (the
+        snapshot format). Forbidden where this replica keeps no stream positions to
+        ship with it; Unavailable when no cut could be taken now."""
+        if self.index_image is None:
+            raise Forbidden(
+                "this replica serves no dumps: it keeps stream positions with the memory "
+                "backend and --peers or --snapshot only (give every replica the same "
+                "--peers list)",
+                code="dump_unavailable",
+            )
+        tree = self.index_image.take()
+        if tree is None:
+            raise Unavailable(
+                "no consistent cut of the index now (a delivery stayed in flight); retry",
+                code="dump_busy",
+            )
+        return SnapshotBytes(tree)
 
     def configured_pods(self) -> set[str]:
         """Pods named by configuration (``--zmq-connect``, ``--pod-role``)."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from kvindex.api.config import (
     ConfigError,
     Settings,
+    admin_token,
 )
 from kvindex.api.offload import IndexWork
 from kvindex.events.endpoints import PodEndpoint, endpoint_host, tcp_endpoint
@@ -94,23 +95,32 @@ def make_index_work(settings: Settings, backend: IndexBackend) -> IndexWork:
 
 
 def snapshot_backend(settings: Settings, backend: IndexBackend) -> MemoryBackend | None:
-    """The backend to snapshot when ``--snapshot`` is set: the memory backend only
-    (Redis keeps its own data across kvindex restarts, and several replicas use
-    leases). Refuses settings that cannot work before anything starts."""
-    if not settings.index.snapshot:
+    """The backend whose cuts are saved (``--snapshot``) or copied between replicas
+    (``--peers``): the memory backend only (Redis keeps its own data across kvindex
+    restarts, and its replicas share it). Refuses settings that cannot work before
+    anything starts."""
+    index = settings.index
+    if not index.snapshot and not index.peers:
         return None
     if not isinstance(backend, MemoryBackend):
+        flag = "--snapshot" if index.snapshot else "--peers"
         raise ConfigError(
-            "--snapshot works with the memory backend; a Redis index survives kvindex "
-            "restarts on its own (drop --snapshot, or use --backend memory)"
+            f"{flag} works with the memory backend; a Redis index survives kvindex "
+            f"restarts on its own and its replicas share it (drop {flag}, or use "
+            "--backend memory)"
         )
-    if settings.index.snapshot_interval < 0:
-        raise ConfigError(f"--snapshot-interval {settings.index.snapshot_interval}: must be >= 0")
-    directory = Path(settings.index.snapshot).parent
+    if index.peers and not admin_token(settings):
+        raise ConfigError(
+            "--peers needs the admin token: a peer's /index/dump is an operator endpoint; "
+            "give every replica the same KVINDEX_ADMIN_TOKEN or --admin-token-file"
+        )
+    if not index.snapshot:
+        return backend
+    if index.snapshot_interval < 0:
+        raise ConfigError(f"--snapshot-interval {index.snapshot_interval}: must be >= 0")
+    directory = Path(index.snapshot).parent
     if not directory.is_dir():
-        raise ConfigError(
-            f"--snapshot {settings.index.snapshot}: directory {directory} does not exist"
-        )
+        raise ConfigError(f"--snapshot {index.snapshot}: directory {directory} does not exist")
     return backend
 
 

@@ -222,6 +222,16 @@ class IndexSettings(_Section):
     snapshot_interval: Annotated[
         float, doc("seconds between snapshots; 0: only at shutdown", metavar="SECONDS")
     ] = 60.0
+    peers: Annotated[
+        list[str],
+        doc(
+            "memory backend: another replica's URL, e.g. http://10.0.0.7:8080; a replica "
+            "that starts without a usable --snapshot copies the index from the first peer "
+            "that answers (its GET /index/dump, with this replica's admin token) and resumes "
+            "every pod's stream from the copy's positions; comma list or repeatable",
+            metavar="URL",
+        ),
+    ] = []
     hash_algo: Annotated[HashAlgo, doc("pods' --prefix-caching-hash-algo")] = HashAlgo.SHA256
     hash_seed: Annotated[str | None, doc("pods' PYTHONHASHSEED, if set")] = None
     block_size: Annotated[int, doc("pods' KV block size in tokens")] = 16

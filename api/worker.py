@@ -187,7 +187,7 @@ def _not_here(posted: Posted) -> None:
 
 
 def _worker_settings(directory: str) -> Settings:
-    """The primary's settings, less its event sources, discovery and snapshots."""
+    """The primary's settings, less its event sources, discovery, snapshots and peers."""
     with open(os.path.join(directory, "settings.json"), "rb") as src:
         settings = msgspec.json.decode(src.read(), type=Settings)
     replace = msgspec.structs.replace
@@ -195,7 +195,7 @@ def _worker_settings(directory: str) -> Settings:
         settings,
         events=replace(settings.events, zmq_connect=[], zmq_bind=[]),
         k8s=replace(settings.k8s, namespace=[]),
-        index=replace(settings.index, snapshot=None),
+        index=replace(settings.index, snapshot=None, peers=[]),
     )
 
 

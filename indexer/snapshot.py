@@ -9,7 +9,7 @@ and, per stream, the last applied seq and payload digest to one file (every
 ``--snapshot-interval`` seconds, and at shutdown before and after the drain), restores
 it at start, and resumes every stream by replay after its snapshot seq.
 
-Two parts:
+Three parts:
 
 * :class:`SnapshotGate` is the subscriber's :class:`~kvindex.events.gate.StreamGate`
   (one replica owns every stream) and wraps its sink. It records each stream's applied
@@ -18,6 +18,9 @@ Two parts:
   "in flight" from the moment the sink is called until the subscriber commits its seq
   (or the call fails), and a cut waits for no delivery to be in flight and holds new
   ones back while it copies, so the positions saved match the index saved exactly.
+* :class:`IndexImage` turns a cut into one tree (index, ingest state, stream
+  positions) and installs such a tree at start: the snapshot file's content, and what
+  a peer's dump ships to a replica started with ``--peers``.
 * :class:`Snapshotter` writes cuts to the file (periodically, and a final one at
   shutdown) and restores them at start, never crashing on a bad file: it logs why,
   starts empty and makes the gate strict (every stream then needs its history from seq
@@ -275,6 +278,70 @@ class _CutSink:
         self._gate._reset_done(stream)
 
 
+class IndexImage:
+    """The memory index, the ingestor's per-member state and every stream's position as
+    one tree: taken as a consistent cut (for a snapshot file, or a peer's dump) and
+    installed at start (from either). Holds no state of its own."""
+
+    def __init__(
+        self,
+        backend: MemoryBackend,
+        ingestor: Ingestor,
+        gate: SnapshotGate,
+        streams: Callable[[], Sequence[StreamStatus]] = list,
+    ) -> None:
+        self._backend = backend
+        self._ingestor = ingestor
+        self._gate = gate
+        self._streams = streams
+
+    def take(self) -> dict[str, Any] | None:
+        """A consistent cut as a tree; None when deliveries stayed in flight (no cut now).
+        A stream gapped or incomplete now is saved as incomplete."""
+        incomplete = {s.member for s in self._streams() if s.state in INCOMPLETE_STATES}
+        cut = self._gate.cut(self._capture)
+        if cut is None:
+            return None
+        (index, ingest), streams = cut
+        return {
+            "saved_at": time.time(),
+            "index": index,
+            "ingest": ingest,
+            "streams": [
+                {
+                    "pod": stream.pod,
+                    "rank": stream.rank,
+                    "model": position.model,
+                    "seq": position.seq,
+                    "digest": position.digest,
+                    "incomplete": flagged or stream.member in incomplete,
+                }
+                for stream, position, flagged in streams
+            ],
+        }
+
+    def _capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self._backend.to_state(), self._ingestor.to_state()
+
+    def install(self, tree: dict[str, Any], source: str) -> int:
+        """Replace the (empty) index with ``tree`` and resume its streams from their saved
+        positions; return how many. Raises SnapshotError (``invalid``) and leaves the
+        index empty when the content does not fit together; call before the subscriber
+        starts."""
+        try:
+            streams = _streams_of(tree)
+            self._backend.from_state(tree["index"])
+            try:
+                self._ingestor.from_state(tree["ingest"])
+            except Exception:
+                self._backend.close()  # empty again: index and ingestor go together
+                raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SnapshotError("invalid", f"{source}: content does not fit ({exc!r})") from None
+        self._gate.restore(streams)
+        return len(streams)
+
+
 @dataclass(slots=True)
 class SnapshotStats:
     """What the snapshotter did, for metrics and logs."""
@@ -311,9 +378,8 @@ class Snapshotter:
         self.path = Path(path)
         self.interval_s = interval_s
         self._backend = backend
-        self._ingestor = ingestor
         self._gate = gate
-        self._streams = streams
+        self._image = IndexImage(backend, ingestor, gate, streams)
         self._write_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -327,13 +393,7 @@ class Snapshotter:
         started = time.perf_counter()
         try:
             tree = read_snapshot(self.path)
-            streams = _streams_of(tree)
-            self._backend.from_state(tree["index"])
-            try:
-                self._ingestor.from_state(tree["ingest"])
-            except Exception:
-                self._backend.close()  # empty again: index and ingestor go together
-                raise
+            streams = self._image.install(tree, str(self.path))
         except SnapshotError as exc:
             if exc.reason == "missing":
                 log.info("no snapshot at %s yet: starting with an empty index", self.path)
@@ -341,14 +401,9 @@ class Snapshotter:
                 self._refused(exc.reason, str(exc))
             self.stats.restore = exc.reason
             return exc.reason
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            self._refused("invalid", f"{self.path}: snapshot content does not fit ({exc!r})")
-            self.stats.restore = "invalid"
-            return "invalid"
-        self._gate.restore(streams)
         seconds = time.perf_counter() - started
         self.stats.restore, self.stats.restore_seconds = "restored", seconds
-        self.stats.restored_streams = len(streams)
+        self.stats.restored_streams = streams
         stats = self._backend.stats()
         log.info(
             "restored the index from %s in %.2fs: %d keys, %d members, %d streams to resume "
@@ -357,7 +412,7 @@ class Snapshotter:
             seconds,
             stats.keys,
             stats.members,
-            len(streams),
+            streams,
             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(tree.get("saved_at", 0)))),
         )
         return "restored"
@@ -385,29 +440,11 @@ class Snapshotter:
         """Take a consistent cut and write it; False (logged, counted) when it failed."""
         with self._write_lock:
             started = time.perf_counter()
-            incomplete = {s.member for s in self._streams() if s.state in INCOMPLETE_STATES}
-            cut = self._gate.cut(self._capture)
-            if cut is None:
+            tree = self._image.take()
+            if tree is None:
                 self.stats.writes_skipped += 1
                 log.warning("snapshot skipped: a delivery stayed in flight; retrying later")
                 return False
-            (index, ingest), streams = cut
-            tree = {
-                "saved_at": time.time(),
-                "index": index,
-                "ingest": ingest,
-                "streams": [
-                    {
-                        "pod": stream.pod,
-                        "rank": stream.rank,
-                        "model": position.model,
-                        "seq": position.seq,
-                        "digest": position.digest,
-                        "incomplete": flagged or stream.member in incomplete,
-                    }
-                    for stream, position, flagged in streams
-                ],
-            }
             try:
                 size = write_snapshot(self.path, tree)
             except OSError as exc:
@@ -422,13 +459,10 @@ class Snapshotter:
                 "wrote snapshot %s (%d bytes, %d streams) in %.2fs",
                 self.path,
                 size,
-                len(streams),
+                len(tree["streams"]),
                 seconds,
             )
             return True
-
-    def _capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return self._backend.to_state(), self._ingestor.to_state()
 
     def start(self) -> None:
         if self._thread is None and self.interval_s > 0:

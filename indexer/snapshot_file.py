@@ -17,14 +17,20 @@ allocate wildly. The checksum is verified before the tree is handed back.
 Writes go to a temporary file in the same directory, which is fsynced, renamed over
 the target and the directory fsynced: a crash at any point leaves either the old
 snapshot or the new one, never a torn file.
+
+The same bytes travel between replicas (a peer's ``GET /index/dump``):
+:class:`SnapshotBytes` knows its size before the first byte and yields its chunks
+straight from the arrays' buffers, and :func:`read_snapshot_from` reads any stream of
+known length the way the file is read.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import msgspec
 import numpy as np
@@ -48,25 +54,46 @@ class SnapshotError(Exception):
         self.reason = reason
 
 
+class SnapshotBytes:
+    """A tree encoded in the snapshot format: its size in bytes up front, its bytes as
+    chunks. The arrays are sent from their own buffers (never copied again); the
+    checksum is computed as the chunks go by, so it is the last one."""
+
+    def __init__(self, tree: dict[str, Any]) -> None:
+        self._arrays: list[np.ndarray] = []
+        meta = msgspec.msgpack.encode(
+            {
+                "tree": _flatten(tree, self._arrays),
+                "arrays": [[a.dtype.str, list(a.shape)] for a in self._arrays],
+            }
+        )
+        self._head = MAGIC + _HEAD.pack(VERSION.to_bytes(4, "big"), len(meta)) + meta
+        self.size = len(self._head) + sum(a.nbytes for a in self._arrays) + _DIGEST
+
+    def chunks(self, most: int = 1 << 20) -> Iterator[bytes | memoryview]:
+        """The bytes, at most ``most`` per chunk past the header (views of the arrays)."""
+        hasher = xxhash.xxh3_128(self._head)
+        yield self._head
+        for array in self._arrays:
+            data = _bytes_of(array)
+            for start in range(0, len(data), most):
+                piece = data[start : start + most]
+                hasher.update(piece)
+                yield piece
+        yield hasher.digest()
+
+
 def write_snapshot(path: str | Path, tree: dict[str, Any]) -> int:
     """Write ``tree`` (dicts with str keys, lists, scalars, bytes, numpy arrays) to
     ``path`` atomically; return the file's size in bytes. Raises OSError."""
     path = Path(path)
-    arrays: list[np.ndarray] = []
-    meta = msgspec.msgpack.encode(
-        {"tree": _flatten(tree, arrays), "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
-    )
+    encoded = SnapshotBytes(tree)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    hasher = xxhash.xxh3_128()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as out:
-            size = 0
-            for chunk in (MAGIC, _HEAD.pack(VERSION.to_bytes(4, "big"), len(meta)), meta):
-                size += _write(out, hasher, chunk)
-            for array in arrays:
-                size += _write(out, hasher, _bytes_of(array))
-            size += _write(out, None, hasher.digest())
+            for chunk in encoded.chunks():
+                out.write(chunk)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
@@ -74,7 +101,7 @@ def write_snapshot(path: str | Path, tree: dict[str, Any]) -> int:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
-    return size
+    return encoded.size
 
 
 def read_snapshot(path: str | Path) -> dict[str, Any]:
@@ -89,12 +116,24 @@ def read_snapshot(path: str | Path) -> dict[str, Any]:
         raise SnapshotError("unreadable", f"cannot open {path}: {exc.strerror}") from None
     with handle:
         try:
-            return _read(handle, path, os.fstat(handle.fileno()).st_size)
+            return read_snapshot_from(handle, os.fstat(handle.fileno()).st_size, str(path))
         except OSError as exc:
             raise SnapshotError("unreadable", f"cannot read {path}: {exc.strerror}") from None
 
 
-def _read(handle: BinaryIO, path: Path, size: int) -> dict[str, Any]:
+class Readable(Protocol):
+    """What the reader needs of a stream: ``read(n)`` and ``readinto(buffer)``, each
+    short only at the stream's end."""
+
+    def read(self, n: int, /) -> bytes: ...
+
+    def readinto(self, buffer: memoryview, /) -> int: ...
+
+
+def read_snapshot_from(handle: Readable | BinaryIO, size: int, path: str) -> dict[str, Any]:
+    """The tree in the ``size`` bytes ``handle`` gives (a file, or a peer's dump);
+    ``path`` names the source in errors. Raises :class:`SnapshotError`; nothing is
+    allocated that the stated size cannot hold."""
     hasher = xxhash.xxh3_128()
     magic = _read_exact(handle, hasher, len(MAGIC), path)
     if magic != MAGIC:
@@ -147,19 +186,12 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return memoryview(array.reshape(-1)).cast("B")
 
 
-def _read_exact(handle: BinaryIO, hasher: Any, n: int, path: Path) -> bytes:
+def _read_exact(handle: Readable | BinaryIO, hasher: Any, n: int, path: str) -> bytes:
     data = handle.read(n)
     if len(data) != n:
         raise SnapshotError("truncated", f"{path} ends early ({len(data)} of {n} bytes)")
     hasher.update(data)
     return data
-
-
-def _write(out: BinaryIO, hasher: Any, data: bytes | memoryview) -> int:
-    out.write(data)
-    if hasher is not None:
-        hasher.update(data)
-    return len(data)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -43,8 +43,17 @@ memory). Rules, each one a pitfall other indexers hit:
   nothing that sets this pod apart from the others sharing the store, and could never be
   removed: indexing it would only over-report, permanently.
 * CPU-offload placeholder stores (no tokens, block size 0) carry the engine's own block
-  hashes, so in engine-key mode they are indexed as is; in token-key mode they are
-  resolved through the engine-hash map, and skipped (counted) when unknown.
+  hashes (one per offloaded chunk: its last GPU block's), so in engine-key mode they are
+  indexed as is; in token-key mode they are resolved through the engine-hash map, and
+  skipped (counted) when unknown.
+* ``medium`` is GPU, CPU or STORAGE: the only values vLLM 0.33 publishes (its
+  filesystem and object-store offload tiers both publish STORAGE). Others are counted
+  ``unknown_medium``, not guessed into a tier.
+* ``ownership`` (0.29) is not read: the offloading connector publishes one store and one
+  removal per (medium, ownership) residency of a chunk, and copies are counted per
+  (member, hash, tier), so a block two residencies hold stays while either does
+  (tests/test_vllm_offload.py runs vLLM's own tracker). ``origin`` (proposed, NEW or
+  REUSED) is not read either: a reused block is one the index already holds.
 """
 
 from __future__ import annotations

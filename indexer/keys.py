@@ -35,8 +35,9 @@ import enum
 import hashlib
 import pickle
 from array import array
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
@@ -242,9 +243,9 @@ class BlockHasher:
     bytes itself and hashes them with OpenSSL, ~0.2 µs a block, about half of it
     SHA-256's own compressions; blocks it cannot write (tokens past 64 bits, extra keys
     of other types) are hashed here, one by one, by the pure path, which stays the
-    reference. A prompt with multimodal items takes the pure path whole: the C writer
-    takes one extras tuple for block 0 and one for the rest, and those keys differ
-    block by block.
+    reference, as are blocks that multimodal items overlap (their extra keys differ
+    block by block, and the C writer takes one extras tuple for block 0 and one for the
+    rest).
 
     The pure path (pickle + hashlib, ~1-3 µs a block) memoises each block's (digest,
     published key) per (parent digest, block tokens, extras): prompts that share a
@@ -289,7 +290,7 @@ class BlockHasher:
         ``first_block_index`` is the position of ``tokens[0]``'s block in its sequence
         (extras such as the cache salt apply to block 0 only).
         """
-        if compiled.chain is not None and not extras.mm_features:
+        if compiled.chain is not None:
             digests: list[bytes] = []
             self._compiled(compiled.chain, tokens, extras, parent, first_block_index, digests)
             return digests
@@ -307,7 +308,7 @@ class BlockHasher:
         ``tokens`` is a list or tuple of ints, or an ``array.array`` of integers (the
         binary ``/score`` body): the compiled path reads either directly.
         """
-        if compiled.chain is not None and not extras.mm_features:
+        if compiled.chain is not None:
             return self._compiled(compiled.chain, tokens, extras, parent, first_block_index)
         return [k for _, k in self._chain(tokens, extras, parent, first_block_index)]
 
@@ -334,26 +335,35 @@ class BlockHasher:
             isinstance(tokens, array) and tokens.typecode in _INT_TYPECODES
         ):
             tokens = list(tokens)
+        # The C writer takes one extras tuple for block 0 and one for the rest: blocks
+        # that multimodal items overlap (their keys differ block by block) are hashed
+        # here, the runs between them there.
+        plain = replace(extras, mm_features=()) if extras.mm_features else extras
+        with_items = self._blocks_with_items(extras, first_block_index, count)
         first = rest = None
-        if extras != NO_EXTRAS:
-            first = extras.for_block(first_block_index, cfg.extra_key_style)
-            rest = extras.for_block(first_block_index + 1, cfg.extra_key_style)
+        if plain != NO_EXTRAS:
+            first = plain.for_block(first_block_index, cfg.extra_key_style)
+            rest = plain.for_block(first_block_index + 1, cfg.extra_key_style)
         serialisation, digest = _COMPILED[cfg.algo]
         previous = parent if parent else self._none_hash
         want_digests = digests is not None
         keys: list[int] = []
         done = 0
         while True:
-            got, got_digests, done, previous = core.chain(
-                serialisation, digest, tokens, cfg.block_size, cfg.lookahead_tokens, done,
-                count, previous, first, rest, first_block_index, want_digests,
-            )  # fmt: skip
-            keys = got if not keys else keys + got
-            if digests is not None:
-                digests += got_digests
+            at = bisect_left(with_items, done)
+            stop = with_items[at] if at < len(with_items) else count
+            if done < stop:
+                got, got_digests, done, previous = core.chain(
+                    serialisation, digest, tokens, cfg.block_size, cfg.lookahead_tokens, done,
+                    stop, previous, first, rest, first_block_index, want_digests,
+                )  # fmt: skip
+                keys = got if not keys else keys + got
+                if digests is not None:
+                    digests += got_digests
             if done == count:
                 return keys
-            # a block the compiled writer leaves to the reference serialisation
+            # a block with multimodal items, or one the compiled writer leaves to the
+            # reference serialisation
             previous = hash_value(
                 cfg.algo, self._block_input(tokens, done, previous, extras, first_block_index)
             )
@@ -361,6 +371,21 @@ class BlockHasher:
             if digests is not None:
                 digests.append(previous)
             done += 1
+
+    def _blocks_with_items(
+        self, extras: BlockExtras, first_block_index: int, count: int
+    ) -> list[int]:
+        """The blocks (0 = ``tokens``' first) whose hashed span a multimodal item
+        overlaps, sorted: block j spans ``[j*size, (j+1)*size + lookahead)``."""
+        if not extras.mm_features:
+            return []
+        size, lookahead = self.config.block_size, self.config.lookahead_tokens
+        blocks: set[int] = set()
+        for item in extras.mm_features:
+            low = (item.offset - size - lookahead) // size + 1 - first_block_index
+            high = (item.offset + item.length - 1) // size - first_block_index
+            blocks.update(range(max(low, 0), min(high, count - 1) + 1))
+        return sorted(blocks)
 
     def _block_input(
         self,

@@ -79,6 +79,7 @@ from kvindex.events.wire import (
     tokens_of,
 )
 from kvindex.indexer.backend import Change, IndexBackend, Op, Tier
+from kvindex.indexer.event_extras import read_event_extras
 from kvindex.indexer.keys import BlockExtras
 from kvindex.indexer.kv_groups import FULL_ATTENTION_KINDS, KvLayouts, group_model
 from kvindex.indexer.models import KeyMode, ModelCatalog, ReportMode
@@ -409,14 +410,6 @@ def _packed(keys: list[int]) -> bytes:
 
 
 def _content_extras(event: BlockStored) -> BlockExtras:
-    """LoRA name and cache salt as content keys use them (salt: bare string on block 0)."""
-    salt = None
-    if event.parent_block_hash is None and event.extra_keys:
-        first = event.extra_keys[0]
-        if first:
-            items = list(first)
-            if event.lora_name is not None and items and items[0] == event.lora_name:
-                items = items[1:]
-            if len(items) == 1 and isinstance(items[0], str):
-                salt = items[0]
-    return BlockExtras(event.lora_name, None, salt)
+    """LoRA name, cache salt and multimodal items as content keys use them."""
+    read = read_event_extras(event)
+    return BlockExtras(event.lora_name, None, read.salt, read.mm_features)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvindex.events.wire import BlockStored, DecodeError, hash_to_int, tokens_of
+from kvindex.indexer.event_extras import read_event_extras
 from kvindex.indexer.keys import (
     BlockExtras,
     BlockHasher,
@@ -30,7 +31,6 @@ from kvindex.indexer.keys import (
     HashAlgo,
     HashConfig,
     KeyConfigError,
-    MmFeature,
 )
 from kvindex.indexer.models import ModelKeying
 
@@ -300,58 +300,16 @@ class _Unverifiable(Exception):
 
 
 def _event_extras(event: BlockStored, keying: ModelKeying, style: ExtraKeyStyle) -> BlockExtras:
-    """Rebuild the request extras (LoRA, salt, multimodal items) from an event.
-
-    Events publish extra keys untagged (vLLM 0.17+): the adapter name on every block, a
-    multimodal item as ``(identifier, offset - block_start)`` on every block it overlaps
-    (vLLM 0.33 ``to_event_extra_keys``), and the salt as a bare string on block 0.
-    Prompt-embedding digests cannot be recomputed from an event, so such events are
-    skipped rather than misjudged.
-    """
+    """Rebuild the request extras (LoRA, salt, multimodal items) from an event
+    (indexer/event_extras.py). Prompt-embedding digests cannot be recomputed from an
+    event, so such events are skipped rather than misjudged."""
     lora = event.lora_name
-    salt: str | None = None
-    per_block = event.extra_keys or []
-    items_seen: dict[tuple[str, int], list[int]] = {}  # (identifier, offset) -> blocks
-    for index, keys in enumerate(per_block):
-        if keys is None:
-            continue
-        items = list(keys)
-        if lora is not None and items and items[0] == lora:
-            items = items[1:]
-        while items and _is_mm_key(items[0]):
-            identifier, offset = items.pop(0)
-            items_seen.setdefault((identifier, index * event.block_size + offset), []).append(index)
-        if index == 0 and len(items) == 1 and isinstance(items[0], str):
-            salt = items[0]
-            items = []
-        if items:
-            raise _Unverifiable("prompt-embedding or unrecognised extra keys")
+    read = read_event_extras(event)
+    if read.unread:
+        raise _Unverifiable("prompt-embedding or unrecognised extra keys")
     if lora is None and event.lora_id is not None:
         raise _Unverifiable("LoRA id without a LoRA name (vLLM < 0.14)")
     path = keying.lora_path(lora) if lora is not None else None
     if lora is not None and style is ExtraKeyStyle.TAGGED and path is None:
         raise _Unverifiable(f"LoRA {lora!r} has no path in the model config")
-    return BlockExtras(lora, path, salt, _mm_features(items_seen, event.block_size))
-
-
-def _is_mm_key(item: Any) -> bool:
-    return (
-        isinstance(item, list | tuple)
-        and len(item) == 2
-        and isinstance(item[0], str)
-        and type(item[1]) is int
-    )
-
-
-def _mm_features(
-    items_seen: dict[tuple[str, int], list[int]], block_size: int
-) -> tuple[MmFeature, ...]:
-    """Multimodal items placed so they overlap exactly the blocks the event names them
-    in: an event gives an item's start (its offset in the first block that names it)
-    but not its length, and only which blocks it overlaps enters the hash. Offsets are
-    relative to the event's first block (negative for an item that began before it)."""
-    features = []
-    for (identifier, offset), blocks in items_seen.items():
-        end = max(offset + 1, blocks[-1] * block_size + 1)
-        features.append(MmFeature(identifier, offset, end - offset))
-    return tuple(sorted(features, key=lambda f: f.offset))
+    return BlockExtras(lora, path, read.salt, read.mm_features)

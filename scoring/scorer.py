@@ -123,19 +123,11 @@ class Scorer:
         """The index keys of every full block of ``tokens`` for ``model``."""
         keying = self._catalog.keying(model)
         if keying.key_mode is KeyMode.TOKENS:
-            if mm_features:
-                # Content keys are built from events' tokens, LoRA and salt only: an
-                # image's identifier would enter the prompt's keys and no stored one.
-                raise KeyConfigError(
-                    f"model {model!r} is indexed by token content (key_mode: tokens), "
-                    "whose keys do not include multimodal items: leave mm_features out "
-                    "or index the model by engine hashes"
-                )
             size = keying.hash.block_size
             hasher = self._content.get(size)
             if hasher is None:
                 hasher = self._content[size] = ContentHasher(size)
-            return hasher.keys(tokens, BlockExtras(lora_name, None, cache_salt))
+            return hasher.keys(tokens, BlockExtras(lora_name, None, cache_salt, mm_features))
         path = None
         if lora_name is not None:
             path = keying.lora_path(lora_name)

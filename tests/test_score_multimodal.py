@@ -134,14 +134,38 @@ def test_bad_mm_features_are_400s(setup, fields, detail) -> None:
         assert detail in response.json()["detail"], (path, response.text)
 
 
-def test_token_key_models_refuse_images() -> None:
+def test_token_key_models_key_images_too() -> None:
+    """Content keys (--key-mode tokens) hold the items as events publish them: the same
+    placeholder tokens with another image, or none, are another prompt."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     service = Service(from_flags(zmq_bind=[endpoint], model="t", key_mode="tokens"))
+    pod_c = "127.0.0.3:8000"
+    other = (MmFeature("img-bird", 20, 40), MmFeature(**SMALL))
     with TestClient(create_app(service)) as client:
-        body = {"model": "t", "token_ids": TOKENS, "mm_features": [IMAGE]}
+        for pod, features in ((POD_A, FEATURES), (POD_B, other), (pod_c, ())):
+            extras = BlockExtras(mm_features=features)
+            engine_keys = list(range(1000 * len(pod), 1000 * len(pod) + 8))  # opaque
+            stored = BlockStored(
+                engine_keys, None, TOKENS, 16, extra_keys=event_extra_keys(extras, 8)
+            )
+            with EnginePublisher(
+                from_source(endpoint, pod.split(":")[0]), topic=f"kv@{pod}@t", bind=False
+            ) as pub:
+                assert pub.wait_for_subscribers(1, 5.0)
+                pub.publish([stored])
+                assert wait_until(
+                    lambda pod=pod: any(
+                        s.pod == pod and s.delivered for s in service.subscriber.streams()
+                    ),
+                    5.0,
+                )
+        body = {"model": "t", "token_ids": TOKENS, "mm_features": [IMAGE, SMALL]}
         response = client.post("/score", json=body)
-    assert response.status_code == 400, response.text
-    assert "indexed by token content" in response.json()["detail"]
+        assert response.status_code == 200, response.text
+        rows = {row["pod"]: row["matched_blocks"] for row in response.json()["pods"]}
+        assert rows == {POD_A: 8, POD_B: 1, pod_c: 1}
+        text = client.post("/score", json={"model": "t", "token_ids": TOKENS}).json()
+        assert {row["pod"]: row["matched_blocks"] for row in text["pods"]}[pod_c] == 8
 
 
 def test_openapi_documents_mm_features(setup) -> None:

@@ -30,7 +30,7 @@ from kvindex.api.json_tokens import decode_prompt
 from kvindex.api.offload import BackendBusy, BackendTimeout
 from kvindex.api.schemas import RouteCandidate, RouteDone, RouteRequest, RouteResponse
 from kvindex.api.score import UntokenizablePrompt, candidate_pods, tokens_of
-from kvindex.api.score_inputs import block_keys, hashed_keys, prompt_form
+from kvindex.api.score_inputs import block_keys, hashed_keys, mm_features_of, prompt_form
 from kvindex.events.errors import NotFound, TooManyRequests, Unavailable
 from kvindex.events.identity import member_pod
 from kvindex.indexer.backend import BackendUnavailable
@@ -509,7 +509,11 @@ def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> _IndexV
             result = service.scorer.score_keys(req.model, keys)
         else:
             result = service.scorer.score(
-                req.model, tokens, lora_name=req.lora_name, cache_salt=req.cache_salt
+                req.model,
+                tokens,
+                lora_name=req.lora_name,
+                cache_salt=req.cache_salt,
+                mm_features=mm_features_of(req, len(tokens)),
             )
     except BackendUnavailable as exc:
         return _IndexView(

@@ -31,6 +31,26 @@ def _doc(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
 
 
+class MmFeatureSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """One multimodal item of a `token_ids` prompt, as vLLM's `MultiModalFeatureSpec`
+    has it: the item's `identifier` and its placeholder range (`mm_position`)."""
+
+    identifier: Annotated[
+        str,
+        msgspec.Meta(min_length=1, max_length=1024),
+        _doc(
+            "vLLM's identifier of the item (the hash of its processed media, with the "
+            "LoRA prefix where vLLM adds one), as the engine computed it."
+        ),
+    ]
+    offset: Annotated[
+        int, msgspec.Meta(ge=0), _doc("First token position of the item's placeholder.")
+    ]
+    length: Annotated[
+        int, msgspec.Meta(ge=1), _doc("Number of placeholder tokens the item covers.")
+    ]
+
+
 class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     """`POST /score`: the model and exactly one of `token_ids`, `prompt`, `messages`,
     `block_hashes`.
@@ -70,6 +90,15 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     ] = None
     lora_name: Annotated[str | None, _doc("LoRA adapter the request will use.")] = None
     cache_salt: Annotated[str | None, _doc("vLLM cache_salt of the request, if any.")] = None
+    mm_features: Annotated[
+        list[MmFeatureSpec] | None,
+        _doc(
+            "token_ids only: the prompt's multimodal items (images, audio, video), each "
+            "an identifier and the placeholder tokens it covers; they enter the block "
+            "keys as vLLM >= 0.31 hashes them. Ranges lie within the prompt and do not "
+            "overlap."
+        ),
+    ] = None
     add_generation_prompt: Annotated[
         bool, _doc("messages only: as vLLM's chat completions field (default true).")
     ] = True

@@ -14,7 +14,12 @@ import msgspec
 
 from kvindex.api.json_tokens import decode_prompt
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
-from kvindex.api.score_inputs import hashed_keys, prompt_form, require_known_model
+from kvindex.api.score_inputs import (
+    hashed_keys,
+    mm_features_of,
+    prompt_form,
+    require_known_model,
+)
 from kvindex.events.errors import ClientError, KvindexError, TooLarge
 from kvindex.events.identity import member_pod, normalize_pod
 from kvindex.scoring.chat_template import MultimodalContent, Untokenizable
@@ -109,6 +114,7 @@ def score_index(service: Service, req: ScoreRequest) -> tuple[ScoreResult, list[
         tokens,
         lora_name=req.lora_name,
         cache_salt=req.cache_salt,
+        mm_features=mm_features_of(req, len(tokens)),
         candidates=candidates,
     )
     return result, candidates
@@ -122,6 +128,11 @@ def tokens_of(service: Service, req: ScoreRequest, max_tokens: int, max_chars: i
         raise ClientError(
             "add_generation_prompt, continue_final_message, tools, documents and "
             "chat_template_kwargs apply to messages only"
+        )
+    if req.mm_features is not None and req.token_ids is None:
+        raise ClientError(
+            "mm_features apply to token_ids only: their offsets are token positions of "
+            "the prompt as the engine received it"
         )
     tokens = req.token_ids if req.token_ids is not None else _tokenize(service, req, max_chars)
     if not tokens:

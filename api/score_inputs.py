@@ -32,6 +32,7 @@ import msgspec
 from kvindex.api.errors import JSON
 from kvindex.api.schemas import ScoreRequest
 from kvindex.events.errors import ClientError, NotFound, UnsupportedMediaType
+from kvindex.indexer.keys import MmFeature
 from kvindex.indexer.models import KeyMode
 
 if TYPE_CHECKING:
@@ -176,10 +177,10 @@ def hashed_keys(service: Service, req: ScoreRequest, max_tokens: int) -> list[in
     them), at most ``max_tokens`` worth of blocks, each hash a uint64."""
     prompt_form(req)
     require_known_model(service, req.model)
-    if req.lora_name is not None or req.cache_salt is not None:
+    if req.lora_name is not None or req.cache_salt is not None or req.mm_features is not None:
         raise ClientError(
-            "lora_name and cache_salt do not apply to block_hashes: the engine's hashes "
-            "already include them; leave them out"
+            "lora_name, cache_salt and mm_features do not apply to block_hashes: the "
+            "engine's hashes already include them; leave them out"
         )
     keying = service.catalog.keying(req.model)
     if keying.key_mode is not KeyMode.ENGINE:
@@ -198,6 +199,35 @@ def hashed_keys(service: Service, req: ScoreRequest, max_tokens: int) -> list[in
             "(--max-prompt-tokens)"
         )
     return block_keys(hashes)
+
+
+def mm_features_of(req: ScoreRequest, prompt_tokens: int) -> tuple[MmFeature, ...]:
+    """``req.mm_features`` as hash inputs, sorted by offset as vLLM keeps them; a 400
+    when they reach past the prompt's ``prompt_tokens`` or overlap (vLLM gives each placeholder
+    token to one item, and its hashing assumes so)."""
+    items = req.mm_features
+    if not items:
+        return ()
+    order = sorted(range(len(items)), key=lambda i: items[i].offset)
+    features: list[MmFeature] = []
+    previous = -1
+    for i in order:
+        item = items[i]
+        end = item.offset + item.length
+        if end > prompt_tokens:
+            raise ClientError(
+                f"mm_features[{i}]: placeholder tokens {item.offset}..{end - 1} run past "
+                f"the prompt's {prompt_tokens} tokens"
+            )
+        if previous >= 0 and item.offset < features[-1].offset + features[-1].length:
+            raise ClientError(
+                f"mm_features[{i}] (offset {item.offset}, length {item.length}) overlaps "
+                f"mm_features[{previous}] (offset {features[-1].offset}, length "
+                f"{features[-1].length}); each placeholder token belongs to one item"
+            )
+        features.append(MmFeature(item.identifier, item.offset, item.length))
+        previous = i
+    return tuple(features)
 
 
 def block_keys(hashes: list[int | str] | array.array[int]) -> list[int]:

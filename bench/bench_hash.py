@@ -20,7 +20,9 @@ interleaved, in a rotating order, so load hits them alike.
   digest); and ``pickle.dumps`` alone (tuples built beforehand).
 
 Also the other algorithms (sha256_cbor; xxhash, xxhash_cbor with a seed), LoRA +
-cache-salt extras and one lookahead token, pure cold against compiled. Target (issue
+cache-salt extras, one lookahead token and a prompt with eight images
+(``mm_features``: the blocks they overlap are hashed by the pure path even on the
+compiled one), pure cold against compiled. Target (issue
 13): compiled cold chain <= 60 µs; printed PASS/FAIL from the CPU-time median.
 
 Run: ``python bench/bench_hash.py [--rounds 200] [--vocab 150000]``.
@@ -40,13 +42,24 @@ from collections.abc import Callable
 import numpy as np
 
 from kvindex.indexer import compiled
-from kvindex.indexer.keys import BlockExtras, BlockHasher, ExtraKeyStyle, HashAlgo, HashConfig
+from kvindex.indexer.keys import (
+    BlockExtras,
+    BlockHasher,
+    ExtraKeyStyle,
+    HashAlgo,
+    HashConfig,
+    MmFeature,
+)
 
 TOKENS = 8192
 BLOCK_SIZE = 16
 BLOCKS = TOKENS // BLOCK_SIZE
 TARGET_US = 60.0
 LORA_SALT = BlockExtras("my-lora", "/adapters/my-lora", "tenant-a")
+# Eight 576-token images (a LLaVA-style placeholder count) spread over the prompt.
+IMAGES = BlockExtras(
+    mm_features=tuple(MmFeature(f"{i:064x}", 100 + i * 1000, 576) for i in range(8))
+)
 
 Case = Callable[[list[int]], Callable[[], object]]  # fresh tokens -> the timed call
 
@@ -112,6 +125,7 @@ def cases(core: object) -> dict[str, Case]:
         ("sha256 lora+salt", HashConfig(extra_key_style=ExtraKeyStyle.TAGGED), LORA_SALT),
         ("sha256 lookahead 1", HashConfig(lookahead_tokens=1), BlockExtras()),
     ]
+    others.append(("sha256 8 images", HashConfig(), IMAGES))
     for name, config, extras in others:
         hasher = BlockHasher(config, memo_size=0)
         paths = [("pure", None)] + ([("compiled", core)] if core is not None else [])

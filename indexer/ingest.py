@@ -43,8 +43,17 @@ memory). Rules, each one a pitfall other indexers hit:
   nothing that sets this pod apart from the others sharing the store, and could never be
   removed: indexing it would only over-report, permanently.
 * CPU-offload placeholder stores (no tokens, block size 0) carry the engine's own block
-  hashes, so in engine-key mode they are indexed as is; in token-key mode they are
-  resolved through the engine-hash map, and skipped (counted) when unknown.
+  hashes (one per offloaded chunk: its last GPU block's), so in engine-key mode they are
+  indexed as is; in token-key mode they are resolved through the engine-hash map, and
+  skipped (counted) when unknown.
+* ``medium`` is GPU, CPU or STORAGE: the only values vLLM 0.33 publishes (its
+  filesystem and object-store offload tiers both publish STORAGE). Others are counted
+  ``unknown_medium``, not guessed into a tier.
+* ``ownership`` (0.29) is not read: the offloading connector publishes one store and one
+  removal per (medium, ownership) residency of a chunk, and copies are counted per
+  (member, hash, tier), so a block two residencies hold stays while either does
+  (tests/test_vllm_offload.py runs vLLM's own tracker). ``origin`` (proposed, NEW or
+  REUSED) is not read either: a reused block is one the index already holds.
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ from kvindex.events.wire import (
     tokens_of,
 )
 from kvindex.indexer.backend import Change, IndexBackend, Op, Tier
+from kvindex.indexer.event_extras import read_event_extras
 from kvindex.indexer.keys import BlockExtras
 from kvindex.indexer.kv_groups import FULL_ATTENTION_KINDS, KvLayouts, group_model
 from kvindex.indexer.models import KeyMode, ModelCatalog, ReportMode
@@ -400,14 +410,6 @@ def _packed(keys: list[int]) -> bytes:
 
 
 def _content_extras(event: BlockStored) -> BlockExtras:
-    """LoRA name and cache salt as content keys use them (salt: bare string on block 0)."""
-    salt = None
-    if event.parent_block_hash is None and event.extra_keys:
-        first = event.extra_keys[0]
-        if first:
-            items = list(first)
-            if event.lora_name is not None and items and items[0] == event.lora_name:
-                items = items[1:]
-            if len(items) == 1 and isinstance(items[0], str):
-                salt = items[0]
-    return BlockExtras(event.lora_name, None, salt)
+    """LoRA name, cache salt and multimodal items as content keys use them."""
+    read = read_event_extras(event)
+    return BlockExtras(event.lora_name, None, read.salt, read.mm_features)

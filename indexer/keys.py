@@ -20,6 +20,10 @@ prompt's chain can be looked up directly. Facts below were checked against vLLM'
   multimodal, cache salt, prompt embeds. Up to 0.30 items are bare (the adapter name on
   every block, the salt on block 0); from 0.31 they are tagged: ``("lora", name, path)``
   and ``("cache_salt", salt)``.
+* Multimodal items (vLLM 0.33, ``_gen_mm_extra_hash_keys``): every block a placeholder
+  range overlaps gets ``("mm", identifier, offset - block_start)`` between the LoRA and
+  the salt, so the offset is negative in the blocks after the item's first. Events
+  publish it untagged, as ``(identifier, offset - block_start)``.
 * With lookahead hashing (0.33, ``num_hash_lookahead_tokens`` L > 0) each block's extra
   keys become ``(E, t_1, ..., t_L)``: E is the usual extra keys (or None) and t are the
   L tokens after the block, so only blocks followed by L tokens are hashed.
@@ -31,8 +35,9 @@ import enum
 import hashlib
 import pickle
 from array import array
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
@@ -135,19 +140,38 @@ class HashConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MmFeature:
+    """One multimodal item of a prompt: vLLM's ``MultiModalFeatureSpec.identifier`` and
+    its placeholder range (``mm_position``) in token positions of the sequence."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
 class BlockExtras:
     """Per-request inputs that enter block hashes besides tokens.
 
     ``lora_path`` is needed only for the tagged style (vLLM >= 0.31 hashes the adapter's
-    path; events publish only its name).
+    path; events publish only its name). ``mm_features`` are sorted by offset and do not
+    overlap (vLLM's own assumption; ``/score`` checks it).
     """
 
     lora_name: str | None = None
     lora_path: str | None = None
     cache_salt: str | None = None
+    mm_features: tuple[MmFeature, ...] = ()
 
-    def for_block(self, index: int, style: ExtraKeyStyle) -> tuple[Any, ...] | None:
-        """The ``extra_keys`` tuple of block ``index`` (None when it has none)."""
+    def for_block(
+        self, index: int, style: ExtraKeyStyle, block_size: int = 0, lookahead: int = 0
+    ) -> tuple[Any, ...] | None:
+        """The ``extra_keys`` tuple of block ``index`` (None when it has none).
+
+        ``block_size`` and ``lookahead`` place the block's token span, which only the
+        multimodal keys need: with lookahead the span runs on over the lookahead tokens,
+        as vLLM's ``generate_lookahead_block_hash_extra_keys`` has it.
+        """
         items: list[Any] = []
         if self.lora_name is not None:
             if style is ExtraKeyStyle.BARE:
@@ -159,6 +183,27 @@ class BlockExtras:
                         "hashes; add it to the model's `loras` in the model config"
                     )
                 items.append(("lora", self.lora_name, self.lora_path))
+        if self.mm_features:
+            if style is ExtraKeyStyle.BARE:
+                # Only vLLM 0.33's form is checked against vLLM's code; the bare
+                # releases' form is not, so it is refused rather than guessed.
+                raise KeyConfigError(
+                    "multimodal features are hashed as vLLM >= 0.31 does; this model's "
+                    "extra_key_style is bare (vLLM <= 0.30), whose multimodal keys "
+                    "kvindex does not reproduce"
+                )
+            start = index * block_size
+            end = start + block_size + lookahead
+            named: set[int] = set()
+            for item in self.mm_features:
+                if item.offset >= end:
+                    break
+                if item.offset + item.length > start:
+                    identifier = item.identifier
+                    if id(identifier) in named:
+                        identifier = _separate(identifier)
+                    named.add(id(identifier))
+                    items.append(("mm", identifier, item.offset - start))
         if index == 0 and self.cache_salt:
             if style is ExtraKeyStyle.BARE:
                 items.append(self.cache_salt)
@@ -168,6 +213,14 @@ class BlockExtras:
 
 
 NO_EXTRAS = BlockExtras()
+
+
+def _separate(text: str) -> str:
+    """An equal string that is another object. pickle writes an object it has already
+    written in one input as a back-reference, so one identifier object named twice in a
+    block (an image repeated) would serialise unlike vLLM's, whose items each hold their
+    own string (decoded from its own message)."""
+    return "".join((text[:1], text[1:])) if len(text) > 1 else text
 
 
 _INT_TYPECODES = frozenset("bBhHiIlLqQ")
@@ -190,7 +243,9 @@ class BlockHasher:
     bytes itself and hashes them with OpenSSL, ~0.2 µs a block, about half of it
     SHA-256's own compressions; blocks it cannot write (tokens past 64 bits, extra keys
     of other types) are hashed here, one by one, by the pure path, which stays the
-    reference.
+    reference, as are blocks that multimodal items overlap (their extra keys differ
+    block by block, and the C writer takes one extras tuple for block 0 and one for the
+    rest).
 
     The pure path (pickle + hashlib, ~1-3 µs a block) memoises each block's (digest,
     published key) per (parent digest, block tokens, extras): prompts that share a
@@ -280,26 +335,35 @@ class BlockHasher:
             isinstance(tokens, array) and tokens.typecode in _INT_TYPECODES
         ):
             tokens = list(tokens)
+        # The C writer takes one extras tuple for block 0 and one for the rest: blocks
+        # that multimodal items overlap (their keys differ block by block) are hashed
+        # here, the runs between them there.
+        plain = replace(extras, mm_features=()) if extras.mm_features else extras
+        with_items = self._blocks_with_items(extras, first_block_index, count)
         first = rest = None
-        if extras != NO_EXTRAS:
-            first = extras.for_block(first_block_index, cfg.extra_key_style)
-            rest = extras.for_block(first_block_index + 1, cfg.extra_key_style)
+        if plain != NO_EXTRAS:
+            first = plain.for_block(first_block_index, cfg.extra_key_style)
+            rest = plain.for_block(first_block_index + 1, cfg.extra_key_style)
         serialisation, digest = _COMPILED[cfg.algo]
         previous = parent if parent else self._none_hash
         want_digests = digests is not None
         keys: list[int] = []
         done = 0
         while True:
-            got, got_digests, done, previous = core.chain(
-                serialisation, digest, tokens, cfg.block_size, cfg.lookahead_tokens, done,
-                count, previous, first, rest, first_block_index, want_digests,
-            )  # fmt: skip
-            keys = got if not keys else keys + got
-            if digests is not None:
-                digests += got_digests
+            at = bisect_left(with_items, done)
+            stop = with_items[at] if at < len(with_items) else count
+            if done < stop:
+                got, got_digests, done, previous = core.chain(
+                    serialisation, digest, tokens, cfg.block_size, cfg.lookahead_tokens, done,
+                    stop, previous, first, rest, first_block_index, want_digests,
+                )  # fmt: skip
+                keys = got if not keys else keys + got
+                if digests is not None:
+                    digests += got_digests
             if done == count:
                 return keys
-            # a block the compiled writer leaves to the reference serialisation
+            # a block with multimodal items, or one the compiled writer leaves to the
+            # reference serialisation
             previous = hash_value(
                 cfg.algo, self._block_input(tokens, done, previous, extras, first_block_index)
             )
@@ -307,6 +371,21 @@ class BlockHasher:
             if digests is not None:
                 digests.append(previous)
             done += 1
+
+    def _blocks_with_items(
+        self, extras: BlockExtras, first_block_index: int, count: int
+    ) -> list[int]:
+        """The blocks (0 = ``tokens``' first) whose hashed span a multimodal item
+        overlaps, sorted: block j spans ``[j*size, (j+1)*size + lookahead)``."""
+        if not extras.mm_features:
+            return []
+        size, lookahead = self.config.block_size, self.config.lookahead_tokens
+        blocks: set[int] = set()
+        for item in extras.mm_features:
+            low = (item.offset - size - lookahead) // size + 1 - first_block_index
+            high = (item.offset + item.length - 1) // size - first_block_index
+            blocks.update(range(max(low, 0), min(high, count - 1) + 1))
+        return sorted(blocks)
 
     def _block_input(
         self,
@@ -322,7 +401,9 @@ class BlockHasher:
         start = index * size
         extra = None
         if extras != NO_EXTRAS:
-            extra = extras.for_block(first_block_index + index, cfg.extra_key_style)
+            extra = extras.for_block(
+                first_block_index + index, cfg.extra_key_style, size, lookahead
+            )
         if lookahead:
             extra = (extra, *tokens[start + size : start + size + lookahead])
         return (previous, tuple(tokens[start : start + size]), extra)
@@ -350,7 +431,7 @@ class BlockHasher:
             start = i * size
             block = tuple(tokens[start : start + size])
             if not plain:
-                extra = extras.for_block(first_block_index + i, style)
+                extra = extras.for_block(first_block_index + i, style, size, lookahead)
                 if lookahead:
                     extra = (extra, *tokens[start + size : start + size + lookahead])
             memo_key = (previous, block, extra)

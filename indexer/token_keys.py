@@ -18,7 +18,7 @@ import numpy as np
 import xxhash
 
 from kvindex.events.errors import ClientError
-from kvindex.indexer.keys import NO_EXTRAS, BlockExtras
+from kvindex.indexer.keys import NO_EXTRAS, BlockExtras, MmFeature
 
 _ROOT = b"kvindex-content-root"
 
@@ -31,8 +31,9 @@ class TokenRangeError(ClientError):
 class ContentHasher:
     """Builds content keys: ``key_i = xxh3_64(key_{i-1} || tokens_i || extras_i)``.
 
-    Keys depend only on token content, LoRA name and cache salt, so every pod serving
-    the same prompt gets the same keys whatever its engine's hash seed.
+    Keys depend only on token content, LoRA name, cache salt and multimodal items, so
+    every pod serving the same prompt gets the same keys whatever its engine's hash
+    seed. A block without items keys as it did before items were hashed.
     """
 
     block_size: int
@@ -57,12 +58,29 @@ class ContentHasher:
         previous = _ROOT if parent is None else parent.to_bytes(8, "big")
         step = size * 4
         out: list[int] = []
+        items = extras.mm_features
         for i in range(count):
             extra = lora + b"\x00" + salt if first_block_index + i == 0 and salt else lora
+            if items:
+                extra += _items_in(items, i * size, (i + 1) * size)
             key = xxhash.xxh3_64_intdigest(previous + packed[i * step : (i + 1) * step] + extra)
             out.append(key)
             previous = key.to_bytes(8, "big")
         return out
+
+
+def _items_in(items: tuple[MmFeature, ...], start: int, end: int) -> bytes:
+    """The multimodal items a block overlaps, as a block's extra bytes: what vLLM hashes
+    (identifier and offset from the block's start, indexer/keys.py), which events
+    publish, so a prompt's content keys and a stored event's agree. Positions are
+    counted from ``tokens[0]``, which events and prompts both start at a block edge."""
+    out = b""
+    for item in items:
+        if item.offset >= end:
+            break
+        if item.offset + item.length > start:
+            out += b"\x00mm\x00%s\x00%d" % (item.identifier.encode(), item.offset - start)
+    return out
 
 
 class EngineKeyMap:

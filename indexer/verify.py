@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvindex.events.wire import BlockStored, DecodeError, hash_to_int, tokens_of
+from kvindex.indexer.event_extras import read_event_extras
 from kvindex.indexer.keys import (
     BlockExtras,
     BlockHasher,
@@ -299,29 +300,16 @@ class _Unverifiable(Exception):
 
 
 def _event_extras(event: BlockStored, keying: ModelKeying, style: ExtraKeyStyle) -> BlockExtras:
-    """Rebuild the request extras (LoRA, salt) from an event.
-
-    Events publish extra keys untagged (vLLM 0.17+): the adapter name on every block and
-    the salt as a bare string on block 0. Multimodal and prompt-embedding extras cannot
-    be recomputed from an event, so such events are skipped rather than misjudged.
-    """
+    """Rebuild the request extras (LoRA, salt, multimodal items) from an event
+    (indexer/event_extras.py). Prompt-embedding digests cannot be recomputed from an
+    event, so such events are skipped rather than misjudged."""
     lora = event.lora_name
-    salt: str | None = None
-    per_block = event.extra_keys or []
-    for index, keys in enumerate(per_block):
-        if keys is None:
-            continue
-        items = list(keys)
-        if lora is not None and items and items[0] == lora:
-            items = items[1:]
-        if index == 0 and len(items) == 1 and isinstance(items[0], str):
-            salt = items[0]
-            items = []
-        if items:
-            raise _Unverifiable("multimodal or prompt-embedding extra keys")
+    read = read_event_extras(event)
+    if read.unread:
+        raise _Unverifiable("prompt-embedding or unrecognised extra keys")
     if lora is None and event.lora_id is not None:
         raise _Unverifiable("LoRA id without a LoRA name (vLLM < 0.14)")
     path = keying.lora_path(lora) if lora is not None else None
     if lora is not None and style is ExtraKeyStyle.TAGGED and path is None:
         raise _Unverifiable(f"LoRA {lora!r} has no path in the model config")
-    return BlockExtras(lora, path, salt)
+    return BlockExtras(lora, path, read.salt, read.mm_features)

@@ -20,7 +20,7 @@ from typing import Annotated
 import msgspec
 
 from kvindex.indexer.backend import IndexBackend, MemberMatch, MemberPresence, Tier
-from kvindex.indexer.keys import BlockExtras, KeyConfigError
+from kvindex.indexer.keys import BlockExtras, KeyConfigError, MmFeature
 from kvindex.indexer.kv_groups import GroupSpec, KvLayouts, group_model
 from kvindex.indexer.models import KeyMode, ModelCatalog
 from kvindex.indexer.token_keys import ContentHasher
@@ -118,6 +118,7 @@ class Scorer:
         tokens: Sequence[int],
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        mm_features: tuple[MmFeature, ...] = (),
     ) -> list[int]:
         """The index keys of every full block of ``tokens`` for ``model``."""
         keying = self._catalog.keying(model)
@@ -126,7 +127,7 @@ class Scorer:
             hasher = self._content.get(size)
             if hasher is None:
                 hasher = self._content[size] = ContentHasher(size)
-            return hasher.keys(tokens, BlockExtras(lora_name, None, cache_salt))
+            return hasher.keys(tokens, BlockExtras(lora_name, None, cache_salt, mm_features))
         path = None
         if lora_name is not None:
             path = keying.lora_path(lora_name)
@@ -135,7 +136,8 @@ class Scorer:
                     f"LoRA adapter {lora_name!r} of model {model!r} is not in the model config; "
                     "vLLM >= 0.31 hashes the adapter path, so add it under `loras`"
                 )
-        return self._catalog.hasher(model).keys(tokens, BlockExtras(lora_name, path, cache_salt))
+        extras = BlockExtras(lora_name, path, cache_salt, mm_features)
+        return self._catalog.hasher(model).keys(tokens, extras)
 
     def score(
         self,
@@ -144,6 +146,7 @@ class Scorer:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        mm_features: tuple[MmFeature, ...] = (),
         candidates: Collection[str] | None = None,
         max_hit_tokens: int | None = None,
     ) -> ScoreResult:
@@ -154,7 +157,7 @@ class Scorer:
         request is capped at ``len(tokens) - 1``, its last token recomputed for logits);
         by default nothing is capped. For a hybrid model the cap can change more than the
         last block: a sliding window's hit is searched from the cap leftwards."""
-        keys = self.block_keys(model, tokens, lora_name, cache_salt)
+        keys = self.block_keys(model, tokens, lora_name, cache_salt, mm_features)
         return self.score_keys(
             model,
             keys,

@@ -104,6 +104,21 @@ def test_real_payloads_scan_exactly_as_msgspec_decodes(release: str, payload: by
     assert_same(payload, got)
 
 
+@needs_scanner
+def test_ownership_and_origin_scan_as_msgspec_decodes() -> None:
+    """``ownership`` (vLLM 0.29+, KVCR's offload events) and ``origin`` (proposed) are
+    skipped by both decoders, on stores and removals (indexer/ingest.py says why)."""
+    stored = {"type": "BlockStored", "block_hashes": [7, 2**63 + 1], "parent_block_hash": None}
+    stored |= {"token_ids": [], "block_size": 0, "lora_id": None, "medium": "CPU"}
+    stored |= {"lora_name": None, "group_idx": 0, "ownership": "kvcr", "origin": "REUSED"}
+    removed = {"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU"}
+    removed |= {"ownership": "kvcr", "origin": "NEW"}
+    payload = msgspec.msgpack.encode([1.0, [stored, removed], 0])
+    got = scan(payload)
+    assert got is not None and got.n_events == 2
+    assert_same(payload, got)
+
+
 def test_fixtures_cover_every_release() -> None:
     assert len({release for release, _ in fixture_payloads()}) >= 11
 

@@ -33,6 +33,7 @@ from kvindex.indexer.keys import (
     ExtraKeyStyle,
     HashAlgo,
     HashConfig,
+    MmFeature,
     none_hash,
 )
 from tests.test_keys import TOKENS, VECTORS
@@ -365,3 +366,32 @@ def _writable(value: object, depth: int = 0) -> bool:
     if isinstance(value, int):
         return -(2**63) <= value < 2**64
     return depth < 16 and all(_writable(item, depth + 1) for item in value)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    algo=st.sampled_from(list(HashAlgo)),
+    size=st.sampled_from([1, 3, 16]),
+    lookahead=st.sampled_from([0, 0, 1, 4]),
+    first=st.sampled_from([0, 0, 1, 5]),
+    gaps=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), max_size=6),
+    salt=st.sampled_from([None, "s"]),
+    chained=st.booleans(),
+)
+def test_multimodal_items_on_both_paths(
+    algo: HashAlgo, size: int, lookahead: int, first: int, gaps, salt, chained: bool
+) -> None:
+    """Blocks that items overlap are hashed by the pure path, the runs between them by
+    the compiled one: the chain is the pure path's whatever the items' places (block
+    edges, the lookahead span, items before ``tokens``' first block)."""
+    items, at = [], -30  # offsets in the sequence; tokens start at block ``first``
+    for gap, length in gaps:
+        items.append(MmFeature(f"img-{at}", at + gap, length))
+        at += gap + length
+    tokens = [(i * 7919) % 150_000 for i in range(max(at, 0) + 2 * size + lookahead)]
+    extras = BlockExtras(None, None, salt, tuple(items))
+    parent = b"\x07" * 32 if chained else None
+    got, want = both(
+        config(algo, block_size=size, lookahead_tokens=lookahead), tokens, extras, parent, first
+    )
+    assert got == want

@@ -2,7 +2,8 @@
 
 ``tests/vllm_side/block_hashes.py`` runs in an interpreter that has vLLM 0.33
 (``KVTEST_VLLM_PYTHON``, else the checkout's ``.venv-vllm``) and hashes each
-prompt as the engine core does: a ``Request`` with its LoRA adapter and cache salt,
+prompt as the engine core does: a ``Request`` with its LoRA adapter, cache salt and
+multimodal items (``MultiModalFeatureSpec``s: identifier and placeholder range),
 through ``get_request_block_hasher`` (with lookahead tokens where asked) over
 ``vllm.utils.hashing``, NONE_HASH from the case's PYTHONHASHSEED. kvindex's keys and
 digests for the same prompts must be those, on both paths. Without such an
@@ -21,7 +22,7 @@ import pytest
 import xxhash
 
 from kvindex.indexer import compiled
-from kvindex.indexer.keys import BlockExtras, BlockHasher, HashAlgo, HashConfig
+from kvindex.indexer.keys import BlockExtras, BlockHasher, HashAlgo, HashConfig, MmFeature
 from tests.support.vllm import vllm_python
 
 SCRIPT = Path(__file__).parent / "vllm_side" / "block_hashes.py"
@@ -67,6 +68,40 @@ def cases() -> list[dict]:
                 "tokens": EDGES * 3,
                 "lora": None,
                 "cache_salt": "s",
+            }
+        )
+    out += mm_cases(rng)
+    return out
+
+
+def mm_cases(rng: random.Random) -> list[dict]:
+    """Prompts with images: items inside one block, across many, on block edges, one
+    right after another, the same identifier twice, and with LoRA, salt and lookahead."""
+    out = []
+    for number in range(24):
+        size = rng.choice([16, 16, 4, 5, 1])
+        length = rng.randrange(size * 2, size * 40)
+        items = []
+        position = rng.randrange(0, size * 3)
+        while position < length:
+            span = rng.choice([1, size - 1 or 1, size, size + 1, rng.randrange(1, size * 6)])
+            if position + span > length:
+                break
+            identifier = rng.choice(["img-a", "img-b", f"sha-{rng.randrange(1 << 60):x}"])
+            items.append([identifier, position, span])
+            position += span + rng.choice([0, 0, 1, size, rng.randrange(0, size * 4)])
+        lora, salt = list(EXTRAS.values())[number % len(EXTRAS)]
+        out.append(
+            {
+                "name": f"sha256/mm {number}/{size}x{length}/{len(items)} items",
+                "algo": rng.choice(["sha256", "sha256_cbor"]),
+                "seed": None,
+                "block_size": size,
+                "lookahead": rng.choice([0, 0, 1, 3]),
+                "tokens": [rng.randrange(150_000) for _ in range(length)],
+                "lora": lora,
+                "cache_salt": salt,
+                "mm": items,
             }
         )
     return out
@@ -124,7 +159,8 @@ def test_keys_equal_vllms_own(path: str, engine_hashes: tuple[list[dict], list[d
                 lookahead_tokens=case["lookahead"],
             )
             lora_name, lora_path = case["lora"] or (None, None)
-            extras = BlockExtras(lora_name, lora_path, case["cache_salt"])
+            mm = tuple(MmFeature(*item) for item in case.get("mm", []))
+            extras = BlockExtras(lora_name, lora_path, case["cache_salt"], mm)
             hasher = BlockHasher(config)
             assert hasher.keys(case["tokens"], extras) == result["keys"], case["name"]
             digests = [d.hex() for d in hasher.digests(case["tokens"], extras)]

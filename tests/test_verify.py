@@ -10,6 +10,7 @@ from kvindex.indexer.keys import (
     ExtraKeyStyle,
     HashAlgo,
     HashConfig,
+    MmFeature,
 )
 from kvindex.indexer.models import ModelCatalog, ModelKeying
 from kvindex.indexer.verify import CheckState, HashVerifier
@@ -142,3 +143,51 @@ def test_reset_forgets_history() -> None:
     verifier.observe("p:1", "m", stored(HashConfig(algo=HashAlgo.SHA256_CBOR)))
     verifier.reset("p:1")
     assert verifier.status("p:1").state is CheckState.UNVERIFIED
+
+
+def event_extra_keys(extras: BlockExtras, blocks: int, first: int = 0) -> list:
+    """The per-block extra keys vLLM 0.33 publishes (``to_event_extra_keys``): tags
+    dropped, a multimodal item as (identifier, offset - block_start)."""
+    out = []
+    for index in range(first, first + blocks):
+        keys = extras.for_block(index, ExtraKeyStyle.TAGGED, 16)
+        out.append(None if keys is None else [k[1:] if k[0] == "mm" else k[1] for k in keys])
+    return out
+
+
+IMAGES = (MmFeature("img-1", 5, 20), MmFeature("img-1", 25, 3), MmFeature("img-2", 40, 30))
+
+
+def test_multimodal_extra_keys_are_verified() -> None:
+    loras = {"ad": "/adapters/ad"}
+    verifier = verifier_for(HashConfig(), loras)
+    extras = BlockExtras("ad", "/adapters/ad", "salt", IMAGES)
+    event = stored(
+        HashConfig(), extras=extras, lora_name="ad", extra_keys=event_extra_keys(extras, 4)
+    )
+    verifier.observe("p:1", "m", event)
+    check = verifier.status("p:1")
+    assert (check.state, check.checked_events, check.skipped_events) == (CheckState.OK, 1, 0)
+
+    # Another image in the same place: the engine's keys are not kvindex's.
+    other = BlockExtras("ad", "/adapters/ad", "salt", (IMAGES[0], IMAGES[1]))
+    forged = stored(HashConfig(), extras=other, lora_name="ad", extra_keys=event.extra_keys)
+    verifier.observe("p:2", "m", forged)
+    assert verifier.status("p:2").failed_events == 1
+
+
+def test_multimodal_item_begun_before_the_event_is_verified() -> None:
+    """A continuation event (its parent a full digest) whose first block holds the end
+    of an image: the offset it publishes is negative."""
+    verifier = verifier_for(HashConfig())
+    extras = BlockExtras(mm_features=IMAGES)
+    hasher = BlockHasher(HashConfig())
+    digests = hasher.digests(TOKENS, extras)
+    keys = hasher.keys(TOKENS, extras)
+    event = BlockStored(
+        keys[3:], digests[2], TOKENS[48:], 16, extra_keys=event_extra_keys(extras, 1, first=3)
+    )
+    assert event.extra_keys[0] == [("img-2", -8)]
+    verifier.observe("p:1", "m", event)
+    check = verifier.status("p:1")
+    assert (check.state, check.checked_events, check.skipped_events) == (CheckState.OK, 1, 0)

@@ -170,6 +170,15 @@ class Kvindex:
             body["lora_name"] = probe["lora"]
         if probe.get("salt"):
             body["cache_salt"] = probe["salt"]
+        # Items clipped to ``tokens`` (P[:-1] may end inside an image): which full
+        # blocks an item overlaps, and its offset in them, are all that is hashed.
+        clipped = [
+            {"identifier": i, "offset": o, "length": min(o + n, len(tokens)) - o}
+            for i, o, n in probe.get("mm") or []
+            if o < len(tokens)
+        ]
+        if clipped:
+            body["mm_features"] = clipped
         response = self.client.post("/score", json=body)
         assert response.status_code == 200, response.text
         (answer,) = [p for p in response.json()["pods"] if p["pod"] == pod]
@@ -202,7 +211,8 @@ def compare_pod(kvindex: Kvindex, spec: PodSpec, truth: dict[str, Any]) -> list[
         got_capped = kvindex.matched(spec.pod, spec.model, probe, toks[:-1])
         if got != probe["uncapped"] or got_capped != probe["capped"]:
             wrong.append(
-                f"{len(toks)} tokens lora={probe.get('lora')} salt={probe.get('salt')}: "
+                f"{len(toks)} tokens lora={probe.get('lora')} salt={probe.get('salt')} "
+                f"mm={probe.get('mm')}: "
                 f"/score {got} (of P[:-1]: {got_capped}), vLLM get_computed_blocks "
                 f"{probe['uncapped']} uncapped, {probe['capped']} as the scheduler asks"
             )

@@ -72,6 +72,8 @@ PODS = [
         options={"hybrid": True, "num_blocks": 64, "max_num_seqs": 2},
     ),
     PodSpec("127.0.0.22:8000", CBOR, "connect", options={"num_blocks": 40}),
+    PodSpec("127.0.0.23:8000", SHA, "bind"),
+    PodSpec("127.0.0.24:8000", CBOR, "connect"),
 ]
 BY_ID = {spec.pod: spec for spec in PODS}
 
@@ -250,6 +252,19 @@ def test_duplicate_copies_of_one_block_prompts(suite: dict) -> None:
 def test_hybrid_full_attention_and_sliding_window(suite: dict) -> None:
     """One full-attention and one sliding-window (48 tokens) group in one block pool."""
     run_phase(suite, [("127.0.0.21:8000", "chat"), ("127.0.0.21:8000", "shared")])
+
+
+def test_multimodal_prompts(suite: dict) -> None:
+    """Prompts with images (``MultiModalFeatureSpec``s on vLLM's ``Request``): /score
+    with the same ``mm_features`` equals vLLM's hits, and kvindex's hash check verified
+    the events' multimodal extra keys rather than skipping them."""
+    pods = ["127.0.0.23:8000", "127.0.0.24:8000"]
+    truth = run_phase(suite, [(pod, "multimodal") for pod in pods])
+    for pod in pods:
+        hits = [p["uncapped"] for p in truth[pod]["probes"] if p["mm"]]
+        assert max(hits) > 2, f"no image prompt was a hit, the phase proved little: {hits}"
+        check = suite["kvindex"].pod_report(pod)["hash_check"][pod]
+        assert check["checked_events"] > 0 and check["skipped_events"] == 0, check
 
 
 def test_every_other_pod_still_agrees_at_the_end(suite: dict) -> None:

@@ -55,6 +55,7 @@ import torch
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import EventPublisherFactory, KVEventBatch
 from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -327,6 +328,7 @@ class Pod:
         lora: str | None = None,
         salt: str | None = None,
         report_mode: str = "incremental",
+        mm: list[list[Any]] | None = None,
     ) -> Request:
         self.next_request += 1
         params = SamplingParams(
@@ -341,11 +343,12 @@ class Pod:
             list(prompt),
             params,
             None,
+            mm_features=mm_features(mm),
             lora_request=lora_request,
             cache_salt=salt,
             block_hasher=self.hasher,
         )
-        self.history.append({"tokens": list(prompt), "lora": lora, "salt": salt})
+        self.history.append({"tokens": list(prompt), "lora": lora, "salt": salt, "mm": mm})
         return request
 
     def step(self, rng: random.Random) -> None:
@@ -397,6 +400,7 @@ class Pod:
             list(probe["tokens"]),
             params,
             None,
+            mm_features=mm_features(probe.get("mm")),
             lora_request=LoRARequest(lora, LORAS[lora][0], LORAS[lora][1]) if lora else None,
             cache_salt=probe.get("salt"),
             block_hasher=self.hasher,
@@ -404,6 +408,19 @@ class Pod:
         _, uncapped, _ = self.manager.get_computed_blocks(request, request.num_tokens)
         _, capped, _ = self.manager.get_computed_blocks(request)
         return uncapped // BLOCK, capped // BLOCK
+
+
+def mm_features(items: list[list[Any]] | None) -> list[MultiModalFeatureSpec] | None:
+    """``[identifier, offset, length]`` items as the engine core holds them once the
+    processed data is cached (``data=None``): only identifier and position are hashed.
+    Each identifier its own string object, as each item's is in vLLM (decoded from its
+    own message), so pickle writes it whole in every block."""
+    if not items:
+        return None
+    return [
+        MultiModalFeatureSpec(None, "image", "".join(i), PlaceholderRange(o, n))
+        for i, o, n in items
+    ]
 
 
 def wait_until_bindable(endpoint: str, timeout_s: float = 10.0) -> None:
@@ -622,7 +639,73 @@ def restart(pod: Pod, rng: random.Random) -> None:
         shared(pod, rng, users=5)
 
 
+IMAGE_TOKEN = VOCAB - 1  # a model's image placeholder token, repeated over the item
+
+
+def with_images(
+    rng: random.Random, parts: list[int | tuple[str, int]], start: int = 0
+) -> tuple[list[int], list[list[Any]]]:
+    """Tokens and items of a prompt made of ``parts``: n random text tokens, or an image
+    (identifier, placeholder length); offsets counted from ``start``."""
+    toks: list[int] = []
+    items: list[list[Any]] = []
+    for part in parts:
+        if isinstance(part, int):
+            toks += tokens(rng, part)
+        else:
+            identifier, length = part
+            items.append([identifier, start + len(toks), length])
+            toks += [IMAGE_TOKEN] * length
+    return toks, items
+
+
+def multimodal(pod: Pod, rng: random.Random) -> None:
+    """Prompts with images: chats that resend earlier turns' images in their history,
+    the same tokens with another image in the same place, one image twice in a prompt
+    (also twice in one block), images on block boundaries and spanning several blocks,
+    with and without a LoRA adapter and a salt."""
+    sizes = [1, 7, BLOCK, BLOCK + 5, 3 * BLOCK + 2]
+    gallery = [(f"{rng.getrandbits(128):032x}", rng.choice(sizes)) for _ in range(6)]
+    for variant in ({}, {"lora": "sql-adapter", "salt": "tenant-a"}):
+        histories = [([], []) for _ in range(3)]
+        for _ in range(3):
+            live = []
+            for s, (history, items) in enumerate(histories):
+                parts: list[int | tuple[str, int]] = [rng.randint(1, 20), rng.choice(gallery)]
+                if rng.random() < 0.5:
+                    parts += [rng.choice([0, 3]), rng.choice(gallery)]
+                parts.append(rng.randint(1, 30))
+                new, new_items = with_images(rng, parts, start=len(history))
+                prompt, mm = history + new, items + new_items
+                if len(prompt) > MAX_MODEL_LEN // 2:
+                    prompt, mm = new, [[i, o - len(history), n] for i, o, n in new_items]
+                request = pod.request(prompt, rng.randint(2, 6), mm=mm, **variant)
+                pod.scheduler.add(request)
+                live.append((s, request, mm))
+            for _ in range(rng.randint(1, 4)):
+                pod.step(rng)
+            pod.drain(rng)
+            for s, request, mm in live:
+                history = list(request.all_token_ids)
+                if len(history) % BLOCK == 0:
+                    history = history[:-1]
+                histories[s] = (history, mm)
+        # One prompt's tokens with each of three images in the same place.
+        lead, tail = tokens(rng, rng.randint(3, 40)), tokens(rng, 9)
+        for identifier, _ in gallery[:3]:
+            prompt = lead + [IMAGE_TOKEN] * (2 * BLOCK) + tail
+            mm = [[identifier, len(lead), 2 * BLOCK]]
+            pod.scheduler.add(pod.request(prompt, 2, mm=mm, **variant))
+        pod.drain(rng)
+        # One image twice, back to back inside a block and again later.
+        twice = (gallery[0][0], 3)
+        prompt, mm = with_images(rng, [5, twice, twice, 20, twice, 11])
+        pod.scheduler.add(pod.request(prompt, 2, mm=mm, **variant))
+        pod.drain(rng)
+
+
 WORKLOADS = {
+    "multimodal": multimodal,
     "chat": chat,
     "shared": shared,
     "regenerate": regenerate,
@@ -647,15 +730,24 @@ def probes_for(pod: Pod, rng: random.Random, limit: int) -> list[dict[str, Any]]
     out: list[dict[str, Any]] = []
     for item in recent:
         toks = item["tokens"]
-        extra = {"lora": item["lora"], "salt": item["salt"]}
+        extra = {"lora": item["lora"], "salt": item["salt"], "mm": item.get("mm")}
         out.append({"tokens": toks, **extra})
         cut = rng.randint(1, len(toks))
         out.append({"tokens": toks[:cut], **extra})
         out.append({"tokens": toks + tokens(rng, rng.randint(1, 40)), **extra})
         if len(toks) > BLOCK:
             out.append({"tokens": toks[: (len(toks) // BLOCK) * BLOCK], **extra})
+        if item.get("mm"):  # the same tokens without the images: a text prompt
+            out.append({"tokens": toks, **extra, "mm": None})
     out.append({"tokens": tokens(rng, 50), "lora": None, "salt": None})
-    return [p for p in out if len(p["tokens"]) >= 2]
+    return [_within(p) for p in out if len(p["tokens"]) >= 2]
+
+
+def _within(probe: dict[str, Any]) -> dict[str, Any]:
+    """A probe with only the images its tokens hold whole (a prompt cut inside an image
+    is a prompt without it); a /score with an item past the prompt is a 400."""
+    items = [i for i in probe.get("mm") or [] if i[1] + i[2] <= len(probe["tokens"])]
+    return {**probe, "mm": items or None}
 
 
 # -- command loop ------------------------------------------------------------------

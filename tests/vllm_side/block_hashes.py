@@ -7,7 +7,10 @@ the block hasher the engine core builds (``get_request_block_hasher`` over
 PYTHONHASHSEED), so extra keys and lookahead tokens are vLLM's own.
 
 Input: {"cases": [{"algo", "seed", "block_size", "lookahead", "tokens", "lora":
-[name, path] | null, "cache_salt"}]}. Output: [{"keys": [uint64], "digests": [hex]}].
+[name, path] | null, "cache_salt", "mm": [[identifier, offset, length]] (optional)}]}.
+Multimodal items become ``MultiModalFeatureSpec``s without data, as the engine core
+holds an item whose processed data is cached: only identifier and position are hashed.
+Output: [{"keys": [uint64], "digests": [hex]}].
 """
 
 import json
@@ -15,6 +18,7 @@ import os
 import sys
 
 from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -32,11 +36,16 @@ for number, case in enumerate(cases):
     init_none_hash(hash_fn)  # reads PYTHONHASHSEED now
     hasher = get_request_block_hasher(case["block_size"], hash_fn, case["lookahead"])
     lora = LoRARequest(case["lora"][0], 1, case["lora"][1]) if case["lora"] else None
+    mm = [
+        MultiModalFeatureSpec(None, "image", identifier, PlaceholderRange(offset, length))
+        for identifier, offset, length in case.get("mm") or []
+    ]
     request = Request(
         f"r{number}",
         case["tokens"],
         SamplingParams(max_tokens=1),
         None,
+        mm_features=mm or None,
         lora_request=lora,
         cache_salt=case["cache_salt"],
         block_hasher=hasher,

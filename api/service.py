@@ -51,6 +51,7 @@ from kvindex.indexer.backend import BackendError, IndexBackend
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.kv_groups import is_group_namespace
 from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.models import Engine
 from kvindex.indexer.pods import Mark, PodDirectory
 from kvindex.indexer.snapshot import SnapshotGate, Snapshotter
 from kvindex.indexer.verify import HashVerifier
@@ -129,6 +130,7 @@ class Service:
                 pods=tuple(sorted(self.configured_pods())),
                 models=tuple(self._configured_models()),
                 max_models=settings.events.max_models,
+                sglang_models=tuple(self.catalog.models_with(Engine.SGLANG)),
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None

@@ -14,7 +14,7 @@ The workload is the radix cache's (``sglang/srt/mem_cache/events.py``, 0.5.23): 
 evictions as ``BlockRemoved``. Usage:
 
     sglang_driver.py --check VERSION           import check (sglang_env.sh)
-    sglang_driver.py --publish ENDPOINT MODEL  publish the workload, print the truth
+    sglang_driver.py --publish ENDPOINT MODEL REPLAY_PORT  publish, print the truth
     sglang_driver.py --capture DIR             write the payloads as fixtures
 """
 
@@ -124,24 +124,37 @@ def workload(kv: types.ModuleType) -> tuple[dict[str, list[Any]], dict[str, Any]
     return {POD_A: a, POD_B: b}, truth
 
 
-def publish(endpoint: str, model: str) -> None:
+def publish(endpoint: str, model: str, replay_port: int) -> None:
+    import zmq
+
     kv = load_sglang()
     batches, truth = workload(kv)
-    publishers = {
-        pod: kv.ZmqEventPublisher(attn_dp_rank=0, endpoint=endpoint, topic=f"kv@{pod}@{model}")
-        for pod in batches
-    }
-    # A connecting PUB socket drops what it sends before the connection is up (ZMQ's
-    # slow joiner); the test waits for this line, then tells us to go.
-    print(json.dumps({"connected": True}), flush=True)
-    sys.stdin.readline()
+    publishers = {}
+    for pod in batches:
+        host = pod.rsplit(":", 1)[0]
+        publisher = kv.ZmqEventPublisher(
+            attn_dp_rank=0,
+            endpoint=endpoint,
+            replay_endpoint=f"tcp://{host}:{replay_port}",
+            topic=f"kv@{pod}@{model}",
+        )
+        # A connecting PUB socket drops what it sends before the connection is up (ZMQ's
+        # slow joiner): wait for the handshake; kvindex replays anything still missed.
+        monitor = publisher._pub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        if monitor.poll(10_000):
+            monitor.recv_multipart()
+        publisher._pub.disable_monitor()
+        monitor.close(linger=0)
+        publishers[pod] = publisher
     for pod, pod_batches in batches.items():
         for batch in pod_batches:
             publishers[pod].publish(batch)
-    for publisher in publishers.values():
-        publisher.shutdown()  # drains its queue first
     published = {pod: len(b) for pod, b in batches.items()}
     print(json.dumps({"published": published, "truth": truth}), flush=True)
+    # Replay stays served until the test is done with us (it closes our stdin)
+    sys.stdin.readline()
+    for publisher in publishers.values():
+        publisher.shutdown()
 
 
 def capture(directory: Path) -> None:
@@ -173,7 +186,7 @@ def main() -> None:
         version = sys.modules["sglang.version"].__version__
         assert version == sys.argv[2], version
     elif command == "--publish":
-        publish(sys.argv[2], sys.argv[3])
+        publish(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif command == "--capture":
         capture(Path(sys.argv[2]))
     else:

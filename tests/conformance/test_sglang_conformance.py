@@ -26,23 +26,14 @@ import pytest
 from kvindex.api.testing import ServeProcess, eventually, free_port
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
+from tests.support.sglang import sglang_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("sglang_driver.py")
 MODEL = "conformance/mixed"
 POD_A, POD_B, VLLM_POD = "127.0.0.41:8000", "127.0.0.42:8000", "127.0.0.45:8000"
 PAGE = 4
-
-
-def sglang_python() -> str | None:
-    """``$KVTEST_SGLANG_PYTHON``, else the checkout's ``.venv-sglang``, else None."""
-    configured = os.environ.get("KVTEST_SGLANG_PYTHON")
-    if configured:
-        return configured
-    checkout = REPO / ".venv-sglang" / "bin" / "python"
-    return str(checkout) if checkout.exists() else None
 
 
 def pod_state(client: httpx.Client, pod: str) -> dict | None:

@@ -197,6 +197,42 @@ def normalise(event: Any) -> Any:
     return event  # AllBlocksCleared
 
 
+#: The topic of SGLang's load socket (``LOAD_TOPIC``, 0.5.23), advertised with its port
+#: base in ``/server_info`` (``kv_events.load_endpoint_port_base``; rank r on base + r).
+LOAD_TOPIC = b"load"
+
+
+class LoadStat(msgspec.Struct, tag="LoadStat", array_like=True, frozen=True, gc=False):
+    """One scheduler's load gauge on SGLang's load topic (0.5.23 ``LoadStat``: a tagged
+    positional array, fields appended over releases; the first six are the ones every
+    release sends)."""
+
+    num_running_reqs: Annotated[int, msgspec.Meta(ge=0)]
+    num_waiting_reqs: Annotated[int, msgspec.Meta(ge=0)]
+    num_tokens: Annotated[int, msgspec.Meta(ge=0)]  # KV tokens in use
+    max_total_num_tokens: Annotated[int, msgspec.Meta(ge=0)]  # KV capacity; 0: unknown
+    attn_dp_rank: int | None = None
+    num_waiting_uncached_tokens: int = 0
+
+    @property
+    def kv_usage(self) -> float | None:
+        """The fraction of KV capacity in use (None when the capacity is unknown)."""
+        if not self.max_total_num_tokens:
+            return None
+        return min(1.0, self.num_tokens / self.max_total_num_tokens)
+
+
+_LOAD = msgspec.msgpack.Decoder(LoadStat)
+
+
+def decode_load(payload: bytes) -> LoadStat:
+    """A load topic payload; raises DecodeError (``invalid_load``) when it is not one."""
+    try:
+        return decode_bounded(_LOAD, payload)
+    except msgspec.DecodeError as exc:
+        raise DecodeError("invalid_load", str(exc)) from None
+
+
 class SglangBatchDecoder:
     """:class:`~kvindex.events.wire.BatchDecoder`'s contract for models served by SGLang
     pods (alone or beside vLLM ones): same skip reasons, events normalised."""

@@ -19,9 +19,14 @@ import pytest
 from kvindex.api.config import ConfigError, build_catalog
 from kvindex.api.settings_load import from_flags
 from kvindex.events.identity import StreamId
-from kvindex.events.sglang import SglangBatchDecoder, SglangBlockStored
+from kvindex.events.sglang import (
+    LOAD_TOPIC,
+    SglangBatchDecoder,
+    SglangBlockStored,
+    decode_load,
+)
 from kvindex.events.sink import Delivery
-from kvindex.events.wire import AllBlocksCleared, BatchDecoder, BlockRemoved, tokens_of
+from kvindex.events.wire import AllBlocksCleared, BatchDecoder, BlockRemoved, DecodeError, tokens_of
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import HashConfig
 from kvindex.indexer.memory import MemoryBackend
@@ -35,7 +40,13 @@ U64 = 2**64
 
 def payloads() -> list[tuple[str, bytes]]:
     lines = (FIXTURES / "sglang_0_5_23_payloads.txt").read_text().split()
-    return [(lines[i], bytes.fromhex(lines[i + 1])) for i in range(0, len(lines), 2)]
+    pairs = [(lines[i], bytes.fromhex(lines[i + 1])) for i in range(0, len(lines), 2)]
+    return [(pod, payload) for pod, payload in pairs if pod != LOAD_TOPIC.decode()]
+
+
+def load_payload() -> bytes:
+    lines = (FIXTURES / "sglang_0_5_23_payloads.txt").read_text().split()
+    return bytes.fromhex(lines[lines.index(LOAD_TOPIC.decode()) + 1])
 
 
 def truth() -> dict:
@@ -172,3 +183,12 @@ def test_engines_setting_keys_sglang_models_by_tokens_and_refuses_engine_keys(
     )
     with pytest.raises(ConfigError, match="sglang pods publish block hashes kvindex cannot"):
         build_catalog(from_flags(model_config=str(config)))
+
+
+def test_sglang_load_topic_payload_decodes() -> None:
+    stat = decode_load(load_payload())  # what SGLang 0.5.23's own LoadStat encodes
+    assert (stat.num_running_reqs, stat.num_waiting_reqs, stat.attn_dp_rank) == (3, 2, 1)
+    assert stat.kv_usage == 0.25
+    assert stat.num_waiting_uncached_tokens == 700
+    with pytest.raises(DecodeError, match="invalid_load"):
+        decode_load(msgspec.msgpack.encode(["LoadStat", -1, 0, 0, 0]))

@@ -37,7 +37,15 @@ def load_sglang() -> types.ModuleType:
     spec = importlib.util.find_spec("sglang")
     assert spec is not None and spec.submodule_search_locations, "sglang is not installed"
     root = Path(spec.submodule_search_locations[0])
-    for name in ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.disaggregation"):
+    packages = (
+        "sglang",
+        "sglang.srt",
+        "sglang.srt.utils",
+        "sglang.srt.disaggregation",
+        "sglang.srt.managers",
+        "sglang.srt.managers.scheduler_components",
+    )
+    for name in packages:
         package = types.ModuleType(name)
         package.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
         sys.modules[name] = package
@@ -52,6 +60,10 @@ def load_sglang() -> types.ModuleType:
         ("sglang.srt.utils.network", "srt/utils/network.py"),
         ("sglang.srt.disaggregation.kv_events", "srt/disaggregation/kv_events.py"),
         ("sglang.version", "version.py"),
+        (
+            "sglang.srt.managers.scheduler_components.load_publisher",
+            "srt/managers/scheduler_components/load_publisher.py",
+        ),
     ):
         module_spec = importlib.util.spec_from_file_location(name, root / rel)
         assert module_spec is not None and module_spec.loader is not None
@@ -159,7 +171,8 @@ def publish(endpoint: str, model: str, replay_port: int) -> None:
 
 def capture(directory: Path) -> None:
     """The payload frames SGLang's publisher sends (it encodes each batch with
-    ``msgspec.msgpack.Encoder().encode``), one hex line each, pod by pod."""
+    ``msgspec.msgpack.Encoder().encode``), one hex line each, pod by pod; then one
+    ``LoadStat`` of its load topic, under the topic's name."""
     import msgspec
 
     kv = load_sglang()
@@ -171,6 +184,17 @@ def capture(directory: Path) -> None:
         for batch in pod_batches
     ]
     version = sys.modules["sglang.version"].__version__
+    # The load topic's frames, as SchedulerLoadPublisher sends a LoadStat
+    load = sys.modules["sglang.srt.managers.scheduler_components.load_publisher"]
+    stat = load.LoadStat(
+        num_running_reqs=3,
+        num_waiting_reqs=2,
+        num_tokens=4096,
+        max_total_num_tokens=16384,
+        attn_dp_rank=1,
+        num_waiting_uncached_tokens=700,
+    )
+    lines.append(f"{kv.LOAD_TOPIC} {load._encoder.encode(stat).hex()}")
     (directory / f"sglang_{version.replace('.', '_')}_payloads.txt").write_text(
         "\n".join(lines) + "\n"
     )

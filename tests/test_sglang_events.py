@@ -124,35 +124,30 @@ def test_sglang_0_5_23_payloads_score_exactly_by_token_ids() -> None:
     assert len(expected[a]["gpu"]) == 5 and len(expected[b]["gpu"]) == 3
 
 
-def array(*events: list) -> bytes:
+def array(*events: object) -> bytes:
     return msgspec.msgpack.encode([1.0, list(events), 0])
 
 
-@pytest.mark.parametrize(
-    ("release", "stored", "removed"),
-    [
-        # 0.4.9-0.5.5: [tag, hashes, parent, tokens, block_size, lora_id]; hash(tuple(page))
-        ("0.4.9", ["BlockStored", [-7, 9], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None], [-7]),
-        # 0.5.10-0.5.17: medium appended
-        ("0.5.10", ["BlockStored", [-7, 9], None, list(range(1, 9)), 4, None, "GPU"], [-7]),
-        # 0.5.18-0.5.19: a salted store carries {"cache_salt"} at position 7
-        (
-            "0.5.18",
-            ["BlockStored", [-7, 9], None, list(range(1, 9)), 4, None, "GPU", {"cache_salt": "t"}],
-            [-7],
-        ),
-    ],
-)
-def test_older_sglang_array_layouts_decode_and_index(
-    release: str, stored: list, removed: list
+#: Releases whose own classes wrote ``sglang_<release>_payloads.txt``
+#: (``fixtures/sglang/capture_releases.py``), one per layout: arrays ending at lora_id,
+#: + medium, + DISK/EXTERNAL media, + a {cache_salt} map at position 7, map events.
+OLDER = {"0.4.9": False, "0.5.10": False, "0.5.15": False, "0.5.18": True, "0.5.20": True}
+
+
+@pytest.mark.parametrize(("release", "salted"), OLDER.items())
+def test_every_older_sglang_layout_decodes_whole_and_scores_exactly(
+    release: str, salted: bool
 ) -> None:
     index = Index()
-    removal = ["BlockRemoved", removed] + (["GPU"] if release != "0.4.9" else [])
-    index.deliver("127.0.0.43:8000", array(stored))
-    salt = "t" if release == "0.5.18" else None
-    assert index.matched(list(range(1, 9)), salt=salt) == {"127.0.0.43:8000": (2, 2, 0)}
-    index.deliver("127.0.0.43:8000", array(removal))
-    assert index.matched(list(range(1, 9)), salt=salt) == {}
+    text = (FIXTURES / f"sglang_{release.replace('.', '_')}_payloads.txt").read_text()
+    for line in text.split():
+        index.deliver("127.0.0.43:8000", bytes.fromhex(line))  # asserts nothing skipped
+    pod = "127.0.0.43:8000"
+    # stored 1..12, evicted 9..12, cleared, stored 1..8 again (and a host copy)
+    assert index.matched(list(range(1, 13))) == {pod: (2, 2, 0)}
+    expected = {pod: (2, 2, 0)} if salted else {}
+    assert index.matched(list(range(21, 29)), salt="tenant") == expected
+    assert index.matched(list(range(21, 29))) == {}
 
 
 def test_external_pool_is_not_indexed_and_disk_is_storage() -> None:

@@ -459,6 +459,11 @@ class Service:
     def known_models(self) -> list[str]:
         return sorted(self._models())
 
+    def own_keys_of(self, published: list[int]) -> list[int | None]:
+        """The index keys of block hashes SGLang pods published (None where none did):
+        the ingestor learnt them from the pods' stores (token-key mode)."""
+        return self.ingestor.own_keys_of(published)
+
     def _configured_models(self) -> list[str]:
         """Models named by configuration alone: what the startup line can say without
         reading the index (a Redis that is down at startup must not stop the start)."""

@@ -31,6 +31,7 @@ from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import HashConfig
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.models import Engine, KeyMode, ModelCatalog, ModelKeying
+from kvindex.indexer.token_keys import ContentHasher
 from kvindex.scoring.scorer import Scorer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
@@ -108,6 +109,17 @@ def test_sglang_fields_become_what_ingest_reads() -> None:
     assert tokens_of(salted) == list(range(3000, 3008))
     assert any(isinstance(e, AllBlocksCleared) for e in events)
     assert any(isinstance(e, BlockRemoved) for e in events)
+
+
+def test_published_ids_resolve_to_the_content_keys_of_their_blocks() -> None:
+    index = Index()
+    for pod, payload in payloads():
+        index.deliver(pod, payload)
+    chat = truth()["prompts"]["chat"]
+    published = msgspec.msgpack.decode(payloads()[0][1])[1][0]["block_hashes"]
+    ids = [h + U64 if h < 0 else h for h in published] + [12345]
+    content = ContentHasher(4).keys(chat[:16])
+    assert index.ingestor.own_keys_of(ids) == [*content, None]
 
 
 def test_sglang_0_5_23_payloads_score_exactly_by_token_ids() -> None:

@@ -131,6 +131,7 @@ def workload(kv: types.ModuleType) -> tuple[dict[str, list[Any]], dict[str, Any]
         },
         POD_B: {"gpu": [other[: (i + 1) * PAGE] for i in range(3)], "cpu": [], "salted_gpu": []},
         "prompts": {"chat": turn2, "salted": salted, "other": other},
+        "chat_ids": page_hashes(turn2),  # what SGLang published for the chat's pages
         "salt": "tenant-a",
     }
     return {POD_A: a, POD_B: b}, truth

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 
 sglang_version=0.5.23
 requirements=tests/conformance/sglang-requirements.txt
-digest="$(cat "$requirements" "$0" tests/conformance/sglang_driver.py | sha256sum | cut -c1-12)"
+digest="$(cat "$requirements" "$0" | sha256sum | cut -c1-12)"
 venv="${KVTEST_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvindex/venv-sglang-$sglang_version-$digest}"
 stamp="$venv/.kvindex-sglang-env"
 

@@ -117,11 +117,13 @@ def test_sglang_publisher_and_a_vllm_pod_score_exactly_in_one_model(tmp_path: Pa
         salted = truth["prompts"]["salted"]
         assert score(client, salted, cache_salt=truth["salt"]) == {POD_A: 2}
         assert score(client, salted) == {}
-        # SGLang's ids are opaque and the engines' hashes differ: block_hashes cannot be
-        # looked up for this model, and the answer says so
-        response = client.post("/score", json={"model": MODEL, "block_hashes": [1, 2]})
-        assert response.status_code == 400
-        assert "token content" in response.text
+        # SGLang's published ids (signed) name the blocks wherever they are cached: on
+        # the vLLM pod too, whose own hashes differ
+        response = client.post("/score", json={"model": MODEL, "block_hashes": truth["chat_ids"]})
+        response.raise_for_status()
+        matched = {p["pod"]: p["matched_blocks"] for p in response.json()["pods"]}
+        assert {p: n for p, n in matched.items() if n} == {POD_A: 5, VLLM_POD: 3}
+        assert any(h < 0 for h in truth["chat_ids"])
     finally:
         client.close()
         if vllm is not None:

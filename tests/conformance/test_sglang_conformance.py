@@ -34,6 +34,7 @@ DRIVER = Path(__file__).with_name("sglang_driver.py")
 MODEL = "conformance/mixed"
 POD_A, POD_B, VLLM_POD = "127.0.0.41:8000", "127.0.0.42:8000", "127.0.0.45:8000"
 PAGE = 4
+REQUESTS = 20
 
 
 def pod_state(client: httpx.Client, pod: str) -> dict | None:
@@ -75,6 +76,9 @@ def test_sglang_publisher_and_a_vllm_pod_score_exactly_in_one_model(tmp_path: Pa
         "--bind-allow", "127.0.0.0/8",
         "--replay-port", str(replay_port),
         "--model-config", str(config),
+        # a serving worker beside the primary: what only the primary knows (the map from
+        # SGLang's ids to the blocks they name) must reach answers the worker takes
+        "--processes", "2",
         log_path=tmp_path / "kvindex.log",
     )  # fmt: skip
     driver = None
@@ -119,10 +123,12 @@ def test_sglang_publisher_and_a_vllm_pod_score_exactly_in_one_model(tmp_path: Pa
         assert score(client, salted) == {}
         # SGLang's published ids (signed) name the blocks wherever they are cached: on
         # the vLLM pod too, whose own hashes differ
-        response = client.post("/score", json={"model": MODEL, "block_hashes": truth["chat_ids"]})
-        response.raise_for_status()
-        matched = {p["pod"]: p["matched_blocks"] for p in response.json()["pods"]}
-        assert {p: n for p, n in matched.items() if n} == {POD_A: 5, VLLM_POD: 3}
+        body = {"model": MODEL, "block_hashes": truth["chat_ids"]}
+        for _ in range(REQUESTS):  # each on its own connection: both processes answer
+            response = httpx.post(f"{server.url}/score", json=body, timeout=10.0)
+            response.raise_for_status()
+            matched = {p["pod"]: p["matched_blocks"] for p in response.json()["pods"]}
+            assert {p: n for p, n in matched.items() if n} == {POD_A: 5, VLLM_POD: 3}
         assert any(h < 0 for h in truth["chat_ids"])
     finally:
         client.close()

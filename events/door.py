@@ -368,9 +368,11 @@ class Door:
         every batch of a model with SGLang pods (:mod:`kvindex.events.sglang`)."""
         if model in self._sglang_models:
             try:
-                return self._sglang.decode(payload, self._layout)
+                decoded = self._sglang.decode(payload, self._layout)
             except DecodeError:
                 return None
+            rank = decoded.batch.data_parallel_rank
+            return None if rank is not None and rank > MAX_DP_RANK else decoded
         scanned = scan(payload)
         if scanned is not None:  # a valid rank, nothing skipped: the scanner checked
             if scanned.n_events:

@@ -199,3 +199,23 @@ def test_sglang_load_topic_payload_decodes() -> None:
     assert stat.num_waiting_uncached_tokens == 700
     with pytest.raises(DecodeError, match="invalid_load"):
         decode_load(msgspec.msgpack.encode(["LoadStat", -1, 0, 0, 0]))
+
+
+def test_bad_sglang_input_costs_only_itself_with_vllms_reasons() -> None:
+    decoder = SglangBatchDecoder()
+    good = {"type": "BlockRemoved", "block_hashes": [-1]}
+    decoded = decoder.decode(
+        array(good, {"type": "Evicted"}, {"type": "BlockStored", "block_hashes": "x"}, good)
+    )
+    assert decoded.skipped == {"unknown_event_type": 1, "invalid_event": 1}
+    assert [e.block_hashes for e in decoded.batch.events] == [[U64 - 1], [U64 - 1]]
+    fractional = array({"type": "BlockRemoved", "block_hashes": [1.5]})
+    assert decoder.decode(fractional).skipped == {"invalid_event": 1}
+    for payload, reason in [
+        (b"\xc1", "malformed_msgpack"),
+        (msgspec.msgpack.encode({"ts": 1.0}), "invalid_batch"),
+        (msgspec.msgpack.encode([1.0, 5, 0]), "invalid_batch"),
+    ]:
+        with pytest.raises(DecodeError) as caught:
+            decoder.decode(payload)
+        assert caught.value.reason == reason

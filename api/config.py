@@ -15,7 +15,7 @@ import msgspec
 from kvindex.api.settings import Settings
 from kvindex.events.k8s_pods import DiscoveryConfig, DiscoveryMode
 from kvindex.indexer.keys import HashConfig, KeyConfigError
-from kvindex.indexer.models import KeyMode, ModelCatalog, ModelKeying
+from kvindex.indexer.models import HASH_COMPATIBLE, Engine, KeyMode, ModelCatalog, ModelKeying
 
 __all__ = ["ConfigError", "Settings"]
 
@@ -80,6 +80,11 @@ def build_catalog(settings: Settings) -> ModelCatalog:
         per_model = {}
         for name, entry in settings.models.items():
             base = default.hash
+            engines = frozenset(entry.engines) or frozenset({Engine.VLLM})
+            # Pods whose hashes can't be reproduced are keyed by content unless told
+            key_mode = entry.key_mode or (
+                KeyMode.TOKENS if engines - HASH_COMPATIBLE else default.key_mode
+            )
             seed = base.seed if entry.hash_seed is msgspec.UNSET else entry.hash_seed
             per_model[name] = ModelKeying(
                 hash=HashConfig(
@@ -89,9 +94,10 @@ def build_catalog(settings: Settings) -> ModelCatalog:
                     extra_key_style=entry.extra_key_style or base.extra_key_style,
                     lookahead_tokens=entry.lookahead_tokens or 0,
                 ),
-                key_mode=entry.key_mode or default.key_mode,
+                key_mode=key_mode,
                 loras=dict(entry.loras),
                 report_mode=entry.kv_cache_report_mode,
+                engines=engines,
             )
         return ModelCatalog(default, per_model)
     except KeyConfigError as exc:

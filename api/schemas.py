@@ -15,7 +15,7 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 # msgspec cannot bound an int past int64, so the range of an int hash is checked in
 # api/score_inputs.py; the schema still says it.
 BlockHash = (
-    Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 0, "maximum": 2**64 - 1})]
+    Annotated[int, msgspec.Meta(extra_json_schema={"minimum": -(2**63), "maximum": 2**64 - 1})]
     | Annotated[
         str,
         msgspec.Meta(
@@ -79,9 +79,11 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
         _doc(
             "The prompt as the engine's block hashes of its full blocks, block 0 first "
             "(uint64 ints or hex strings, as the engines publish them in BlockStored): "
-            "looked up as they are, nothing hashed. Only for models keyed by engine hashes "
-            "(--key-mode engine, the default); lora_name and cache_salt do not apply "
-            "(the hashes already include them). prompt_tokens is then blocks x block_size."
+            "looked up as they are, nothing hashed. For models keyed by engine hashes "
+            "(--key-mode engine, the default), and models with SGLang pods (engines: "
+            "[sglang], whose published ids may be negative int64s: each names its block "
+            "on every pod of the model); lora_name and cache_salt do not apply (the "
+            "hashes already include them). prompt_tokens is then blocks x block_size."
         ),
     ] = None
     pods: Annotated[

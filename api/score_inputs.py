@@ -33,7 +33,7 @@ from kvindex.api.errors import JSON
 from kvindex.api.schemas import ScoreRequest
 from kvindex.events.errors import ClientError, NotFound, UnsupportedMediaType
 from kvindex.indexer.keys import MmFeature
-from kvindex.indexer.models import KeyMode
+from kvindex.indexer.models import Engine, KeyMode
 
 if TYPE_CHECKING:
     from kvindex.api.service import Service
@@ -183,7 +183,9 @@ def hashed_keys(service: Service, req: ScoreRequest, max_tokens: int) -> list[in
             "engine's hashes already include them; leave them out"
         )
     keying = service.catalog.keying(req.model)
-    if keying.key_mode is not KeyMode.ENGINE:
+    # SGLang gives a block the same (opaque) id on every pod: its ids name blocks
+    published = Engine.SGLANG in keying.engines
+    if keying.key_mode is not KeyMode.ENGINE and not published:
         raise ClientError(
             f"model {req.model!r} is indexed by token content (key mode "
             f"{keying.key_mode.value}), not by the engine's hashes: send token_ids"
@@ -198,7 +200,24 @@ def hashed_keys(service: Service, req: ScoreRequest, max_tokens: int) -> list[in
             f"block size {block_size}), more than the limit of {max_tokens} tokens "
             "(--max-prompt-tokens)"
         )
-    return block_keys(hashes)
+    if keying.key_mode is KeyMode.ENGINE:
+        return block_keys(hashes)
+    # Token-key mode: each published id becomes the content key of the block it names;
+    # an id no pod published names no cached block, and is kept (it matches nothing)
+    ids = block_keys(signed_as_uint64(hashes))
+    return [
+        own if own is not None else id_
+        for id_, own in zip(ids, service.own_keys_of(ids), strict=True)
+    ]
+
+
+def signed_as_uint64(hashes: list[int | str] | array.array[int]) -> list[int | str]:
+    """SGLang's published ids are signed int64s: each negative one as its uint64 bits
+    (how the index holds them); anything below -2**63 is left for the range check."""
+    return [
+        h + 2**64 if type(h) is int and -(2**63) <= h < 0 else h  # type: ignore[operator]
+        for h in hashes
+    ]
 
 
 def mm_features_of(req: ScoreRequest, prompt_tokens: int) -> tuple[MmFeature, ...]:

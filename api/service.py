@@ -54,6 +54,7 @@ from kvindex.indexer.backend import BackendError, IndexBackend
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.kv_groups import is_group_namespace
 from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.models import Engine
 from kvindex.indexer.pods import Mark, PodDirectory
 from kvindex.indexer.snapshot import IndexImage, SnapshotGate, Snapshotter
 from kvindex.indexer.snapshot_file import SnapshotBytes
@@ -134,6 +135,7 @@ class Service:
                 pods=tuple(sorted(self.configured_pods())),
                 models=tuple(self._configured_models()),
                 max_models=settings.events.max_models,
+                sglang_models=tuple(self.catalog.models_with(Engine.SGLANG)),
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -499,6 +501,11 @@ class Service:
 
     def known_models(self) -> list[str]:
         return sorted(self._models())
+
+    def own_keys_of(self, published: list[int]) -> list[int | None]:
+        """The index keys of block hashes SGLang pods published (None where none did):
+        the ingestor learnt them from the pods' stores (token-key mode)."""
+        return self.ingestor.own_keys_of(published)
 
     def _configured_models(self) -> list[str]:
         """Models named by configuration alone: what the startup line can say without

@@ -22,7 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 from kvindex.indexer.keys import ExtraKeyStyle, HashAlgo
-from kvindex.indexer.models import KeyMode, ReportMode
+from kvindex.indexer.models import Engine, KeyMode, ReportMode
 from kvindex.scoring.route_cost import CostWeights
 from kvindex.scoring.scorer import TierWeights
 
@@ -501,6 +501,9 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     lookahead_tokens: int | None = None
     key_mode: KeyMode | None = None
     kv_cache_report_mode: ReportMode = ReportMode.INCREMENTAL
+    #: The engines the model's pods run (vllm, sglang, trtllm); any but vllm keys the
+    #: model by token content (key_mode tokens, the default then).
+    engines: list[Engine] = msgspec.field(default_factory=lambda: [Engine.VLLM])
     tokenizer: str | None = None
     loras: dict[str, str] = {}
 

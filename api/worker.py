@@ -118,6 +118,11 @@ class SharedFacts:
         return frozenset()  # the primary's metrics say so
 
 
+class PrimaryOnly(SharedIndexBusy):
+    """A /score only the primary can answer (SGLang's published ids resolve through the
+    map its ingestor keeps): relayed to it, as a /score on a busy shared index is."""
+
+
 class WorkerService(Service):
     """A Service over the shared index that only scores: it never starts (no streams,
     no scraping), and the models it knows are the primary's."""
@@ -131,6 +136,9 @@ class WorkerService(Service):
         self.metrics = ScoreReports()  # type: ignore[assignment]
         self._models_key: tuple[int, int] = (-1, -1)
         self._worker_models: frozenset[str] = frozenset()
+
+    def own_keys_of(self, published: list[int]) -> list[int | None]:
+        raise PrimaryOnly("published block hashes are resolved by the ingesting process")
 
     def _models(self, max_age_s: float = 1.0) -> frozenset[str]:
         """The primary's known models and the shared tables' (a new model's table can

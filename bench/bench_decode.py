@@ -7,7 +7,10 @@ in the array layout (vLLM <= 0.23) and the map layout (vLLM >= 0.24). Also shown
 receiver's envelope peek (rank and ts, events skipped) and a decode whose first layout
 guess is wrong (what a stream pays once, when its engine is upgraded), and the compiled
 scanner (``events/_wire_scan.c``: hashes as one uint64 buffer, token ids skipped),
-which is what the receiver runs when it is built.
+which is what the receiver runs when it is built. Last, an SGLang 0.5.23 batch (map
+events, signed int64 hashes, ``session_id``) through ``events/sglang.py``'s decoder,
+which every batch of a model with SGLang pods takes (decode and normalisation to vLLM's
+structs; no compiled scanner).
 
 Run: ``python bench/bench_decode.py [--seconds 1.0]``. Prints figures; asserts nothing.
 """
@@ -22,6 +25,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvindex.events import BatchDecoder, BlockStored, Layout, scanned, wire_format
+from kvindex.events.sglang import SglangBatchDecoder
 from kvindex.events.wire import EnvelopeDecoder
 
 BLOCKS_PER_EVENT = 32
@@ -38,6 +42,22 @@ def make_payload(version: str, rng: random.Random) -> bytes:
         events.append(BlockStored(hashes, parent, tokens, BLOCK_SIZE, None, "GPU"))
         parent = hashes[-1]
     return wire_format(version).encode_batch(events, time.time(), 0)
+
+
+def make_sglang_payload(rng: random.Random) -> bytes:
+    """SGLang 0.5.23's shape: map events with every field its BlockStored sends."""
+    events = []
+    parent = None
+    for _ in range(EVENTS_PER_BATCH):
+        hashes = [rng.getrandbits(64) - 2**63 for _ in range(BLOCKS_PER_EVENT)]
+        tokens = [rng.randrange(150_000) for _ in range(BLOCKS_PER_EVENT * BLOCK_SIZE)]
+        events.append(
+            {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+             "token_ids": tokens, "block_size": BLOCK_SIZE, "lora_id": None,
+             "medium": "GPU", "session_id": "session-1"}
+        )  # fmt: skip
+        parent = hashes[-1]
+    return msgspec.msgpack.encode([time.time(), events, 0])
 
 
 def rate(fn: Callable[[], object], seconds: float) -> float:
@@ -82,6 +102,11 @@ def main() -> None:
         for name, fn in cases:
             per_s = rate(fn, args.seconds)
             print(f"{name:<34}{len(payload):>10}{per_s:>12,.0f}{per_s * hashes_per_batch:>14,.0f}")
+    payload = make_sglang_payload(rng)
+    sglang = SglangBatchDecoder()
+    per_s = rate(lambda: sglang.decode(payload, Layout.MAP), args.seconds)
+    name = "decode, SGLang 0.5.23 (sglang.py)"
+    print(f"{name:<34}{len(payload):>10}{per_s:>12,.0f}{per_s * hashes_per_batch:>14,.0f}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from kvindex.events.replaying import ReplayDone, ReplayRecovery, ReplayWorkers
 from kvindex.events.resync import Resync
 from kvindex.events.runs import TAG_NAMES, event_count, tag_counts
 from kvindex.events.sequence import Action, plausible_gap
+from kvindex.events.sglang import SglangBatchDecoder
 from kvindex.events.sink import BatchSink, Delivery
 from kvindex.events.status import IngestHealth, ReasonCounts
 from kvindex.events.stream import COUNTERS, JobKind, Stream
@@ -103,6 +104,8 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery, InOrderRun
         self._pinned = pinned
         self._pod_known = pod_known
         self._decoder = BatchDecoder()
+        self._sglang_models = frozenset(config.sglang_models)
+        self._sglang = SglangBatchDecoder()
         self._workers = workers_factory(inbox.post)
         # The stream table: written only here; the lock makes other threads' copies of
         # it consistent (the streams themselves they only read).
@@ -394,7 +397,8 @@ class Applier(StreamTable, Resync, OwnershipHandling, ReplayRecovery, InOrderRun
         stream.recovery.pending_anchor = (seq, payload)
         try:
             if decoded is None:
-                decoded = self._decoder.decode(payload, stream.layout)
+                decoder = self._sglang if model in self._sglang_models else self._decoder
+                decoded = decoder.decode(payload, stream.layout)
         except DecodeError as exc:
             # Consumed: the seq is accounted for; the content was unusable.
             stream.decode_errors += 1

@@ -94,6 +94,9 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     #: many fine-tunes; 256 leaves room for that and stops a sender inventing names
     #: from growing the index and every answer that lists models without limit.
     max_models: int = 256
+    #: Models with SGLang pods (alone or beside vLLM ones): their events are decoded by
+    #: :mod:`kvindex.events.sglang` (signed hashes, SGLang's media and salt fields).
+    sglang_models: tuple[str, ...] = ()
     #: Bind mode: most streams (pod, rank) one sender address may open; one node rarely
     #: runs more than a few dozen engines, a flood of fake pods stops here.
     max_streams_per_sender: int = 64

@@ -40,6 +40,7 @@ from kvindex.events.known_pods import KnownPods
 from kvindex.events.ratelog import RateLimitedLog
 from kvindex.events.runs import event_count
 from kvindex.events.scanned import ScannedBatch, scan
+from kvindex.events.sglang import SglangBatchDecoder
 from kvindex.events.status import ReasonCounts
 from kvindex.events.wire import (
     MAX_DP_RANK,
@@ -170,6 +171,8 @@ class Door:
         self._clock = clock
         self._envelope = EnvelopeDecoder()
         self._batches = BatchDecoder()
+        self._sglang_models = frozenset(config.sglang_models)
+        self._sglang = SglangBatchDecoder()
         self._layout = Layout.ARRAY  # what the last payload was: the first guess
 
     def forget_pod(self, pod: str) -> None:
@@ -245,6 +248,8 @@ class Door:
             replay = None
         if batch.n_events:
             self._layout = batch.layout
+        if model in self._sglang_models:
+            batch.decode_events_with(self._sglang.events)
         return Arrival(
             sid, model, seq, batch.payloads[-1], self._clock(), replay,
             topic=topic, connected=target is not None,
@@ -306,7 +311,7 @@ class Door:
         # costs less than skipping over its events to read the rank and decoding them
         # again in the applier (a batch's token ids are most of its bytes). A batch that
         # does not decode whole takes the envelope path, which counts why.
-        decoded = self._decode(payload)
+        decoded = self._decode(payload, model)
         try:
             rank = (
                 decoded.batch.data_parallel_rank
@@ -355,11 +360,19 @@ class Door:
             topic=topic, connected=target is not None, decoded=decoded,
         )  # fmt: skip
 
-    def _decode(self, payload: bytes) -> DecodedBatch | None:
+    def _decode(self, payload: bytes, model: str) -> DecodedBatch | None:
         """The whole batch, or None when it is not a usable batch with a valid rank.
 
         The compiled scanner reads the batches vLLM sends (no Python int per hash, token
-        ids skipped at memory speed); msgspec decodes whatever it does not take."""
+        ids skipped at memory speed); msgspec decodes whatever it does not take, and
+        every batch of a model with SGLang pods (:mod:`kvindex.events.sglang`)."""
+        if model in self._sglang_models:
+            try:
+                decoded = self._sglang.decode(payload, self._layout)
+            except DecodeError:
+                return None
+            rank = decoded.batch.data_parallel_rank
+            return None if rank is not None and rank > MAX_DP_RANK else decoded
         scanned = scan(payload)
         if scanned is not None:  # a valid rank, nothing skipped: the scanner checked
             if scanned.n_events:

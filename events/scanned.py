@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import msgspec
@@ -74,6 +74,7 @@ class ScannedBatch:
     """
 
     __slots__ = (
+        "_decode_events",
         "_events",
         "_payloads",
         "_spans",
@@ -98,6 +99,15 @@ class ScannedBatch:
         self._stamps: bytes = stamps  # native doubles, one per payload
         self._spans: bytes = spans  # native uint32 (payload, start, stop) per event
         self._events: list[Event] | None = None
+        # An engine whose events vLLM's structs misread (SGLang) decodes them itself
+        self._decode_events: Callable[[bytes], list[Event]] | None = None
+
+    def decode_events_with(self, decode: Callable[[bytes], list[Event]]) -> None:
+        """Take :attr:`events` from ``decode`` (one payload -> its events), not from
+        vLLM's structs: the scanner reads SGLang's hashes and spans as vLLM's, but not
+        the fields where the engines differ."""
+        self._decode_events = decode
+        self._events = None
 
     @classmethod
     def merge(cls, parts: Sequence[ScannedBatch]) -> ScannedBatch:
@@ -122,7 +132,10 @@ class ScannedBatch:
             runs,
             spans,
         )
-        return cls(tuple(itertools.chain.from_iterable(p._payloads for p in parts)), scanned)
+        merged = cls(tuple(itertools.chain.from_iterable(p._payloads for p in parts)), scanned)
+        if parts[0]._decode_events is not None:
+            merged.decode_events_with(parts[0]._decode_events)
+        return merged
 
     @property
     def batches(self) -> int:
@@ -145,6 +158,9 @@ class ScannedBatch:
             return [self]
         parts = [scan(payload) for payload in self._payloads]
         assert all(p is not None for p in parts)  # the scanner took them once
+        if self._decode_events is not None:
+            for part in parts:
+                part.decode_events_with(self._decode_events)  # type: ignore[union-attr]
         return parts  # type: ignore[return-value]
 
     @property
@@ -154,17 +170,21 @@ class ScannedBatch:
         events = self._events
         if events is None:
             decoder = _BATCHES[self.layout]
+            engine_decode = self._decode_events
             events = []
             if self.n_events:
                 for payload in self._payloads:
-                    events += decoder.decode(payload).events
+                    if engine_decode is not None:
+                        events += engine_decode(payload)
+                    else:
+                        events += decoder.decode(payload).events
             self._events = events
         return events
 
     def event(self, index: int) -> Event:
         """Event ``index`` alone, decoded by msgspec from its bytes."""
-        if self._events is not None:
-            return self._events[index]
+        if self._events is not None or self._decode_events is not None:
+            return self.events[index]
         part, start, stop = struct.unpack_from("=III", self._spans, 12 * index)
         span = memoryview(self._payloads[part])[start:stop]
         return _EVENTS[self.layout].decode(span)

@@ -142,6 +142,11 @@ class Ingestor:
         dropped = self._backend.clear_member(member)
         log.info("cleared %d entries of %s (%s)", dropped, member, reason)
 
+    def own_keys_of(self, published: Sequence[int]) -> list[int | None]:
+        """Token-key mode: the own keys of block hashes pods published (None where no
+        pod did); see :meth:`EngineKeyMap.resolve_any`."""
+        return self._engine_map.resolve_any(published)
+
     def to_state(self) -> dict[str, Any]:
         """Per-member state that shapes how future events are indexed (token-key map,
         primary KV group), for a snapshot taken with the index's own state."""

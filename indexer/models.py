@@ -32,6 +32,26 @@ class KeyMode(enum.StrEnum):
     TOKENS = "tokens"
 
 
+class Engine(enum.StrEnum):
+    """An engine that serves a model's pods, for what its events allow.
+
+    ``vllm``: hashes kvindex reproduces (``key_mode: engine`` works). ``sglang``: signed,
+    opaque hashes (a SHA-256 page chain kvindex does not recompute) and its own event
+    layouts (:mod:`kvindex.events.sglang`). ``trtllm``: TensorRT-LLM's streaming events,
+    vLLM's format (decoded as vLLM's) with hashes of its own block manager. Any engine but
+    vLLM needs ``key_mode: tokens``, which is what lets pods of different engines share
+    one model's keys.
+    """
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    TRTLLM = "trtllm"
+
+
+#: Engines whose block hashes kvindex reproduces.
+HASH_COMPATIBLE = frozenset({Engine.VLLM})
+
+
 class ReportMode(enum.StrEnum):
     """How the model's clients ask vLLM to report cache hits (``kv_cache_report_mode``
     in a request's ``SamplingParams.extra_args``, vLLM 0.33).
@@ -60,6 +80,7 @@ class ModelKeying:
     key_mode: KeyMode = KeyMode.ENGINE
     loras: Mapping[str, str] = field(default_factory=dict)  # adapter name -> path
     report_mode: ReportMode = ReportMode.INCREMENTAL
+    engines: frozenset[Engine] = frozenset({Engine.VLLM})
 
     def lora_path(self, name: str) -> str | None:
         return self.loras.get(name)
@@ -78,6 +99,14 @@ class ModelCatalog:
         self.default = default or ModelKeying()
         self._models = dict(models or {})
         self._hashers: dict[str, BlockHasher] = {}
+        for name, keying in {"(default)": self.default, **self._models}.items():
+            foreign = sorted(keying.engines - HASH_COMPATIBLE)
+            if keying.key_mode is KeyMode.ENGINE and foreign:
+                raise KeyConfigError(
+                    f"model {name!r}: {', '.join(foreign)} pods publish block hashes kvindex "
+                    "cannot reproduce, so its keys could not agree with theirs or with "
+                    "other engines' pods; set key_mode: tokens"
+                )
         for name, keying in self._models.items():
             if keying.key_mode is KeyMode.ENGINE and not keying.hash.reproducible:
                 raise KeyConfigError(
@@ -87,6 +116,10 @@ class ModelCatalog:
 
     def configured(self) -> list[str]:
         return sorted(self._models)
+
+    def models_with(self, engine: Engine) -> list[str]:
+        """Configured models some of whose pods run ``engine``."""
+        return sorted(name for name, k in self._models.items() if engine in k.engines)
 
     def is_configured(self, model: str) -> bool:
         return model in self._models

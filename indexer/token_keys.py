@@ -118,6 +118,26 @@ class EngineKeyMap:
         entry = self._maps.get(member, {}).get(engine_key)
         return None if entry is None else entry[0]
 
+    def resolve_any(self, engine_keys: Sequence[int]) -> list[int | None]:
+        """Own keys of hashes any member published (None where none did), for engines
+        that give one block the same hash on every pod (SGLang's page chain), so a
+        published hash names the block wherever it is cached.
+
+        Called from a request thread while the ingesting thread writes: the list of
+        tables is copied first (a member added meanwhile cannot break the loop), and a
+        single dict lookup is atomic in CPython."""
+        tables = list(self._maps.values())
+        out: list[int | None] = []
+        for engine in engine_keys:
+            own = None
+            for table in tables:
+                entry = table.get(engine)
+                if entry is not None:
+                    own = entry[0]
+                    break
+            out.append(own)
+        return out
+
     def resolve_many(
         self, member: str, tier: int, engine_keys: Sequence[int], *, add_copy: bool = True
     ) -> tuple[list[int], int]:

@@ -7,9 +7,16 @@ Names and labels as vLLM 0.33 registers them (``vllm/v1/metrics/loggers.py``,
 ``model_name`` and ``engine`` (one series per data-parallel engine core). Older vLLM
 releases named the KV gauge ``vllm:gpu_cache_usage_perc`` (0.33 no longer exports it);
 it is read when the new name is absent. Parsing is prometheus_client's own text parser,
-fed only the lines of those four gauges: a vLLM page is ~1,000 lines (~85 KB, histograms
+fed only the lines of those gauges: a vLLM page is ~1,000 lines (~85 KB, histograms
 mostly), and parsing all of it took ~15-30 ms per page, which at 64 pods scraped every
 second is a core's worth of work contending for the GIL with every request.
+
+SGLang pods (0.5.23, ``--enable-metrics``; ``sglang/srt/observability/metrics_collector.py``)
+serve the same three figures as ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``
+and ``sglang:token_usage`` (0..1), labelled ``dp_rank`` (when data-parallel) and
+``tp_rank`` / ``pp_rank``: one series per data-parallel rank is the engine, and as more
+than one tensor- or pipeline-parallel rank may export a scheduler's figures, the largest
+value per rank is read, never a sum.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_OLD_NAME = "vllm:gpu_cache_usage_perc"
+SGLANG_RUNNING = "sglang:num_running_reqs"
+SGLANG_WAITING = "sglang:num_queue_reqs"
+SGLANG_KV_USAGE = "sglang:token_usage"
 
 
 class MetricsError(ValueError):
@@ -64,7 +74,14 @@ def parse_engine_loads(text: str) -> dict[str, EngineLoad]:
     kv_new: dict[str, float] = {}
     kv_old: dict[str, float] = {}
     sums = {RUNNING: running, WAITING: waiting}
-    maxima = {KV_USAGE: kv_new, KV_USAGE_OLD_NAME: kv_old}
+    maxima = {
+        KV_USAGE: kv_new,
+        KV_USAGE_OLD_NAME: kv_old,
+        SGLANG_RUNNING: running,
+        SGLANG_WAITING: waiting,
+        SGLANG_KV_USAGE: kv_new,
+    }
+    requests = (RUNNING, WAITING, SGLANG_RUNNING, SGLANG_WAITING)
     # A page without the gauges is parsed whole, so that text that is no Prometheus
     # exposition at all is reported as such (a failure path: the cost does not matter).
     lines = _gauge_lines(text) or text
@@ -76,10 +93,11 @@ def parse_engine_loads(text: str) -> dict[str, EngineLoad]:
                 if sample.name != family.name:
                     continue
                 value = sample.value
-                limit = MAX_REQUESTS if family.name in sums else MAX_KV_USAGE
+                limit = MAX_REQUESTS if family.name in requests else MAX_KV_USAGE
                 if not (0.0 <= value <= limit):  # NaN fails every comparison
                     raise MetricsError(f"{sample.name} has impossible value {value}")
-                engine = sample.labels.get("engine", "0")
+                labels = sample.labels
+                engine = labels.get("engine") or labels.get("dp_rank", "0")
                 if family.name in sums:
                     target = sums[family.name]
                     target[engine] = target.get(engine, 0.0) + value
@@ -91,7 +109,10 @@ def parse_engine_loads(text: str) -> dict[str, EngineLoad]:
     except Exception as exc:  # the parser raises ValueError and friends on bad text
         raise MetricsError(f"not Prometheus text: {exc}") from None
     if not running and not waiting:
-        raise MetricsError(f"no {RUNNING} or {WAITING}: is this a vLLM metrics endpoint?")
+        raise MetricsError(
+            f"no {RUNNING} or {WAITING} (or SGLang's {SGLANG_RUNNING}): is this a vLLM or "
+            "SGLang metrics endpoint?"
+        )
     for name, per_engine in sums.items():
         if sum(per_engine.values()) > MAX_REQUESTS:
             raise MetricsError(f"{name} sums to more than {MAX_REQUESTS} requests")
@@ -105,12 +126,20 @@ def parse_engine_loads(text: str) -> dict[str, EngineLoad]:
     }
 
 
-_WANTED = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD_NAME)
+_WANTED = (
+    RUNNING,
+    WAITING,
+    KV_USAGE,
+    KV_USAGE_OLD_NAME,
+    SGLANG_RUNNING,
+    SGLANG_WAITING,
+    SGLANG_KV_USAGE,
+)
 _PREFIXES = (*_WANTED, *(f"# HELP {n} " for n in _WANTED), *(f"# TYPE {n} " for n in _WANTED))
 
 
 def _gauge_lines(text: str) -> str:
-    """The lines of ``text`` that belong to the four gauges (their samples, HELP and
+    """The lines of ``text`` that belong to the gauges read (their samples, HELP and
     TYPE lines); a sample of another metric whose name starts like one of them
     (``vllm:num_requests_waiting_by_reason``) is dropped by the parser's family check."""
     wanted = [line for line in text.splitlines() if line.startswith(_PREFIXES)]

@@ -131,9 +131,13 @@ def test_every_shell_example_is_checked() -> None:
                 except SystemExit:
                     pytest.fail(f"{page}: {command!r} does not parse")
                 parsed += 1
-            elif command.startswith("vllm "):
+            elif command.startswith(("vllm ", "python3 -m sglang.launch_server ")):
                 config = words[words.index("--kv-events-config") + 1]
-                assert json.loads(config)["enable_kv_cache_events"] is True, (page, command)
+                events = json.loads(config)
+                if command.startswith("vllm "):
+                    assert events["enable_kv_cache_events"] is True, (page, command)
+                else:  # SGLang has no switch: it publishes once a publisher is named
+                    assert events["publisher"] == "zmq", (page, command)
             else:
                 assert command.startswith(ELSEWHERE), f"{page}: who checks {command!r}?"
     assert parsed >= 4

@@ -121,6 +121,36 @@ def test_requests_are_summed_over_model_label_sets() -> None:
     assert parse_engine_loads(both + "\n")["0"].running == 7
 
 
+#: An SGLang 0.5.23 page's scheduler gauges (names and labels from its
+#: ``observability/metrics_collector.py``), two data-parallel ranks and two TP ranks of
+#: rank 1 exporting the same figures.
+SGLANG_DP2 = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 4.0
+sglang:num_running_reqs{dp_rank="1",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 1.0
+sglang:num_running_reqs{dp_rank="1",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="1"} 1.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{dp_rank="0",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 2.0
+sglang:num_queue_reqs{dp_rank="1",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{dp_rank="0",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.5
+sglang:token_usage{dp_rank="1",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.125
+"""  # noqa: E501
+
+
+def test_sglang_pages_parse_per_data_parallel_rank_without_counting_tp_ranks_twice() -> None:
+    engines = parse_engine_loads(SGLANG_DP2)
+    assert {e: (x.running, x.waiting, x.kv_usage) for e, x in engines.items()} == {
+        "0": (4, 2, 0.5),
+        "1": (1, 0, 0.125),
+    }
+    single = SGLANG_DP2.replace('dp_rank="1",', 'dp_rank="0",').replace('dp_rank="0",', "")
+    assert list(parse_engine_loads(single)) == ["0"]
+
+
 @pytest.mark.parametrize(
     ("page", "needle"),
     [

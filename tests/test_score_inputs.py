@@ -237,6 +237,47 @@ def test_block_hashes_need_a_known_model_keyed_by_engine_hashes(tmp_path: Path) 
         assert unknown.status_code == 404 and unknown.json()["error"] == "unknown_model"
 
 
+def test_sglang_published_ids_are_block_hashes_of_their_model(tmp_path: Path) -> None:
+    """SGLang 0.5.23's own payloads (tests/fixtures/sglang), published into a model
+    configured with SGLang pods: its signed ids name the blocks, /score and /route."""
+    fixtures = Path(__file__).parent / "fixtures" / "sglang"
+    lines = (fixtures / "sglang_0_5_23_payloads.txt").read_text().split()
+    truth = json.loads((fixtures / "sglang_0_5_23_truth.json").read_text())
+    config = tmp_path / "models.json"
+    config.write_text(json.dumps({"models": {"s": {"block_size": 4, "engines": ["sglang"]}}}))
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    service = Service(from_flags(zmq_bind=[endpoint], model_config=str(config)))
+    pod = "127.0.0.41:8000"
+    payloads = [bytes.fromhex(lines[i + 1]) for i in range(0, len(lines), 2) if lines[i] == pod]
+    with TestClient(create_app(service)) as client:
+        with EnginePublisher(from_source(endpoint, "127.0.0.41"), topic=f"kv@{pod}@s") as pub:
+            assert pub.wait_for_subscribers(1, 5.0)
+            for payload in payloads:  # one engine: seqs 0, 1, 2
+                pub.publish_payload(payload)
+            applied = wait_until(
+                lambda: any(
+                    s.pod == pod and s.last_seq == len(payloads) - 1
+                    for s in service.subscriber.streams()
+                ),
+                10.0,
+            )
+            assert applied
+        chat_ids = truth["chat_ids"]
+        assert any(h < 0 for h in chat_ids)
+        scored = client.post("/score", json={"model": "s", "block_hashes": chat_ids}).json()
+        assert scored["prompt_tokens"] == 24
+        assert [(p["pod"], p["matched_blocks"]) for p in scored["pods"]] == [(pod, 5)]
+        chat = truth["prompts"]["chat"]
+        by_tokens = client.post("/score", json={"model": "s", "token_ids": chat})
+        assert by_tokens.json()["pods"] == scored["pods"]
+        unknown = client.post("/score", json={"model": "s", "block_hashes": [-5, 7]}).json()
+        assert all(p["matched_blocks"] == 0 for p in unknown["pods"])
+        below = client.post("/score", json={"model": "s", "block_hashes": [-(2**63) - 1]})
+        assert below.status_code == 400 and "is not a uint64" in below.json()["detail"]
+        routed = client.post("/route", json={"model": "s", "block_hashes": chat_ids})
+        assert routed.status_code == 200 and routed.json()["pod"] == pod, routed.text
+
+
 @pytest.mark.parametrize(
     ("query", "body", "status", "code", "detail"),
     [
@@ -284,7 +325,8 @@ def test_openapi_documents_the_forms(setup) -> None:
     }
     hashes = schema["components"]["schemas"]["ScoreRequest"]["properties"]["block_hashes"]
     forms = hashes["anyOf"][0]["items"]["anyOf"]
-    assert forms[0] == {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}
+    # vLLM's uint64s and SGLang's signed int64 ids
+    assert forms[0] == {"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1}
     assert forms[1]["type"] == "string" and "pattern" in forms[1]
     assert "415" in schema["paths"]["/score"]["post"]["responses"]
 

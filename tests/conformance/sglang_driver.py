@@ -1,0 +1,222 @@
+"""SGLang pods for the conformance suite: SGLang 0.5.23's own event classes and its own
+``ZmqEventPublisher``, run under the SGLang venv's interpreter (sglang_env.sh).
+
+SGLang's package ``__init__`` imports torch and its model runtime, so this loads the two
+module files the KV-event code needs by path (``sglang/srt/utils/network.py``, then
+``sglang/srt/disaggregation/kv_events.py``) under their real names; the one other import,
+``runtime_context.get_parallel``, only gates which scheduler rank publishes and is never
+called here.
+
+The workload is the radix cache's (``sglang/srt/mem_cache/events.py``, 0.5.23): one
+``BlockStored`` per page chain with ``block_size`` = page size, hashes from SGLang's rule
+(SHA-256 page chain, first 8 bytes as a signed int64: ``hash_str_to_int64``),
+``session_id`` and ``cache_salt`` set per request, host-tier copies as ``CPU_PINNED``,
+evictions as ``BlockRemoved``. Usage:
+
+    sglang_driver.py --check VERSION           import check (sglang_env.sh)
+    sglang_driver.py --publish ENDPOINT MODEL REPLAY_PORT  publish, print the truth
+    sglang_driver.py --capture DIR             write the payloads as fixtures
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+PAGE = 4
+POD_A, POD_B = "127.0.0.41:8000", "127.0.0.42:8000"
+
+
+def load_sglang() -> types.ModuleType:
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations, "sglang is not installed"
+    root = Path(spec.submodule_search_locations[0])
+    packages = (
+        "sglang",
+        "sglang.srt",
+        "sglang.srt.utils",
+        "sglang.srt.disaggregation",
+        "sglang.srt.managers",
+        "sglang.srt.managers.scheduler_components",
+    )
+    for name in packages:
+        package = types.ModuleType(name)
+        package.__path__ = [str(root.joinpath(*name.split(".")[1:]))]
+        sys.modules[name] = package
+    context = types.ModuleType("sglang.srt.runtime_context")
+
+    def get_parallel() -> Any:
+        raise RuntimeError("not a scheduler process")
+
+    context.get_parallel = get_parallel  # type: ignore[attr-defined]
+    sys.modules[context.__name__] = context
+    for name, rel in (
+        ("sglang.srt.utils.network", "srt/utils/network.py"),
+        ("sglang.srt.disaggregation.kv_events", "srt/disaggregation/kv_events.py"),
+        ("sglang.version", "version.py"),
+        (
+            "sglang.srt.managers.scheduler_components.load_publisher",
+            "srt/managers/scheduler_components/load_publisher.py",
+        ),
+    ):
+        module_spec = importlib.util.spec_from_file_location(name, root / rel)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    return sys.modules["sglang.srt.disaggregation.kv_events"]
+
+
+def page_hashes(tokens: list[int], salt: str | None = None) -> list[int]:
+    """SGLang's published ids for a prompt's full pages: a SHA-256 chain over the pages
+    (seeded by the salt), each id the digest's first 8 bytes as a signed int64."""
+    previous = b"" if salt is None else hashlib.sha256(b"salt\0" + salt.encode()).digest()
+    out = []
+    for start in range(0, len(tokens) - len(tokens) % PAGE, PAGE):
+        page = b"".join(t.to_bytes(4, "little") for t in tokens[start : start + PAGE])
+        previous = hashlib.sha256(previous + page).digest()
+        out.append(int.from_bytes(previous[:8], "big", signed=True))
+    return out
+
+
+def workload(kv: types.ModuleType) -> tuple[dict[str, list[Any]], dict[str, Any]]:
+    """Batches per pod (KVEventBatch objects) and the truth: per pod and tier, the token
+    prefixes of the blocks it holds; per pod, the sessions it stored for."""
+    chat = list(range(1000, 1016))  # 4 pages
+    turn2 = chat + list(range(2000, 2008))  # 2 more pages
+    salted = list(range(3000, 3008))
+    other = list(range(4000, 4012))
+    a, b = [], []
+
+    def stored(tokens, first, count, *, salt=None, session=None, medium="GPU"):
+        hashes = page_hashes(tokens, salt)
+        return kv.BlockStored(
+            block_hashes=hashes[first : first + count],
+            parent_block_hash=hashes[first - 1] if first else None,
+            token_ids=tokens[first * PAGE : (first + count) * PAGE],
+            block_size=PAGE,
+            lora_id=None,
+            medium=medium,
+            cache_salt=salt,
+            session_id=session,
+        )
+
+    now = time.time()
+    a.append(kv.KVEventBatch(ts=now, events=[stored(chat, 0, 4, session="s1")]))
+    a.append(kv.KVEventBatch(ts=now, events=[stored(turn2, 4, 2, session="s1")]))
+    a.append(
+        kv.KVEventBatch(
+            ts=now,
+            events=[
+                kv.BlockRemoved(block_hashes=page_hashes(turn2)[5:], medium="GPU"),
+                stored(salted, 0, 2, salt="tenant-a", session="s2"),
+                stored(chat, 0, 2, medium="CPU_PINNED"),
+            ],
+        )
+    )
+    b.append(kv.KVEventBatch(ts=now, events=[stored(chat, 0, 3, session="s3")]))
+    b.append(kv.KVEventBatch(ts=now, events=[kv.AllBlocksCleared()]))
+    b.append(kv.KVEventBatch(ts=now, events=[stored(other, 0, 3, session="s4")]))
+    truth = {
+        POD_A: {
+            "gpu": [turn2[: (i + 1) * PAGE] for i in range(5)],
+            "cpu": [chat[:PAGE], chat[: 2 * PAGE]],
+            "salted_gpu": [salted[:PAGE], salted[: 2 * PAGE]],
+        },
+        POD_B: {"gpu": [other[: (i + 1) * PAGE] for i in range(3)], "cpu": [], "salted_gpu": []},
+        "prompts": {"chat": turn2, "salted": salted, "other": other},
+        "chat_ids": page_hashes(turn2),  # what SGLang published for the chat's pages
+        "salt": "tenant-a",
+    }
+    return {POD_A: a, POD_B: b}, truth
+
+
+def publish(endpoint: str, model: str, replay_port: int) -> None:
+    import zmq
+
+    kv = load_sglang()
+    batches, truth = workload(kv)
+    publishers = {}
+    for pod in batches:
+        host = pod.rsplit(":", 1)[0]
+        publisher = kv.ZmqEventPublisher(
+            attn_dp_rank=0,
+            endpoint=endpoint,
+            replay_endpoint=f"tcp://{host}:{replay_port}",
+            topic=f"kv@{pod}@{model}",
+        )
+        # A connecting PUB socket drops what it sends before the connection is up (ZMQ's
+        # slow joiner): wait for the handshake; kvindex replays anything still missed.
+        monitor = publisher._pub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        if monitor.poll(10_000):
+            monitor.recv_multipart()
+        publisher._pub.disable_monitor()
+        monitor.close(linger=0)
+        publishers[pod] = publisher
+    for pod, pod_batches in batches.items():
+        for batch in pod_batches:
+            publishers[pod].publish(batch)
+    published = {pod: len(b) for pod, b in batches.items()}
+    print(json.dumps({"published": published, "truth": truth}), flush=True)
+    # Replay stays served until the test is done with us (it closes our stdin)
+    sys.stdin.readline()
+    for publisher in publishers.values():
+        publisher.shutdown()
+
+
+def capture(directory: Path) -> None:
+    """The payload frames SGLang's publisher sends (it encodes each batch with
+    ``msgspec.msgpack.Encoder().encode``), one hex line each, pod by pod; then one
+    ``LoadStat`` of its load topic, under the topic's name."""
+    import msgspec
+
+    kv = load_sglang()
+    batches, truth = workload(kv)
+    encoder = msgspec.msgpack.Encoder()
+    lines = [
+        f"{pod} {encoder.encode(batch).hex()}"
+        for pod, pod_batches in batches.items()
+        for batch in pod_batches
+    ]
+    version = sys.modules["sglang.version"].__version__
+    # The load topic's frames, as SchedulerLoadPublisher sends a LoadStat
+    load = sys.modules["sglang.srt.managers.scheduler_components.load_publisher"]
+    stat = load.LoadStat(
+        num_running_reqs=3,
+        num_waiting_reqs=2,
+        num_tokens=4096,
+        max_total_num_tokens=16384,
+        attn_dp_rank=1,
+        num_waiting_uncached_tokens=700,
+    )
+    lines.append(f"{kv.LOAD_TOPIC} {load._encoder.encode(stat).hex()}")
+    (directory / f"sglang_{version.replace('.', '_')}_payloads.txt").write_text(
+        "\n".join(lines) + "\n"
+    )
+    (directory / f"sglang_{version.replace('.', '_')}_truth.json").write_text(
+        json.dumps(truth, indent=1) + "\n"
+    )
+
+
+def main() -> None:
+    command = sys.argv[1]
+    if command == "--check":
+        load_sglang()
+        version = sys.modules["sglang.version"].__version__
+        assert version == sys.argv[2], version
+    elif command == "--publish":
+        publish(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif command == "--capture":
+        capture(Path(sys.argv[2]))
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("openai", reason="the gateway soak needs the test extra (openai)")
+from tests.support.lazy import installed
+
+pytestmark = pytest.mark.skipif(
+    not installed("openai"), reason="the gateway soak needs the test extra (openai)"
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

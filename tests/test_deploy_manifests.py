@@ -30,9 +30,10 @@ from kvindex.events.k8s_pods import DiscoveryConfig, PodFacts, plan_pod
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockRemoved, BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
+from tests.support.lazy import LazyModule
 
 yaml = pytest.importorskip("yaml")
-kubernetes = pytest.importorskip("kubernetes")
+kubernetes = LazyModule("kubernetes")
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 MODEL = "Qwen/Qwen3-0.6B"

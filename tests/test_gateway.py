@@ -17,8 +17,9 @@ import pytest
 from kvindex.api.client import ApiError, Client
 from kvindex.api.testing import ServeProcess, eventually, free_port
 from tests.chat_models import model_directory
+from tests.support.lazy import LazyModule
 
-openai = pytest.importorskip("openai", reason="the gateway tests need the test extra (openai)")
+openai = LazyModule("openai", reason="the gateway tests need the test extra (openai)")
 from tests.fake_vllm import FakeVllmPod  # noqa: E402  (imports transformers)
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,9 @@ import pytest
 from kvindex.api.client import ApiError
 from kvindex.api.testing import ServeProcess
 from tests import test_gateway
+from tests.support.lazy import LazyModule
 
-openai = pytest.importorskip("openai", reason="the gateway tests need the test extra (openai)")
+openai = LazyModule("openai", reason="the gateway tests need the test extra (openai)")
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,10 @@ import pytest
 from kvindex.api.client import Client
 from kvindex.api.testing import ServeProcess, eventually, free_port
 from tests.chat_models import model_directory
+from tests.support.lazy import LazyModule
 from tests.test_gateway import DOCUMENT, MODEL
 
-openai = pytest.importorskip("openai", reason="the gateway tests need the test extra (openai)")
+openai = LazyModule("openai", reason="the gateway tests need the test extra (openai)")
 from tests.fake_vllm import FakeVllmPod  # noqa: E402  (imports transformers)
 
 pytestmark = pytest.mark.slow

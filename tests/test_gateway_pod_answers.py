@@ -28,9 +28,10 @@ import httpx
 import pytest
 
 from kvindex.api.testing import ServeProcess, eventually, free_port
+from tests.support.lazy import LazyModule
 from tests.test_load import DP1_IDLE
 
-openai = pytest.importorskip("openai", reason="the gateway tests need the test extra (openai)")
+openai = LazyModule("openai", reason="the gateway tests need the test extra (openai)")
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,10 @@ import httpx
 import pytest
 
 from kvindex.api.testing import ServeProcess, eventually, free_port
+from tests.support.lazy import LazyModule
 from tests.test_serve_processes import children
 
-openai = pytest.importorskip("openai", reason="the gateway tests need the test extra (openai)")
+openai = LazyModule("openai", reason="the gateway tests need the test extra (openai)")
 
 SUPPORTED = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models")
 

@@ -18,9 +18,12 @@ import pytest
 
 from kvindex.api.testing import ServeProcess, free_port
 from tests.chat_models import model_directory
+from tests.fake_vllm import FakeVllmPod
+from tests.support.lazy import installed
 
-pytest.importorskip("openai", reason="the fake vLLM pod needs the test extra")
-from tests.fake_vllm import FakeVllmPod  # imports transformers
+pytestmark = pytest.mark.skipif(
+    not installed("openai"), reason="the fake vLLM pod needs the test extra"
+)
 
 MODEL = "acme/gateway-oss"
 WARNING = "no usable tokenizer for 'acme/gateway-oss'"

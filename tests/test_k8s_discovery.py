@@ -31,8 +31,9 @@ from kvindex.events.k8s_pods import (
 from kvindex.events.known_pods import KnownPods
 from kvindex.events.testing import RecordingSink
 from tests.k8s_fake_api import FakeKubeAPI, make_pod
+from tests.support.lazy import LazyModule
 
-kubernetes = pytest.importorskip("kubernetes")
+kubernetes = LazyModule("kubernetes")
 
 NS = "llm"
 WAIT_S = 10.0

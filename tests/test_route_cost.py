@@ -96,7 +96,7 @@ def test_a_shared_preamble_stops_drawing_new_sessions_to_a_busy_pod() -> None:
 
 
 def test_a_new_task_spreads_once_its_later_turns_would_stall_the_tasks_there() -> None:
-    """The agent case of claim 2 (bench/README, "Later turns' prefills"): a 4,800-token
+    """The agent case of claim 2 (bench/README.md, "Routing comparison"): a 4,800-token
     new task whose 4,500-token preamble is cached on a pod running one task. Priced on
     its first prefill alone it joins that task; with the nine ~1,500-token tool results
     its session is expected to bring (F), each stalling the task there, it goes to the

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import replace
@@ -239,7 +241,27 @@ def list_scenarios() -> str:
     return "\n".join(lines)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # Unwinds like Ctrl-C does, so every kvindex serve started so far is stopped on the
+    # way out (the default SIGTERM action would end this process and leave that to the
+    # kernel's parent-death signal).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)  # only the main thread may set a signal handler
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("bench.sim: interrupted; every kvindex serve it started is stopped", file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.list:
         print(list_scenarios())

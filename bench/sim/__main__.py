@@ -48,8 +48,9 @@ from kvindex.scoring.route_cost import CostWeights
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "out"
 DEFAULT_LOADS = "0.25,0.5,0.75,1,1.25,1.5,2,3"
 DEFAULT_POLICIES = ",".join(POLICY_NAMES)
-QUICK_SKIPS = ("random", "session-sticky", "dynamo", "precise", "greedy-perfect")
 DEFAULT_FAULTS = "restarts:4,resets:4,direct:0.2"
+#: --quick's fault study: kvindex, and the two its hit-ratio loss is read against.
+FAULT_STUDY_POLICIES = ("approximate", "greedy-perfect", "kvindex-route")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="kvindex-route's cost weights, e.g. prefix=1,queue=1,decode=0,kv=1 "
         "(default: kvindex's)",
     )
+    r.add_argument(
+        "--route-max-tokens",
+        choices=("client", "true"),
+        default="client",
+        help="kvindex-route's max_tokens: the client's own field (none, or inference-perf's "
+        "fixed cap) or the true output length, which no gateway knows",
+    )
     r.add_argument("--max-probes", type=int, default=500, help="agreement probes (0 = all)")
     for kind, spec in SPECS.items():
         group = p.add_argument_group(f"{kind} workload ({spec.help})")
@@ -165,9 +173,7 @@ def plan_spec(args: argparse.Namespace) -> PlanSpec:
     policies = [p for p in args.policies.split(",") if p]
     for policy in policies:
         parse_policy(policy)
-    if args.quick:
-        if args.policies == DEFAULT_POLICIES:  # fewer runs, fewer kvindex round trips
-            policies = [p for p in policies if p not in QUICK_SKIPS]
+    if args.quick:  # every policy, on small populations
         return PlanSpec(
             standard=_names(args.scenarios, [s for s in standard() if s.name == "docqa"]),
             sweep=_names(args.sweep, load_study()),
@@ -178,8 +184,7 @@ def plan_spec(args: argparse.Namespace) -> PlanSpec:
             replica_counts=[2],  # the same runs as the fault study's fault-free ones
             study_scenario=args.study_scenario,
             study_load=args.study_load / 2,
-            study_policies=[p for p in policies if p in ("approximate", "kvindex-route")]
-            or policies,
+            study_policies=[p for p in policies if p in FAULT_STUDY_POLICIES] or policies,
             faults=parse_faults("restarts:2,direct:0.2"),
         )
     counts = [int(x) for x in args.replica_counts.split(",") if x]
@@ -310,6 +315,7 @@ def _main(argv: list[str] | None) -> int:
                 load=cell.load,
                 scrape_s=args.scrape_ms / 1e3,
                 route_weights=args.route_weights,
+                route_max_tokens=args.route_max_tokens,
             )
             results[cell] = done[same] = run(workloads.get(n, cell), spec, bar, service=service)
     meta = _meta(args, argv, time.perf_counter() - started, lag, slo)
@@ -385,6 +391,7 @@ def _meta(
         "vllm_version": args.vllm_version,
         "scrape_ms": args.scrape_ms,
         "route_weights": args.route_weights,
+        "route_max_tokens": args.route_max_tokens,
         "wall_s": round(wall_s, 1),
     }
 

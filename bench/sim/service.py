@@ -156,18 +156,20 @@ class IndexClient:
         return {p.pod: p.matched_blocks for p in answer.pods}
 
     def route(
-        self, model: str, tokens: Sequence[int], pods: Sequence[str], rid: str, max_tokens: int
+        self,
+        model: str,
+        tokens: Sequence[int],
+        pods: Sequence[str],
+        rid: str,
+        max_tokens: int | None,
     ) -> tuple[str, str] | None:
-        """``POST /route``: (chosen pod, reason), or None when no pod is admissible (429)."""
-        body = msgspec.json.encode(
-            {
-                "model": model,
-                "token_ids": tokens,
-                "pods": pods,
-                "request_id": rid,
-                "max_tokens": max_tokens,
-            }
-        )
+        """``POST /route``: (chosen pod, reason), or None when no pod is admissible (429).
+        ``max_tokens`` None sends none, as a client that sets no cap."""
+        fields: dict[str, Any] = {"model": model, "token_ids": tokens, "pods": pods}
+        fields["request_id"] = rid
+        if max_tokens is not None:
+            fields["max_tokens"] = max_tokens
+        body = msgspec.json.encode(fields)
         response = self._http.post(
             "/route",
             content=body,

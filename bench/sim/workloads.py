@@ -51,6 +51,8 @@ class SimRequest:
     start_s: float = 0.0
     after: int | None = None
     think_s: float = 0.0
+    #: The ``max_tokens`` field the client sends (None: none), not the output length.
+    max_tokens: int | None = None
 
 
 class Tokens:
@@ -305,7 +307,12 @@ class SharedPrefixSpec(WorkloadSpec):
             i = rid % len(prompts)
             group, prompt = prompts[i]
             fresh = len(prompt) - self.system_tokens
-            reqs.append(SimRequest(rid, i, f"g{group}", prompt, answers[i], fresh, t))
+            # inference-perf asks for exactly its output length (max_tokens with
+            # ignore_eos); a client of the varying-length shape sets no cap.
+            cap = len(answers[i]) if self.exact else None
+            reqs.append(
+                SimRequest(rid, i, f"g{group}", prompt, answers[i], fresh, t, max_tokens=cap)
+            )
         return Workload(name or self.kind, self.kind, self.params(), reqs, len(prompts))
 
 

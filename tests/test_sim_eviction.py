@@ -14,8 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pytest
 
-from bench.sim.__main__ import main
+from bench.sim.__main__ import build_parser, main, plan_spec
 from bench.sim.catalog import CatalogSpec
+from bench.sim.policies import POLICY_NAMES
 from bench.sim.scenarios import eviction_study, loaded, scaled
 from bench.sim.tenants import TenantChatSpec
 from bench.sim.workloads import (
@@ -116,3 +117,16 @@ def test_list_prints_each_eviction_scenarios_working_set(capsys) -> None:
     for scenario in eviction_study():
         assert f"{scenario.name} (" in out
     assert out.count("one pod's cache at its peak") == len(eviction_study())
+
+
+def test_the_eviction_study_sweeps_its_scenarios_past_twice_the_knee_with_every_policy() -> None:
+    spec = plan_spec(build_parser().parse_args(["--study", "eviction", "--seeds", "3"]))
+    assert spec.sweep == [s.name for s in eviction_study()]
+    assert spec.standard == [] and spec.replica_counts == []
+    assert spec.loads[0] <= 0.25 and spec.loads[-1] >= 2.0  # base load ~ the knee
+    assert set(spec.policies) == set(POLICY_NAMES)
+    assert spec.study_scenario == "tenants" and spec.seeds == 3
+    assert {"greedy-perfect", "kvindex-route"} <= set(spec.study_policies)
+    quick = plan_spec(build_parser().parse_args(["--study", "eviction", "--quick"]))
+    assert set(quick.policies) == set(POLICY_NAMES)  # --quick runs every baseline
+    assert quick.loads == [0.5, 1.0, 2.0]

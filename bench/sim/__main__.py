@@ -75,7 +75,7 @@ DEFAULT_FAULTS = "restarts:4,resets:4,direct:0.2"
 FAULT_STUDY_POLICIES = ("approximate", "greedy-perfect", "kvindex-route")
 #: The eviction study's loads (x its scenarios' base load, near least-loaded's knee):
 #: from light load to past 2x the knee.
-EVICTION_LOADS = "0.25,0.5,1,1.5,2,2.5"
+EVICTION_LOADS = "0.25,0.5,1,1.5,2"
 EVICTION_FAULTS = "restarts:4,direct:0.2"
 
 

@@ -257,30 +257,31 @@ def eviction_study() -> list[Scenario]:
         tenants=40,
         zipf=0.8,
         system_tokens=3000,
-        users=300,
+        users=600,
         turns=4,
         user_tokens=100,
         output_tokens=150,
         think_s=5.0,
-        sessions_per_s=3.0,
+        sessions_per_s=2.4,
     )
     return [
         Scenario(
             "tenants",
             tenants,
             EVICTION_POD,
-            "40 tenants (Zipf 0.8) with 3,000-token system prompts, 300 users x 4 turns "
-            "(~100-token turns, ~150-token answers, 5 s think time) at 3 new "
+            "40 tenants (Zipf 0.8) with 3,000-token system prompts, 600 users x 4 turns "
+            "(~100-token turns, ~150-token answers, 5 s think time) at 2.4 new "
             "conversations/s, with session ids; working set ~2x one pod's cache",
             regime="eviction",
         ),
         Scenario(
             "tenants-anon-forks",
-            replace(tenants, session_ids=False, fork_p=0.4, burst=4),
+            replace(tenants, session_ids=False, fork_p=0.4, burst=4, sessions_per_s=1.9),
             EVICTION_POD,
             "the tenants traffic with no session ids (the client sends none), 40% of "
             "conversations forking an earlier conversation of their tenant at one of its "
-            "turns, conversations starting 4 at a time; working set ~2x one pod's cache",
+            "turns, conversations starting 4 at a time, 1.9 a second; working set ~2x one "
+            "pod's cache",
             regime="eviction",
         ),
         Scenario(
@@ -291,13 +292,13 @@ def eviction_study() -> list[Scenario]:
                 zipf=1.1,
                 question_tokens=200,
                 output_tokens=100,
-                requests=1500,
-                rate=8.0,
+                requests=2400,
+                rate=20.0,
                 burst=8,
             ),
             EVICTION_POD,
             "112 shared 1,500-token system prompts by Zipf 1.1 popularity, ~200-token "
-            "questions, 100-token answers, 8 requests/s arriving in bursts of 8; working "
+            "questions, 100-token answers, 20 requests/s arriving in bursts of 8; working "
             "set ~1.5x one pod's cache",
             regime="eviction",
         ),
@@ -309,12 +310,12 @@ def eviction_study() -> list[Scenario]:
                 zipf=0.6,
                 question_tokens=60,
                 output_tokens=150,
-                requests=1200,
-                rate=3.0,
+                requests=2400,
+                rate=6.2,
             ),
             EVICTION_POD,
             "document QA over 40 documents of 4,000 tokens (2.4x the documents one pod "
-            "holds), Zipf 0.6 popularity, ~60-token questions, ~150-token answers, 3 "
+            "holds), Zipf 0.6 popularity, ~60-token questions, ~150-token answers, 6.2 "
             "requests/s; working set ~2.4x one pod's cache",
             regime="eviction",
         ),

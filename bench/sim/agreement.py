@@ -11,9 +11,9 @@ Three checks, from the raw sets to what a gateway sees:
    exactly the length of the chain's leading run that pod holds.
 
 The pods' event view (copy counts over their own events, kvindex's rule) is the
-reference. It equals the pool's true contents unless vLLM evicted the first of two
-copies both stored from the chain's root (see ``pool.BlockPool.ghosts``); those are
-reported separately as ``ghost_blocks``.
+reference. It equals the pool's true contents under kvindex's default report mode
+(``incremental``: every store is a copy); blocks where they would differ are reported
+as ``ghost_blocks`` (see ``pool.BlockPool.ghosts``).
 """
 
 from __future__ import annotations

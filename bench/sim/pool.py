@@ -21,8 +21,8 @@ Facts followed (vLLM ``v1/core/block_pool.py`` and ``kv_cache_manager.py``, 0.9-
 
 Block keys are the published uint64s (the digest's last 8 bytes), which is what the
 index stores. Besides the truth (which hashes the pool holds) the pool keeps the *event
-view*: what kvindex builds from its events (copy counts). The two differ only after the
-first of two copies stored from the chain's root was evicted (see
+view*: what kvindex builds from its events (copy counts, every store one copy: kvindex's
+default ``incremental`` report mode), which equals the truth (see
 :attr:`BlockPool.ghosts`).
 """
 
@@ -61,9 +61,9 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._key: list[int | None] = [None] * num_blocks
         self._cached: dict[int, list[int]] = {}  # key -> block ids holding it
-        # What the published events say the pool holds, as kvindex counts it: copies per
-        # hash, a store from the chain's root only ensuring one (see README, "Copies and
-        # report modes").
+        # What the published events say the pool holds, as kvindex counts it under its
+        # default report mode (``incremental``): copies per hash, every store one more
+        # (docs/correctness.md, "Copies and report modes").
         self._view: dict[int, int] = {}
         self.events: list[Event] = []
         self.evictions = 0
@@ -98,9 +98,10 @@ class BlockPool:
 
     @property
     def ghosts(self) -> set[int]:
-        """Hashes still cached although the events' copy count says none is: a second
-        copy stored from the chain's root (a one-block prompt sent twice) is taken for
-        an announcement, so the first copy's eviction drops the hash."""
+        """Hashes still cached although the events' copy count says none is. Empty while
+        the index counts every store as a copy (kvindex's ``incremental`` report mode,
+        the simulator's); under ``full`` a root store of a held hash is taken for an
+        announcement, and the first copy's eviction would drop a hash still cached."""
         return set(self._cached) - set(self._view)
 
     def hit_cost(self, keys: Sequence[int]) -> int:
@@ -161,7 +162,7 @@ class BlockPool:
                 holders.append(block)
                 self.duplicate_stores += 1
             view = self._view
-            view[key] = view.get(key, 0) + 1 if start else max(view.get(key, 0), 1)
+            view[key] = view.get(key, 0) + 1
         self.events.append(
             BlockStored(
                 block_hashes=list(keys[start:end]),

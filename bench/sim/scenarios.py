@@ -280,8 +280,8 @@ def eviction_study() -> list[Scenario]:
             EVICTION_POD,
             "the tenants traffic with no session ids (the client sends none), 40% of "
             "conversations forking an earlier conversation of their tenant at one of its "
-            "turns, conversations starting 4 at a time, 1.9 a second; working set ~2x one "
-            "pod's cache",
+            "turns, conversations starting 4 at a time, 1.9 a second; working set ~2.5x "
+            "one pod's cache (forks keep more histories live)",
             regime="eviction",
         ),
         Scenario(
@@ -299,7 +299,7 @@ def eviction_study() -> list[Scenario]:
             EVICTION_POD,
             "112 shared 1,500-token system prompts by Zipf 1.1 popularity, ~200-token "
             "questions, 100-token answers, 20 requests/s arriving in bursts of 8; working "
-            "set ~1.5x one pod's cache",
+            "set ~2x one pod's cache",
             regime="eviction",
         ),
         Scenario(

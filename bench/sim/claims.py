@@ -149,12 +149,17 @@ def eviction_regime(results: Results, scenarios: list[str], slo_ttft_s: float) -
                 why.append(f"goodput below {top}'s")
             parts.append(
                 f"{scenario} x{load:g} ({load / sat:.2g}x {ref}'s knee x{sat:g}): {kv} TTFT p90 "
-                f"{ttft[kv].text()} s, {cuts[closest]:+.0%} below the closest baseline "
+                f"{ttft[kv].text()} s, {_below(cuts[closest])} the closest baseline "
                 f"{closest} {ttft[closest].text()}{_paired(vs_ttft)}; goodput "
                 f"{good[kv].text('.2f')} vs best other {top} {good[top].text('.2f')} req/s"
                 f"{_paired(vs_good)}" + (f" - FAIL: {', '.join(why)}" if why else "")
             )
     return Claim(name, ok, "; ".join(parts))
+
+
+def _below(cut: float) -> str:
+    """A relative cut as words: "12% below", "40% above"."""
+    return f"{abs(cut):.0%} {'below' if cut >= 0 else 'above'}"
 
 
 def no_collapse(results: Results, scenarios: list[str], slo_ttft_s: float) -> Claim:

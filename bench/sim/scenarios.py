@@ -252,36 +252,39 @@ def eviction_study() -> list[Scenario]:
     cluster's 4 pods: a router that spreads every prefix over every pod thrashes, one
     that partitions them can keep them. Each is swept from light load to past the
     cache-oblivious knee; ``python -m bench.sim --study eviction --list`` computes
-    their working sets. Base loads (factor 1) put least-loaded's knee near x1."""
+    their working sets. Base loads (factor 1) put least-loaded's TTFT p90 past the SLO
+    just below x1 (``--knee-check`` crossings at the previous bases, x1.03-x1.28 with
+    every rate 0.73-0.79x these, moved < 10% between 1x and 2x the run length), so the
+    swept grid's knee is x1 and 2x the knee is swept."""
     tenants = TenantChatSpec(
         tenants=40,
         zipf=0.8,
         system_tokens=3000,
-        users=600,
+        users=720,
         turns=4,
         user_tokens=100,
         output_tokens=150,
         think_s=5.0,
-        sessions_per_s=2.4,
+        sessions_per_s=2.9,
     )
     return [
         Scenario(
             "tenants",
             tenants,
             EVICTION_POD,
-            "40 tenants (Zipf 0.8) with 3,000-token system prompts, 600 users x 4 turns "
-            "(~100-token turns, ~150-token answers, 5 s think time) at 2.4 new "
+            "40 tenants (Zipf 0.8) with 3,000-token system prompts, 720 users x 4 turns "
+            "(~100-token turns, ~150-token answers, 5 s think time) at 2.9 new "
             "conversations/s, with session ids; working set ~2x one pod's cache",
             regime="eviction",
         ),
         Scenario(
             "tenants-anon-forks",
-            replace(tenants, session_ids=False, fork_p=0.4, burst=4, sessions_per_s=1.9),
+            replace(tenants, session_ids=False, fork_p=0.3, burst=4, users=700, sessions_per_s=2.2),
             EVICTION_POD,
-            "the tenants traffic with no session ids (the client sends none), 40% of "
+            "the tenants traffic with no session ids (the client sends none), 30% of "
             "conversations forking an earlier conversation of their tenant at one of its "
-            "turns, conversations starting 4 at a time, 1.9 a second; working set ~2.5x "
-            "one pod's cache (forks keep more histories live)",
+            "turns, 700 conversations starting 4 at a time, 2.2 a second; working set "
+            "~2.5x one pod's cache (forks keep more histories live)",
             regime="eviction",
         ),
         Scenario(
@@ -293,12 +296,12 @@ def eviction_study() -> list[Scenario]:
                 question_tokens=200,
                 output_tokens=100,
                 requests=2400,
-                rate=20.0,
+                rate=28.0,
                 burst=8,
             ),
             EVICTION_POD,
             "112 shared 1,500-token system prompts by Zipf 1.1 popularity, ~200-token "
-            "questions, 100-token answers, 20 requests/s arriving in bursts of 8; working "
+            "questions, 100-token answers, 28 requests/s arriving in bursts of 8; working "
             "set ~2x one pod's cache",
             regime="eviction",
         ),
@@ -311,11 +314,11 @@ def eviction_study() -> list[Scenario]:
                 question_tokens=60,
                 output_tokens=150,
                 requests=2400,
-                rate=6.2,
+                rate=8.7,
             ),
             EVICTION_POD,
             "document QA over 40 documents of 4,000 tokens (2.4x the documents one pod "
-            "holds), Zipf 0.6 popularity, ~60-token questions, ~150-token answers, 6.2 "
+            "holds), Zipf 0.6 popularity, ~60-token questions, ~150-token answers, 8.7 "
             "requests/s; working set ~2.4x one pod's cache",
             regime="eviction",
         ),

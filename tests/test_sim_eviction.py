@@ -129,4 +129,4 @@ def test_the_eviction_study_sweeps_its_scenarios_past_twice_the_knee_with_every_
     assert {"greedy-perfect", "kvindex-route"} <= set(spec.study_policies)
     quick = plan_spec(build_parser().parse_args(["--study", "eviction", "--quick"]))
     assert set(quick.policies) == set(POLICY_NAMES)  # --quick runs every baseline
-    assert quick.loads == [0.5, 1.0, 2.0]
+    assert quick.loads == [0.5, 2.0]

@@ -249,7 +249,7 @@ def _eviction_plan(args: argparse.Namespace, policies: list[str]) -> PlanSpec:
     faults, not the queues, move the hit ratio). ``--quick``: fewer loads, smaller
     populations (``_scale``)."""
     sweep = _names(args.sweep, eviction_study())
-    default_loads = "0.5,1,2" if args.quick else EVICTION_LOADS
+    default_loads = "0.5,2" if args.quick else EVICTION_LOADS
     faults = args.faults if args.faults != DEFAULT_FAULTS else EVICTION_FAULTS
     return PlanSpec(
         standard=_names(args.scenarios, []),
@@ -283,7 +283,7 @@ def _scale(args: argparse.Namespace) -> float:
     if not args.quick:
         return args.scale
     # The eviction study's working sets are its point: a quick run keeps more of them.
-    return args.scale * (0.3 if args.study == "eviction" else 0.1)
+    return args.scale * (0.15 if args.study == "eviction" else 0.1)
 
 
 def _cluster(base: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:

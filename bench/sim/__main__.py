@@ -12,9 +12,9 @@ Four studies (``bench.sim.plan``): the standard table, the load sweep, the gatew
 replica study and the fault study. ``--study eviction`` runs instead the eviction study:
 the :func:`~bench.sim.scenarios.eviction_study` scenarios swept past the knee, and a
 fault study on its first scenario. Every workload parameter is a flag
-``--<kind>-<field>`` (kinds: chat, shared, docqa, agent) that applies to every scenario
-of that kind. Results go to the terminal and to ``--out`` (routing.md, routing.json,
-PNGs). Runs through kvindex share one ``kvindex serve`` on free loopback ports, each run
+``--<kind>-<field>`` (kinds: chat, shared, docqa, agent, mooncake, tenants, catalog) that
+applies to every scenario of that kind. Results go to the terminal and to ``--out``
+(routing.md, routing.json, PNGs). Runs through kvindex share one ``kvindex serve`` on free loopback ports, each run
 with its own pod ids.
 """
 
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare routing policies on a simulated vLLM cluster under load; "
         "kvindex policies go through a real kvindex serve.",
     )
-    p.add_argument("--quick", action="store_true", help="small sizes: every study in < 1 min")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of the study")
     p.add_argument(
         "--study",
         choices=("standard", "eviction"),

@@ -14,8 +14,8 @@ the :func:`~bench.sim.scenarios.eviction_study` scenarios swept past the knee, a
 fault study on its first scenario. Every workload parameter is a flag
 ``--<kind>-<field>`` (kinds: chat, shared, docqa, agent, mooncake, tenants, catalog) that
 applies to every scenario of that kind. Results go to the terminal and to ``--out``
-(routing.md, routing.json, PNGs). Runs through kvindex share one ``kvindex serve`` on free loopback ports, each run
-with its own pod ids.
+(routing.md, routing.json, PNGs). Runs through kvindex share one ``kvindex serve`` on
+free loopback ports, each run with its own pod ids.
 """
 
 from __future__ import annotations

@@ -5,20 +5,26 @@
     python -m bench.sim --scenarios chat,docqa --sweep none   # some standard scenarios
     python -m bench.sim --loads 0.5,1,2 --seeds 3 # the load sweep with CIs
     python -m bench.sim --list                   # scenarios and their parameters
+    python -m bench.sim --study eviction --seeds 3   # working sets past one pod's cache
+    python -m bench.sim --study eviction --knee-check  # is the run long enough?
 
 Four studies (``bench.sim.plan``): the standard table, the load sweep, the gateway
-replica study and the fault study. Every workload parameter is a flag
-``--<kind>-<field>`` (kinds: chat, shared, docqa, agent) that applies to every scenario
-of that kind. Results go to the terminal and to ``--out`` (routing.md, routing.json,
-PNGs). Runs through kvindex share one ``kvindex serve`` on free loopback ports, each run
-with its own pod ids.
+replica study and the fault study. ``--study eviction`` runs instead the eviction study:
+the :func:`~bench.sim.scenarios.eviction_study` scenarios swept past the knee, and a
+fault study on its first scenario. Every workload parameter is a flag
+``--<kind>-<field>`` (kinds: chat, shared, docqa, agent, mooncake, tenants, catalog) that
+applies to every scenario of that kind. Results go to the terminal and to ``--out``
+(routing.md, routing.json, PNGs). Runs through kvindex share one ``kvindex serve`` on
+free loopback ports, each run with its own pod ids.
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import replace
@@ -29,6 +35,7 @@ from bench.sim.claims import evaluate
 from bench.sim.cluster import ClusterSpec
 from bench.sim.costs import CostModel
 from bench.sim.faults import FaultSpec
+from bench.sim.knee import knee_check
 from bench.sim.lag import LagModel
 from bench.sim.metrics import DEFAULT_SCRAPE_S
 from bench.sim.plan import Cell, PlanSpec, cells
@@ -37,17 +44,39 @@ from bench.sim.progress import progress
 from bench.sim.report import write
 from bench.sim.results import RunResult, Slo
 from bench.sim.runner import RunSpec, run
-from bench.sim.scenarios import SPECS, Scenario, by_name, load_study, loaded, scaled, standard
+from bench.sim.scenarios import (
+    SPECS,
+    Scenario,
+    by_name,
+    eviction_study,
+    load_study,
+    loaded,
+    scaled,
+    standard,
+)
 from bench.sim.service import KvindexProcess
-from bench.sim.workloads import PreparedWorkload, WorkloadSpec, prepare, spec_fields, workload_stats
+from bench.sim.workloads import (
+    PreparedWorkload,
+    WorkloadSpec,
+    prepare,
+    spec_fields,
+    working_set,
+    workload_stats,
+)
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from kvindex.scoring.route_cost import CostWeights
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "out"
 DEFAULT_LOADS = "0.25,0.5,0.75,1,1.25,1.5,2,3"
 DEFAULT_POLICIES = ",".join(POLICY_NAMES)
-QUICK_SKIPS = ("random", "session-sticky", "dynamo", "precise", "greedy-perfect")
 DEFAULT_FAULTS = "restarts:4,resets:4,direct:0.2"
+#: --quick's and the eviction study's fault study: kvindex, and the two its hit-ratio
+#: loss is read next to (claim 3 judges it against greedy-perfect's).
+FAULT_STUDY_POLICIES = ("approximate", "greedy-perfect", "kvindex-route")
+#: The eviction study's loads (x its scenarios' base load, near least-loaded's knee):
+#: from light load to past 2x the knee.
+EVICTION_LOADS = "0.25,0.5,1,1.5,2"
+EVICTION_FAULTS = "restarts:4,direct:0.2"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare routing policies on a simulated vLLM cluster under load; "
         "kvindex policies go through a real kvindex serve.",
     )
-    p.add_argument("--quick", action="store_true", help="small sizes: every study in < 1 min")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of the study")
+    p.add_argument(
+        "--study",
+        choices=("standard", "eviction"),
+        default="standard",
+        help="standard: the standard table, load sweep, replica and fault studies; "
+        "eviction: working sets past one pod's cache, swept past the knee, and faults",
+    )
+    p.add_argument(
+        "--knee-check",
+        action="store_true",
+        help="only find the sweep scenarios' cache-oblivious knees at --scale and twice "
+        "it (is the run long enough for a stable knee?)",
+    )
     p.add_argument("--scenarios", help="standard table scenarios (default: all; 'none')")
     p.add_argument("--sweep", help="load-sweep scenarios (default: all load studies; 'none')")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated")
@@ -105,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_weights,
         help="kvindex-route's cost weights, e.g. prefix=1,queue=1,decode=0,kv=1 "
         "(default: kvindex's)",
+    )
+    r.add_argument(
+        "--route-max-tokens",
+        choices=("client", "true"),
+        default="client",
+        help="kvindex-route's max_tokens: the client's own field (none, or inference-perf's "
+        "fixed cap) or the true output length, which no gateway knows",
     )
     r.add_argument("--max-probes", type=int, default=500, help="agreement probes (0 = all)")
     for kind, spec in SPECS.items():
@@ -163,9 +212,9 @@ def plan_spec(args: argparse.Namespace) -> PlanSpec:
     policies = [p for p in args.policies.split(",") if p]
     for policy in policies:
         parse_policy(policy)
-    if args.quick:
-        if args.policies == DEFAULT_POLICIES:  # fewer runs, fewer kvindex round trips
-            policies = [p for p in policies if p not in QUICK_SKIPS]
+    if args.study == "eviction":
+        return _eviction_plan(args, policies)
+    if args.quick:  # every policy, on small populations
         return PlanSpec(
             standard=_names(args.scenarios, [s for s in standard() if s.name == "docqa"]),
             sweep=_names(args.sweep, load_study()),
@@ -176,8 +225,7 @@ def plan_spec(args: argparse.Namespace) -> PlanSpec:
             replica_counts=[2],  # the same runs as the fault study's fault-free ones
             study_scenario=args.study_scenario,
             study_load=args.study_load / 2,
-            study_policies=[p for p in policies if p in ("approximate", "kvindex-route")]
-            or policies,
+            study_policies=[p for p in policies if p in FAULT_STUDY_POLICIES] or policies,
             faults=parse_faults("restarts:2,direct:0.2"),
         )
     counts = [int(x) for x in args.replica_counts.split(",") if x]
@@ -195,6 +243,29 @@ def plan_spec(args: argparse.Namespace) -> PlanSpec:
     )
 
 
+def _eviction_plan(args: argparse.Namespace, policies: list[str]) -> PlanSpec:
+    """The eviction study: its scenarios swept from light load to past 2x the knee, and
+    the fault study on its first scenario at half its base load (below the knee, so the
+    faults, not the queues, move the hit ratio). ``--quick``: fewer loads, smaller
+    populations (``_scale``)."""
+    sweep = _names(args.sweep, eviction_study())
+    default_loads = "0.5,2" if args.quick else EVICTION_LOADS
+    faults = args.faults if args.faults != DEFAULT_FAULTS else EVICTION_FAULTS
+    return PlanSpec(
+        standard=_names(args.scenarios, []),
+        sweep=sweep,
+        policies=policies,
+        loads=_floats(default_loads if args.loads == DEFAULT_LOADS else args.loads),
+        seeds=args.seeds,
+        sweep_replicas=args.replicas,
+        replica_counts=[],
+        study_scenario=sweep[0] if sweep else "",
+        study_load=0.5,
+        study_policies=[p for p in policies if p in FAULT_STUDY_POLICIES] or policies,
+        faults=parse_faults(faults),
+    )
+
+
 def scenario_for(cell: Cell, args: argparse.Namespace) -> Scenario:
     (scenario,) = by_name([cell.scenario])
     overrides = {
@@ -209,7 +280,10 @@ def scenario_for(cell: Cell, args: argparse.Namespace) -> Scenario:
 
 
 def _scale(args: argparse.Namespace) -> float:
-    return args.scale * (0.1 if args.quick else 1.0)
+    if not args.quick:
+        return args.scale
+    # The eviction study's working sets are its point: a quick run keeps more of them.
+    return args.scale * (0.15 if args.study == "eviction" else 0.1)
 
 
 def _cluster(base: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
@@ -230,21 +304,53 @@ def _cluster(base: ClusterSpec, args: argparse.Namespace) -> ClusterSpec:
     )
 
 
-def list_scenarios() -> str:
+def list_scenarios(args: argparse.Namespace) -> str:
+    """The scenarios of the study, each with its working set in pods' caches
+    (:func:`bench.sim.workloads.working_set`, seed 0, base load, after the flags)."""
+    hasher = BlockHasher(HashConfig(block_size=args.block_size))
+    chosen = eviction_study() if args.study == "eviction" else [*standard(), *load_study()]
     lines = []
-    for s in [*standard(), *load_study()]:
+    for base in chosen:
+        s = scenario_for(Cell("list", base.name, "", 1.0), args)
         params = ", ".join(f"{k}={v}" for k, v in s.spec.params().items())
         lines.append(f"{s.name} ({s.spec.kind}): {s.about}\n    {params}")
-        lines.append(f"    {s.cluster.pods} pods x {s.cluster.blocks_per_pod} blocks")
+        peak, mean = working_set(prepare(s.spec.build(0, s.name), hasher))
+        pod = s.cluster.blocks_per_pod
+        lines.append(
+            f"    {s.cluster.pods} pods x {pod} blocks; working set {peak / pod:.2f}x one "
+            f"pod's cache at its peak, {mean / pod:.2f}x on average"
+        )
     return "\n".join(lines)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # Unwinds like Ctrl-C does, so every kvindex serve started so far is stopped on the
+    # way out (the default SIGTERM action would end this process and leave that to the
+    # kernel's parent-death signal).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.list:
-        print(list_scenarios())
-        return 0
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)  # only the main thread may set a signal handler
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("bench.sim: interrupted; every kvindex serve it started is stopped", file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.list:
+            print(list_scenarios(args))
+            return 0
+        if args.knee_check:
+            return _knee_check(args)
         plan = cells(plan_spec(args))
         scenarios = {c: scenario_for(c, args) for c in plan}
         lag = LagModel(args.lag_ms, args.lag_sigma)
@@ -252,7 +358,54 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"bench.sim: {exc}", file=sys.stderr)
         return 2
+    return _compare(args, argv, plan, scenarios, lag, slo)
+
+
+def _compare(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    plan: list[Cell],
+    scenarios: dict[Cell, Scenario],
+    lag: LagModel,
+    slo: Slo,
+) -> int:
     started = time.perf_counter()
+    results, stats = _run_cells(args, plan, scenarios, lag, slo)
+    meta = _meta(args, argv, time.perf_counter() - started, lag, slo)
+    meta["workload_stats"] = stats
+    abouts = {c.scenario: scenarios[c] for c in plan}
+    claims = evaluate(results, abouts, slo.ttft_s)
+    for path in write(args.out, results, abouts, claims, meta, png=not args.no_png):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _knee_check(args: argparse.Namespace) -> int:
+    """Each sweep scenario's cache-oblivious knee at --scale and at twice it."""
+    lag = LagModel(args.lag_ms, args.lag_sigma)
+    slo = Slo(args.slo_ttft, args.slo_itl)
+    spec = plan_spec(args)
+    knees = {}
+    for scale in (args.scale, 2 * args.scale):
+        scaled_args = argparse.Namespace(**{**vars(args), "scale": scale})
+        plan = cells(
+            replace(spec, standard=[], policies=["least-loaded"], replica_counts=[], faults=[])
+        )
+        scenarios = {c: scenario_for(c, scaled_args) for c in plan}
+        knees[scale], _ = _run_cells(scaled_args, plan, scenarios, lag, slo)
+    for line in knee_check(knees, slo.ttft_s):
+        print(line)
+    return 0
+
+
+def _run_cells(
+    args: argparse.Namespace,
+    plan: list[Cell],
+    scenarios: dict[Cell, Scenario],
+    lag: LagModel,
+    slo: Slo,
+) -> tuple[dict[Cell, RunResult], dict[str, dict[str, Any]]]:
+    """Every cell's run, and each scenario's generator figures."""
     hasher = BlockHasher(HashConfig(block_size=args.block_size))
     workloads = _Workloads(plan, scenarios, hasher)
     bar = progress(workloads.total, enabled=not args.no_progress)
@@ -288,15 +441,10 @@ def main(argv: list[str] | None = None) -> int:
                 load=cell.load,
                 scrape_s=args.scrape_ms / 1e3,
                 route_weights=args.route_weights,
+                route_max_tokens=args.route_max_tokens,
             )
             results[cell] = done[same] = run(workloads.get(n, cell), spec, bar, service=service)
-    meta = _meta(args, argv, time.perf_counter() - started, lag, slo)
-    meta["workload_stats"] = workloads.stats
-    abouts = {c.scenario: scenarios[c] for c in plan}
-    claims = evaluate(results, abouts, slo.ttft_s)
-    for path in write(args.out, results, abouts, claims, meta, png=not args.no_png):
-        print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return results, workloads.stats
 
 
 class _Workloads:
@@ -363,6 +511,7 @@ def _meta(
         "vllm_version": args.vllm_version,
         "scrape_ms": args.scrape_ms,
         "route_weights": args.route_weights,
+        "route_max_tokens": args.route_max_tokens,
         "wall_s": round(wall_s, 1),
     }
 

@@ -10,12 +10,19 @@
   scorer ((max - waiting) / (max - min) over the pods) and the KV-cache utilisation
   scorer (1 - KV usage), weighted 2 : 1 : 1, its load as of the last scrape (llm-d's
   endpoint picker scrapes every 50 ms); the highest total wins, ties at random.
+* ``llm-d-precise`` - llm-d's "precise prefix cache aware" well-lit path: the precise
+  prefix-cache scorer (matched blocks from KV events, min-max normalised over the pods
+  that matched), the KV-cache utilisation scorer and the queue scorer, weighted
+  2 : 1 : 1, max-score picker (:class:`LlmDPrecise`). Its matches are the ones
+  ``precise`` reads: the real kvindex's ``/score``.
 * ``dynamo`` - Dynamo's KV router cost (``KvScheduler``, overlap weight 1, temperature
   0), which reads no scrape (Dynamo's router tracks its own active sequences):
-  overlap x uncached prefill blocks (its own and those of requests this replica
-  sent that have not produced a token yet) + active blocks (requests this replica sent
-  that are not done, plus this one's prompt); the lowest wins, ties at random. Overlap
-  comes from KV events, as Dynamo's indexer does: here the real kvindex's ``/score``.
+  overlap x prefill blocks (the uncached prompt tokens of this request and of the
+  requests this replica sent there that have not produced a token yet, in blocks) +
+  the worker's active blocks *after* adding this request, counted once per distinct
+  block (Dynamo's ``ActiveSequences``: blocks shared with a request already active
+  there add nothing); the lowest wins, ties at random. Overlap comes from KV events,
+  as Dynamo's indexer does: here the real kvindex's ``/score``.
 * ``precise`` - ``POST /score`` to the real kvindex, fed by the pods' ZMQ events (with
   the run's event lag). Pick: :class:`PickRule`.
 * ``kvindex-route`` - ``POST /route`` on the real kvindex (see :class:`KvindexRoute`).
@@ -28,7 +35,7 @@
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from bench.sim.metrics import ScrapedPod
@@ -147,6 +154,63 @@ class LlmD(Policy):
         return choice
 
 
+def llmd_precise_scores(
+    matched: Sequence[int],
+    waiting: Sequence[int],
+    kv_usage: Sequence[float],
+    weights: tuple[float, float, float] = (2.0, 1.0, 1.0),
+) -> list[float]:
+    """llm-d's precise profile's total per pod (higher is better): prefix x its weight +
+    KV utilisation x its + queue x its. The prefix score is min-max normalised over
+    the pods the index matched at least one block on (the others score 0; one match
+    value for all of them scores 1), as llm-d's precise-prefix-cache-scorer does; the
+    queue score is (max - waiting) / (max - min) (1 when all are equal); KV
+    utilisation scores 1 - usage."""
+    w_prefix, w_kv, w_queue = weights
+    hits = [m for m in matched if m > 0]
+    low_hit, high_hit = (min(hits), max(hits)) if hits else (0, 0)
+    low, high = min(waiting), max(waiting)
+    totals = []
+    for i, m in enumerate(matched):
+        if m <= 0:
+            prefix = 0.0
+        else:
+            prefix = (m - low_hit) / (high_hit - low_hit) if high_hit > low_hit else 1.0
+        queue = (high - waiting[i]) / (high - low) if high > low else 1.0
+        totals.append(w_prefix * prefix + w_kv * (1.0 - kv_usage[i]) + w_queue * queue)
+    return totals
+
+
+class LlmDPrecise(Policy):
+    """llm-d's precise-prefix-cache-aware guide's scheduling profile
+    (llm-d/llm-d ``guides/precise-prefix-cache-aware/scheduler/
+    precise-prefix-cache-aware.values.yaml``: precise-prefix-cache-scorer 2.0,
+    kv-cache-utilization-scorer 1.0, queue-scorer 1.0, max-score-picker; the guide's
+    older ``gaie-kv-events/values.yaml`` had 3 : 2 : 2), over the index's matches from
+    ``/score`` and the pods' load as of the last scrape. Ties are broken at random, as
+    the max-score picker shuffles before it picks."""
+
+    name = "llm-d-precise"
+    WEIGHTS = (2.0, 1.0, 1.0)  # prefix, KV utilisation, queue
+
+    def __init__(self, client: IndexClient, model: str, pod_ids: Sequence[str], seed: int = 0):
+        self.client = client
+        self.model = model
+        self.pod_ids = list(pod_ids)
+        self._rng = random.Random(seed)
+
+    def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
+        found = self.client.score(self.model, k.request.prompt, self.pod_ids)
+        totals = llmd_precise_scores(
+            [found.get(pod_id, 0) for pod_id in self.pod_ids],
+            [p.waiting_count for p in pods],
+            [p.kv_usage for p in pods],
+            self.WEIGHTS,
+        )
+        best = max(totals)
+        return self._rng.choice([i for i, t in enumerate(totals) if t >= best - 1e-12])
+
+
 class Precise(CacheAware):
     """Scores from the real kvindex. ``stale`` counts decisions where the index's score
     for some pod differed from that pod's true cache (0 without event lag)."""
@@ -177,8 +241,49 @@ class GreedyPerfect(CacheAware):
         return [pod.pool.match(keys) for pod in pods]
 
 
+class ActiveBlocks:
+    """One worker's active blocks as Dynamo's router counts them (``ActiveSequences`` in
+    ai-dynamo/dynamo ``lib/kv-router/src/sequence.rs``): each distinct prompt block of
+    the requests in flight once, however many of them share it, and the uncached
+    prompt tokens of those still in prefill."""
+
+    def __init__(self) -> None:
+        self._refs: Counter[int] = Counter()
+        self.prefill_tokens = 0
+
+    @property
+    def blocks(self) -> int:
+        return len(self._refs)
+
+    def new_blocks(self, keys: Sequence[int]) -> int:
+        """How many of ``keys`` the worker does not hold for a request in flight."""
+        return sum(1 for key in set(keys) if key not in self._refs)
+
+    def add(self, keys: Sequence[int], prefill_tokens: int) -> None:
+        self._refs.update(set(keys))
+        self.prefill_tokens += prefill_tokens
+
+    def prefilled(self, prefill_tokens: int) -> None:
+        self.prefill_tokens -= prefill_tokens
+
+    def remove(self, keys: Sequence[int]) -> None:
+        self._refs.subtract(set(keys))
+        for key in set(keys):
+            if self._refs[key] <= 0:
+                del self._refs[key]
+
+
+def dynamo_cost(
+    worker: ActiveBlocks, keys: Sequence[int], new_prefill_tokens: int, block_size: int
+) -> float:
+    """Dynamo's cost of a worker for a request (lower is better), overlap weight 1:
+    the prefill blocks it would queue there plus the blocks active there with it."""
+    prefill_blocks = (worker.prefill_tokens + new_prefill_tokens) / block_size
+    return Dynamo.OVERLAP_WEIGHT * prefill_blocks + worker.blocks + worker.new_blocks(keys)
+
+
 class Dynamo(Policy):
-    """Dynamo's KV router: overlap-weighted prefill blocks + active blocks, predicted."""
+    """Dynamo's KV router: overlap-weighted prefill blocks + distinct active blocks."""
 
     name = "dynamo"
     OVERLAP_WEIGHT = 1.0
@@ -187,44 +292,38 @@ class Dynamo(Policy):
         self.client = client
         self.model = model
         self.pod_ids = list(pod_ids)
-        n = len(self.pod_ids)
-        self._prefill_tokens = [0] * n
-        self._active_blocks = [0] * n
-        self._open: dict[int, tuple[int, int, int]] = {}  # rid -> (pod, prefill, blocks)
+        self._workers = [ActiveBlocks() for _ in self.pod_ids]
+        self._open: dict[int, tuple[int, int, list[int]]] = {}  # rid -> (pod, prefill, keys)
         self._rng = random.Random(seed)
 
     def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         size = pods[0].pool.block_size
         matched = self.client.score(self.model, k.request.prompt, self.pod_ids)
         prompt = len(k.request.prompt)
-        blocks = -(-prompt // size)
+        keys = k.prompt_keys
         costs, news = [], []
         for i, pod_id in enumerate(self.pod_ids):
             overlap = min(matched.get(pod_id, 0), k.hit_limit)
-            new = prompt - overlap * size
-            news.append(new)
-            prefill_blocks = (self._prefill_tokens[i] + new) / size
-            decode_blocks = self._active_blocks[i] + blocks
-            costs.append(self.OVERLAP_WEIGHT * prefill_blocks + decode_blocks)
+            news.append(prompt - overlap * size)
+            costs.append(dynamo_cost(self._workers[i], keys, news[-1], size))
         best = min(costs)
         choice = self._rng.choice([i for i, c in enumerate(costs) if c <= best + 1e-12])
-        self._prefill_tokens[choice] += news[choice]
-        self._active_blocks[choice] += blocks
-        self._open[k.request.rid] = (choice, news[choice], blocks)
+        self._workers[choice].add(keys, news[choice])
+        self._open[k.request.rid] = (choice, news[choice], keys)
         return choice
 
     def first_token(self, job: Job) -> None:
         entry = self._open.get(job.keyed.request.rid)
         if entry is not None and entry[1]:
-            pod, prefill, blocks = entry
-            self._prefill_tokens[pod] -= prefill
-            self._open[job.keyed.request.rid] = (pod, 0, blocks)
+            pod, prefill, keys = entry
+            self._workers[pod].prefilled(prefill)
+            self._open[job.keyed.request.rid] = (pod, 0, keys)
 
     def finished(self, job: Job) -> None:
         self.first_token(job)
         entry = self._open.pop(job.keyed.request.rid, None)
         if entry is not None:
-            self._active_blocks[entry[0]] -= entry[2]
+            self._workers[entry[0]].remove(entry[2])
 
 
 class KvindexRoute(Policy):
@@ -234,23 +333,45 @@ class KvindexRoute(Policy):
     replica shares (one kvindex), and speculative entries; ``POST
     /route/{id}/first-token`` at the request's first token (as a gateway sees its answer
     begin) and ``POST /route/{id}/done`` when it completes. A 429 (no pod admissible)
-    falls back to least-loaded (by the scrape) and is counted."""
+    falls back to least-loaded (by the scrape) and is counted.
+
+    ``max_tokens`` is what the gateway forwards from the client's request: by default
+    (``client``) the request's own ``max_tokens`` field (:attr:`SimRequest.max_tokens`:
+    none for chat, document QA, agents and the trace, as an OpenAI client sends none
+    unless told; the output length for inference-perf's fixed-length prompts, which it
+    sends with ``ignore_eos``); ``true`` sends the output length the request will
+    actually produce, which no gateway knows (an upper bound on what that knowledge
+    is worth)."""
 
     name = "kvindex-route"
+    MAX_TOKENS = ("client", "true")
 
-    def __init__(self, client: IndexClient, model: str, pod_ids: Sequence[str], tag: str):
+    def __init__(
+        self,
+        client: IndexClient,
+        model: str,
+        pod_ids: Sequence[str],
+        tag: str,
+        max_tokens: str = "client",
+    ):
+        if max_tokens not in self.MAX_TOKENS:
+            raise ValueError(f"max_tokens must be one of {self.MAX_TOKENS}, got {max_tokens!r}")
         self.client = client
         self.model = model
         self.pod_ids = list(pod_ids)
         self._index = {pod: i for i, pod in enumerate(self.pod_ids)}
         self._tag = tag  # makes route ids unique across runs sharing one kvindex
+        self._true_length = max_tokens == "true"
         self.refusals = 0
         self.reasons: dict[str, int] = {}
+
+    def max_tokens(self, k: KeyedRequest) -> int | None:
+        return len(k.request.output) if self._true_length else k.request.max_tokens
 
     def choose(self, k: KeyedRequest, pods: Sequence[ScrapedPod]) -> int:
         rid = f"{self._tag}-{k.request.rid}"
         answer = self.client.route(
-            self.model, k.request.prompt, self.pod_ids, rid, len(k.request.output)
+            self.model, k.request.prompt, self.pod_ids, rid, self.max_tokens(k)
         )
         if answer is None:
             self.refusals += 1

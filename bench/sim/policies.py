@@ -187,6 +187,8 @@ class PolicyContext:
     client: IndexClient | None = None
     model: str = "sim-model"
     replica: int = 0
+    #: What kvindex-route sends as max_tokens: "client" or "true" (cp.KvindexRoute).
+    route_max_tokens: str = "client"
 
 
 #: name -> (needs kvindex, takes a numeric argument)
@@ -199,6 +201,7 @@ POLICIES: dict[str, tuple[bool, bool]] = {
     "approximate": (False, True),
     "llm-d": (False, True),
     "dynamo": (True, False),
+    "llm-d-precise": (True, False),
     "precise": (True, False),
     "kvindex-route": (True, False),
     "greedy-perfect": (False, False),
@@ -256,7 +259,9 @@ def build_policy(text: str, ctx: PolicyContext) -> Policy:
         raise ValueError(f"the {name} policy needs a running kvindex")
     if name == "dynamo":
         return cp.Dynamo(ctx.client, ctx.model, ctx.pod_ids, seed)
+    if name == "llm-d-precise":
+        return cp.LlmDPrecise(ctx.client, ctx.model, ctx.pod_ids, seed)
     if name == "kvindex-route":
         tag = f"{ctx.pod_ids[0]}-{ctx.seed}-{ctx.replica}"
-        return cp.KvindexRoute(ctx.client, ctx.model, ctx.pod_ids, tag)
+        return cp.KvindexRoute(ctx.client, ctx.model, ctx.pod_ids, tag, ctx.route_max_tokens)
     return cp.Precise(ctx.rule, ctx.client, ctx.model, ctx.pod_ids)

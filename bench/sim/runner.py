@@ -73,6 +73,8 @@ class RunSpec:
     scrape_s: float = DEFAULT_SCRAPE_S  # virtual seconds between scrapes of pod load
     #: /route's cost weights for kvindex-route runs (None: kvindex's defaults).
     route_weights: dict[str, float] | None = None
+    #: kvindex-route's max_tokens: the client's field ("client") or the true length.
+    route_max_tokens: str = "client"
 
 
 Inspect = Callable[[Cluster, IndexClient], None]
@@ -156,6 +158,7 @@ def run(
                     client=client,
                     model=spec.model,
                     replica=r,
+                    route_max_tokens=spec.route_max_tokens,
                 ),
             )
             for r in range(spec.replicas)

@@ -12,12 +12,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from bench.sim.catalog import CatalogSpec
 from bench.sim.cluster import ClusterSpec
 from bench.sim.mooncake import MooncakeSpec
+from bench.sim.tenants import TenantChatSpec
 from bench.sim.workloads import AgentSpec, ChatSpec, DocQASpec, SharedPrefixSpec, WorkloadSpec
 
 SPECS: dict[str, type[WorkloadSpec]] = {
-    spec.kind: spec for spec in (ChatSpec, SharedPrefixSpec, DocQASpec, AgentSpec, MooncakeSpec)
+    spec.kind: spec
+    for spec in (
+        ChatSpec,
+        SharedPrefixSpec,
+        DocQASpec,
+        AgentSpec,
+        MooncakeSpec,
+        TenantChatSpec,
+        CatalogSpec,
+    )
 }
 
 #: llm-d's precise-prefix benchmark cluster: 8 pods of 307,328 KV tokens (Qwen3-32B).
@@ -40,6 +51,8 @@ class Scenario:
     about: str = ""
     #: Policies run on this scenario besides the standard ones.
     extra_policies: tuple[str, ...] = ()
+    #: "eviction": its working set is more than one pod's cache (the eviction study).
+    regime: str = ""
 
 
 def standard() -> list[Scenario]:
@@ -228,11 +241,95 @@ def load_study() -> list[Scenario]:
     ]
 
 
+#: The eviction study's pods: 4,096 blocks of 16 tokens (65k tokens, e.g. a 70B model
+#: on one 80 GB GPU). Small pods keep the working sets small enough to simulate fast.
+EVICTION_POD = ClusterSpec(pods=4, blocks_per_pod=4_096)
+
+
+def eviction_study() -> list[Scenario]:
+    """Scenarios whose working set (:func:`bench.sim.workloads.working_set`, the blocks
+    live between their first and last use) is 1.5-3x one pod's cache and fits the
+    cluster's 4 pods: a router that spreads every prefix over every pod thrashes, one
+    that partitions them can keep them. Each is swept from light load to past the
+    cache-oblivious knee; ``python -m bench.sim --study eviction --list`` computes
+    their working sets. Base loads (factor 1) put least-loaded's TTFT p90 past the SLO
+    just below x1 (``--knee-check`` crossings at the previous bases, x1.03-x1.28 with
+    every rate 0.73-0.79x these, moved < 10% between 1x and 2x the run length), so the
+    swept grid's knee is x1 and 2x the knee is swept."""
+    tenants = TenantChatSpec(
+        tenants=40,
+        zipf=0.8,
+        system_tokens=3000,
+        users=720,
+        turns=4,
+        user_tokens=100,
+        output_tokens=150,
+        think_s=5.0,
+        sessions_per_s=2.9,
+    )
+    return [
+        Scenario(
+            "tenants",
+            tenants,
+            EVICTION_POD,
+            "40 tenants (Zipf 0.8) with 3,000-token system prompts, 720 users x 4 turns "
+            "(~100-token turns, ~150-token answers, 5 s think time) at 2.9 new "
+            "conversations/s, with session ids; working set ~2x one pod's cache",
+            regime="eviction",
+        ),
+        Scenario(
+            "tenants-anon-forks",
+            replace(tenants, session_ids=False, fork_p=0.3, burst=4, users=700, sessions_per_s=2.2),
+            EVICTION_POD,
+            "the tenants traffic with no session ids (the client sends none), 30% of "
+            "conversations forking an earlier conversation of their tenant at one of its "
+            "turns, 700 conversations starting 4 at a time, 2.2 a second; working set "
+            "~2.5x one pod's cache (forks keep more histories live)",
+            regime="eviction",
+        ),
+        Scenario(
+            "catalog-burst",
+            CatalogSpec(
+                items=112,
+                item_tokens=1500,
+                zipf=1.1,
+                question_tokens=200,
+                output_tokens=100,
+                requests=2400,
+                rate=28.0,
+                burst=8,
+            ),
+            EVICTION_POD,
+            "112 shared 1,500-token system prompts by Zipf 1.1 popularity, ~200-token "
+            "questions, 100-token answers, 28 requests/s arriving in bursts of 8; working "
+            "set ~2x one pod's cache",
+            regime="eviction",
+        ),
+        Scenario(
+            "docqa-library",
+            CatalogSpec(
+                items=40,
+                item_tokens=4000,
+                zipf=0.6,
+                question_tokens=60,
+                output_tokens=150,
+                requests=2400,
+                rate=8.7,
+            ),
+            EVICTION_POD,
+            "document QA over 40 documents of 4,000 tokens (2.4x the documents one pod "
+            "holds), Zipf 0.6 popularity, ~60-token questions, ~150-token answers, 8.7 "
+            "requests/s; working set ~2.4x one pod's cache",
+            regime="eviction",
+        ),
+    ]
+
+
 def by_name(names: list[str] | None = None) -> list[Scenario]:
     scenarios = standard()
     if not names:
         return scenarios
-    known = {s.name: s for s in [*scenarios, *load_study()]}
+    known = {s.name: s for s in [*scenarios, *load_study(), *eviction_study()]}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(known)}")
@@ -262,6 +359,10 @@ def scaled(scenario: Scenario, factor: float) -> Scenario:
             spec = replace(spec, prompts=n(spec.prompts))
     elif isinstance(spec, MooncakeSpec):
         spec = replace(spec, duration_s=spec.duration_s * factor)
+    elif isinstance(spec, TenantChatSpec):
+        spec = replace(spec, users=n(spec.users))
+    elif isinstance(spec, CatalogSpec):
+        spec = replace(spec, requests=n(spec.requests))
     return replace(scenario, spec=spec)
 
 
@@ -294,4 +395,9 @@ def loaded(scenario: Scenario, factor: float) -> Scenario:
         spec = replace(spec, docs=more(spec.docs), sessions_per_s=spec.sessions_per_s * factor)
     elif isinstance(spec, MooncakeSpec):
         spec = replace(spec, conversations_per_s=spec.conversations_per_s * factor)
+    elif isinstance(spec, TenantChatSpec):
+        spec = replace(spec, users=more(spec.users), sessions_per_s=spec.sessions_per_s * factor)
+    elif isinstance(spec, CatalogSpec):
+        # As many requests, sent faster: the same catalog, the same run's worth of reuse.
+        spec = replace(spec, rate=spec.rate * factor)
     return replace(scenario, spec=spec)

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 
 from kvindex.api.testing import ServeProcess, free_port
+
+DETACH = Path(__file__).with_name("detach.py")
 
 
 class ServiceError(RuntimeError):
@@ -61,7 +66,9 @@ class KvindexProcess:
                 "--model-config", self._config_path,
                 "--log-level", "warning",
                 *extra_args,
+                command=_detached(sys.executable, "-m", "kvindex.api.cli", "serve"),
             )  # fmt: skip
+            self.pid = self._server.process.pid
             self.url = self._server.url
             self.log_path = self._server.log_path
             try:
@@ -69,15 +76,25 @@ class KvindexProcess:
                 return
             except RuntimeError as exc:
                 last_error = str(exc)
-                self._server.stop()
+                self._stop()
+            except BaseException:  # Ctrl-C while it starts: nobody else holds it yet
+                self.close()
+                raise
         os.unlink(self._config_path)
         raise ServiceError(f"kvindex serve did not start: {last_error}")
 
     def log_tail(self, chars: int = 2000) -> str:
         return self._server.log_tail(chars)
 
-    def close(self) -> None:
+    def _stop(self) -> None:
         self._server.stop()
+        # The group outlives its leader only if the service spawned something that did
+        # not exit with it; nothing of it may outlive the run.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        self._stop()
         for path in (self.log_path, self._config_path):
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -87,6 +104,12 @@ class KvindexProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _detached(*command: str) -> list[str]:
+    """``command`` started through :mod:`bench.sim.detach`: its own session, and the
+    kernel's SIGTERM when this process dies."""
+    return [sys.executable, str(DETACH), str(os.getpid()), *command]
 
 
 class _PodScore(msgspec.Struct):
@@ -133,18 +156,20 @@ class IndexClient:
         return {p.pod: p.matched_blocks for p in answer.pods}
 
     def route(
-        self, model: str, tokens: Sequence[int], pods: Sequence[str], rid: str, max_tokens: int
+        self,
+        model: str,
+        tokens: Sequence[int],
+        pods: Sequence[str],
+        rid: str,
+        max_tokens: int | None,
     ) -> tuple[str, str] | None:
-        """``POST /route``: (chosen pod, reason), or None when no pod is admissible (429)."""
-        body = msgspec.json.encode(
-            {
-                "model": model,
-                "token_ids": tokens,
-                "pods": pods,
-                "request_id": rid,
-                "max_tokens": max_tokens,
-            }
-        )
+        """``POST /route``: (chosen pod, reason), or None when no pod is admissible (429).
+        ``max_tokens`` None sends none, as a client that sets no cap."""
+        fields: dict[str, Any] = {"model": model, "token_ids": tokens, "pods": pods}
+        fields["request_id"] = rid
+        if max_tokens is not None:
+            fields["max_tokens"] = max_tokens
+        body = msgspec.json.encode(fields)
         response = self._http.post(
             "/route",
             content=body,

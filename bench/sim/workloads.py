@@ -51,6 +51,8 @@ class SimRequest:
     start_s: float = 0.0
     after: int | None = None
     think_s: float = 0.0
+    #: The ``max_tokens`` field the client sends (None: none), not the output length.
+    max_tokens: int | None = None
 
 
 class Tokens:
@@ -167,6 +169,48 @@ def _ideal_prefill(keyed: list[KeyedRequest], block_size: int) -> int:
     return total
 
 
+#: What a turn is assumed to take when a workload's clock is read without running it
+#: (a session's next request arrives after its think time and this).
+NOMINAL_SERVICE_S = 1.0
+
+
+def working_set(prepared: PreparedWorkload) -> tuple[int, float]:
+    """The blocks a cache must hold to miss no reuse: (peak, mean over the arrivals).
+
+    A prompt block is *live* from its first use to its last; at a moment, the live
+    blocks are those some request used and some later request uses again. A cache
+    smaller than that set must drop reusable content however it is placed. Times are
+    nominal (a session's request arrives its think time plus ``NOMINAL_SERVICE_S``
+    after the previous one), since the real ones depend on the run.
+    """
+    at: dict[int, float] = {}
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for k in prepared.requests:  # a session's requests come after the one they follow
+        r = k.request
+        t = r.start_s if r.after is None else at[r.after] + r.think_s + NOMINAL_SERVICE_S
+        at[r.rid] = t
+        for key in k.prompt_keys:
+            first.setdefault(key, t)
+            first[key] = min(first[key], t)
+            last[key] = max(last.get(key, t), t)
+    changes = sorted(
+        [(first[key], 1) for key in first if last[key] > first[key]]
+        + [(last[key], -1) for key in first if last[key] > first[key]]
+    )
+    live = peak = 0
+    samples: list[int] = []
+    times = sorted(at.values())
+    i = 0
+    for t in times:
+        while i < len(changes) and changes[i][0] <= t:
+            live += changes[i][1]
+            i += 1
+        samples.append(live)
+        peak = max(peak, live)
+    return peak, (sum(samples) / len(samples) if samples else 0.0)
+
+
 # -- generators ---------------------------------------------------------------------
 
 
@@ -196,6 +240,28 @@ class _Source:
 
     def think(self, mean_s: float) -> float:
         return self.rng.expovariate(1.0 / mean_s) if mean_s > 0 else 0.0
+
+
+def zipf_weights(n: int, exponent: float) -> list[float]:
+    """Popularity of ``n`` items ranked 1..n: rank r drawn with weight 1 / r^exponent
+    (0 = uniform)."""
+    return [1.0 / (rank**exponent) for rank in range(1, n + 1)]
+
+
+def bursty_starts(src: _Source, count: int, rate: float, burst: int, gap_s: float) -> list[float]:
+    """``count`` arrival times at a mean ``rate``/s that come in bursts of ``burst``:
+    bursts start as a Poisson process at ``rate / burst``, and a burst's arrivals follow
+    each other at exponential gaps of mean ``gap_s`` (``burst`` 1: plain Poisson)."""
+    out: list[float] = []
+    t = 0.0
+    burst = max(burst, 1)
+    while len(out) < count:
+        t += src.gap(rate / burst)
+        at = t
+        for _ in range(min(burst, count - len(out))):
+            out.append(at)
+            at += src.gap(1.0 / gap_s) if gap_s > 0 else 0.0
+    return sorted(out)
 
 
 class WorkloadSpec:
@@ -305,7 +371,12 @@ class SharedPrefixSpec(WorkloadSpec):
             i = rid % len(prompts)
             group, prompt = prompts[i]
             fresh = len(prompt) - self.system_tokens
-            reqs.append(SimRequest(rid, i, f"g{group}", prompt, answers[i], fresh, t))
+            # inference-perf asks for exactly its output length (max_tokens with
+            # ignore_eos); a client of the varying-length shape sets no cap.
+            cap = len(answers[i]) if self.exact else None
+            reqs.append(
+                SimRequest(rid, i, f"g{group}", prompt, answers[i], fresh, t, max_tokens=cap)
+            )
         return Workload(name or self.kind, self.kind, self.params(), reqs, len(prompts))
 
 

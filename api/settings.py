@@ -350,9 +350,9 @@ class ScoringSettings(_Section):
         doc(
             "/route: pass over a pod whose KV cache usage (fullest engine) is above "
             "this fraction while another candidate has room; when none has (saturated), "
-            "the cost decides among all"
+            "the cost decides among all. 1 = off: KV usage is only a cost term"
         ),
-    ] = 0.95
+    ] = 1.0
     max_waiting: Annotated[
         int,
         doc("/route: never choose a pod with more requests waiting (none left: 429); 0 = no limit"),

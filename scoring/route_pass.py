@@ -128,8 +128,9 @@ def one_pass(
         total_blocks = cap = 0
         per_token = 0.0
     max_kv = admission.kv_limit(_known_room(pods, loads))
-    saturated = max_kv == math.inf
-    refusal = partial(admission.refusal, kv_limit=max_kv) if saturated else admission.refusal
+    saturated = admission.saturated(max_kv)
+    lifted = max_kv == math.inf  # off, or saturated: the refusal text must not name KV
+    refusal = partial(admission.refusal, kv_limit=max_kv) if lifted else admission.refusal
     consts = (
         load_only, prompt_tokens, block_size, total_blocks, cap,
         0.0 if load_only else weights.prefix * per_token, weights.queue * per_token,

@@ -5,12 +5,15 @@ rule here is unit-tested without a network; ``POST /route`` gathers the inputs (
 matches, scraped load, in-flight ledger) and enters the decision in the ledger.
 
 - Admission: a pod whose scraped waiting queue is longer than ``max_waiting`` (0: no
-  limit) is not chosen, nor one whose fullest engine's KV usage is above
-  ``max_kv_usage`` *while another candidate has room* (:meth:`Admission.kv_limit`).
-  When none has, the cluster is saturated: every vLLM queues what it cannot run, so
-  refusing them all would only hand the request to a cache-blind fallback, and that
-  spraying is what collapsed hit ratios at twice the cache-oblivious knee. Then every
-  candidate is admitted and the cost decides (``saturated``).
+  limit) is not chosen. KV usage is a cost term, not a refusal, by default
+  (``max_kv_usage`` 1): a busy vLLM's cache is full of its running requests, and
+  refusing the pod that holds a prompt's prefix for that reason sent its sessions to
+  pods that must recompute them, which collapsed the hit ratio past the
+  cache-oblivious knee (bench/README.md, "Overload"). An operator's ``max_kv_usage``
+  below 1 passes over a fuller pod only *while another candidate has room*
+  (:meth:`Admission.kv_limit`); when none has, every candidate is admitted and the cost
+  decides (``saturated``): refusing them all would hand the request to a cache-blind
+  fallback.
   A pod with unknown load is admitted (nothing says it is full) but costed as busy.
   No admitted pod: no decision (``no_capacity``; the API answers 429), or, with
   ``least_bad``, the cheapest pod of all (``least_bad``): for a gateway that has nowhere
@@ -69,7 +72,7 @@ class Decision(msgspec.Struct, frozen=True):
 
 
 class Admission(msgspec.Struct, frozen=True):
-    max_kv_usage: float = 0.95
+    max_kv_usage: float = 1.0  # 1: off, KV usage only costs
     max_waiting: int = 0  # 0: no limit
 
     def refusal(
@@ -84,6 +87,11 @@ class Admission(msgspec.Struct, frozen=True):
             return f"{waiting} waiting, more than --max-waiting {self.max_waiting}"
         return None
 
+    def saturated(self, kv_limit: float) -> bool:
+        """Whether a decision's KV limit (:meth:`kv_limit`) was lifted for want of
+        room, not switched off."""
+        return kv_limit == math.inf and self.max_kv_usage < 1.0
+
     def kv_limit(self, known: Iterable[tuple[float | None, int]]) -> float:
         """The KV-usage limit of one decision, from its candidates whose load is known,
         each as (fullest engine's KV usage, waiting): ``max_kv_usage`` while one of them
@@ -91,6 +99,8 @@ class Admission(msgspec.Struct, frozen=True):
         none has, so KV usage refuses nobody. Stops at the first pod with room, the
         usual case."""
         limit, max_waiting = self.max_kv_usage, self.max_waiting
+        if limit >= 1.0:
+            return math.inf
         for usage, waiting in known:
             if usage is not None and usage <= limit and not (max_waiting and waiting > max_waiting):
                 return limit
@@ -171,7 +181,7 @@ class Router:
             fallback,
         )
         pod = None if chosen is None else pods[chosen].pod
-        return Decision(pod, reason, candidates, max_kv == math.inf)
+        return Decision(pod, reason, candidates, admission.saturated(max_kv))
 
     def choose(
         self,

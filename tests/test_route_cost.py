@@ -185,6 +185,12 @@ def test_kv_usage_refuses_only_while_another_candidate_has_room() -> None:
     assert (queued.pod, queued.saturated) == ("a", True)
     assert "max-waiting" in queued.candidates[3].refused
     assert Admission(max_kv_usage=0.9).kv_limit([(None, 0), (0.95, 0)]) == math.inf
+    # the default: KV usage refuses nobody, it only costs; nothing is "saturated"
+    default = Router(admission=Admission(max_waiting=10), seed=0)
+    off = decide(default, [pod("a", matched=32, kv=0.99), pod("b", kv=0.2)])
+    assert (off.pod, off.reason, off.saturated) == ("a", Reason.PREFIX, False)
+    assert all(c.refused is None for c in off.candidates)
+    assert Admission().kv_limit([(0.2, 0)]) == math.inf and not Admission().saturated(math.inf)
     assert Admission(max_kv_usage=0.9).kv_limit([(0.95, 0), (0.9, 0)]) == 0.9
 
 

@@ -164,8 +164,16 @@ def publish(endpoint: str, model: str, replay_port: int) -> None:
             publishers[pod].publish(batch)
     published = {pod: len(b) for pod, b in batches.items()}
     print(json.dumps({"published": published, "truth": truth}), flush=True)
-    # Replay stays served until the test is done with us (it closes our stdin)
-    sys.stdin.readline()
+    # Replay stays served until the test is done with us (it closes our stdin). "again"
+    # publishes one empty batch per pod: a pod whose every batch went out before
+    # kvindex's subscription reached the socket (the handshake comes first) is unknown to
+    # kvindex until one arrives; its seq then shows the gap, which kvindex replays.
+    for line in sys.stdin:
+        if line.strip() != "again":
+            break
+        for publisher in publishers.values():
+            publisher.publish(kv.KVEventBatch(ts=time.time(), events=[]))
+        print(json.dumps({"again": True}), flush=True)
     for publisher in publishers.values():
         publisher.shutdown()
 

@@ -213,7 +213,10 @@ def _report(channel: socket.socket, reports: ScoreReports, directory: str) -> No
     directory itself)."""
     while True:
         readable, _, _ = select.select([channel], [], [], REPORT_INTERVAL_S)
-        gone = bool(readable) and not channel.recv(4096)
+        try:
+            gone = bool(readable) and not channel.recv(4096)
+        except OSError:  # reset: the primary was killed with reports unread
+            gone = True
         records = reports.take()
         try:
             if records:

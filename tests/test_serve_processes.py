@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import httpx
 import pytest
 
 from kvindex.api.testing import ServeProcess, eventually, free_port
+from kvindex.api.worker import ScoreReports, _report
 from kvindex.events.publisher import EnginePublisher
 from kvindex.events.wire import BlockStored
 
@@ -220,6 +222,25 @@ def test_a_signal_to_the_whole_group_stops_without_starting_workers_again(
     assert server.process.returncode == 0, server.log_tail()
     log = server.log_tail(100_000)
     assert "exited (code" not in log and "starting another" not in log, log
+
+
+def test_a_reset_channel_means_the_primary_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A primary killed with a worker's report unread resets their channel: the
+    worker's recv raises ECONNRESET instead of reading the end. That killed the thread
+    that watches the primary (a clean-clone CI run), so the worker outlived it; it is
+    the primary gone like an end read."""
+    worker_end, primary_end = socket.socketpair()
+    worker_end.sendall(b"a report the primary never read")
+    primary_end.close()
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    signals: list[int] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: signals.append(sig))
+    _report(worker_end, ScoreReports(), str(directory))  # returns: the primary is gone
+    assert signals == [signal.SIGTERM] and not directory.exists()
+    worker_end.close()
 
 
 def test_workers_of_a_killed_primary_exit_and_remove_the_shared_memory(

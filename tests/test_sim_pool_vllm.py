@@ -11,8 +11,6 @@ there.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.sim.pool import BlockPool
 from kvindex.events.wire import BlockRemoved, BlockStored
-from tests.support.vllm import vllm_python
+from tests.support.vllm import run_vllm_driver
 
 # vLLM's own code runs in a subprocess: seconds, outside the everyday subset.
 pytestmark = pytest.mark.slow
@@ -34,23 +32,7 @@ BLOCKS = 12
 
 @pytest.fixture(scope="module")
 def steps() -> list[dict]:
-    python = vllm_python()
-    if python is None or not Path(python).exists():
-        pytest.skip(f"no vLLM interpreter at {python} (set KVTEST_VLLM_PYTHON)")
-    try:
-        done = subprocess.run(
-            [python, str(DRIVER), "--steps", "600", "--blocks", str(BLOCKS)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail("the vLLM driver ran past 300 s")
-    if done.returncode != 0 and "ModuleNotFoundError" in done.stderr:
-        pytest.skip(f"{python} cannot import vLLM: {done.stderr.strip().splitlines()[-1]}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines()]
+    return run_vllm_driver(DRIVER, "--steps", "600", "--blocks", str(BLOCKS), timeout_s=300)
 
 
 def plain(event: object) -> list[object]:

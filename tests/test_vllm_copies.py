@@ -14,8 +14,6 @@ interpreter is there.
 from __future__ import annotations
 
 import base64
-import json
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +27,7 @@ from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.models import ModelCatalog, ModelKeying, ReportMode
 from tests.redis_fixtures import redis_backend_factory
-from tests.support.vllm import vllm_python
+from tests.support.vllm import run_vllm_driver
 
 # vLLM's own code runs in a subprocess: seconds each, outside the everyday subset.
 pytestmark = pytest.mark.slow
@@ -42,23 +40,7 @@ POD = StreamId("127.0.0.1:8000")
 @pytest.fixture(scope="module")
 def steps() -> list[dict]:
     """The driver's output (one run for every backend: importing vLLM takes a while)."""
-    python = vllm_python()
-    if python is None or not Path(python).exists():
-        pytest.skip(f"no vLLM interpreter at {python} (set KVTEST_VLLM_PYTHON)")
-    try:
-        done = subprocess.run(
-            [python, str(DRIVER), "--rounds", "250"],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail("the vLLM driver ran past 600 s")
-    if done.returncode != 0 and "ModuleNotFoundError" in done.stderr:
-        pytest.skip(f"{python} cannot import vLLM: {done.stderr.strip().splitlines()[-1]}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines()]
+    return run_vllm_driver(DRIVER, "--rounds", "250", timeout_s=600)
 
 
 BACKENDS: dict[str, Callable[[pytest.FixtureRequest], IndexBackend]] = {

@@ -23,9 +23,6 @@ Skips when no such interpreter is there, except under ``CI=true``.
 from __future__ import annotations
 
 import base64
-import json
-import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +37,7 @@ from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.memory import MemoryBackend
 from kvindex.indexer.models import ModelCatalog, ModelKeying
 from tests.redis_fixtures import redis_backend_factory
-from tests.support.vllm import vllm_python
+from tests.support.vllm import run_vllm_driver
 
 pytestmark = pytest.mark.slow  # vLLM's own code runs in a subprocess
 
@@ -51,19 +48,7 @@ POD = StreamId("127.0.0.1:8000")
 
 @pytest.fixture(scope="module")
 def steps() -> list[dict]:
-    python = vllm_python()
-    if python is None or not Path(python).exists():
-        message = f"no vLLM interpreter at {python} (set KVTEST_VLLM_PYTHON)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    done = subprocess.run(
-        [python, str(DRIVER)], capture_output=True, text=True, timeout=300, check=False
-    )
-    if done.returncode != 0 and "ModuleNotFoundError" in done.stderr:
-        pytest.skip(f"{python} cannot import vLLM: {done.stderr.strip().splitlines()[-1]}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines()]
+    return run_vllm_driver(DRIVER, timeout_s=300)
 
 
 BACKENDS: dict[str, Callable[[pytest.FixtureRequest], IndexBackend]] = {

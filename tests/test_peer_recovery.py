@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import os
-import random
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -25,48 +24,17 @@ import pytest
 
 from kvindex.api.peers import DUMP_PATH, DUMP_SIZE_HEADER
 from kvindex.api.testing import ServeProcess, eventually, free_port
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockRemoved, BlockStored
 from kvindex.indexer.snapshot_file import SnapshotBytes, read_snapshot_from
+from tests.support.engine import MODEL, Engine
 
 pytestmark = pytest.mark.slow
 
-MODEL = "acme/chat-7b"
 TOKEN = "t0ken"
 
 
 #: Each engine's replay buffer, in batches: shorter than the first test's history, so a
 #: replica that ignored the copy's positions could not rebuild it from seq 0.
 BUFFER_STEPS = 24
-
-
-class Engine:
-    """A publishing engine (connect mode, replay buffer) and the blocks it holds."""
-
-    def __init__(self, host: str, replay_port: int, seed: int) -> None:
-        self.pod = f"{host}:8000"
-        self._rng = random.Random(seed)
-        self.held: set[int] = set()
-        self.pub = EnginePublisher(
-            f"tcp://{host}:{free_port()}",
-            replay_endpoint=f"tcp://{host}:{replay_port}",
-            bind=True,
-            buffer_steps=BUFFER_STEPS,
-        )
-
-    @property
-    def connect(self) -> str:
-        return f"{self.pod}@{MODEL}={self.pub.endpoint}"
-
-    def step(self, stores: int = 8, removes: int = 3) -> None:
-        gone = self._rng.sample(sorted(self.held), min(removes, len(self.held)))
-        new = [self._rng.getrandbits(64) for _ in range(stores)]
-        self.held.difference_update(gone)
-        self.held.update(new)
-        events: list = [BlockStored(new, None, [], 16)]
-        if gone:
-            events.append(BlockRemoved(gone))
-        self.pub.publish(events)
 
 
 class Replica:
@@ -156,7 +124,10 @@ class Relay:
 @pytest.fixture
 def world(tmp_path: Path) -> Iterator[Callable[..., object]]:
     replay_port = free_port()
-    engines = [Engine(f"127.0.0.{41 + i}", replay_port, seed=i) for i in range(2)]
+    engines = [
+        Engine(f"127.0.0.{41 + i}", replay_port, seed=i, buffer_steps=BUFFER_STEPS)
+        for i in range(2)
+    ]
     replicas: list[Replica] = []
     relays: list[Relay] = []
 

@@ -25,7 +25,6 @@ the general path does beforehand (``api/route.py``'s ``_drop_restarted``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -129,8 +128,7 @@ def one_pass(
         per_token = 0.0
     max_kv = admission.kv_limit(_known_room(pods, loads))
     saturated = admission.saturated(max_kv)
-    lifted = max_kv == math.inf  # off, or saturated: the refusal text must not name KV
-    refusal = partial(admission.refusal, kv_limit=max_kv) if lifted else admission.refusal
+    refusal = partial(admission.refusal, kv_limit=max_kv)  # names KV only past max_kv
     consts = (
         load_only, prompt_tokens, block_size, total_blocks, cap,
         0.0 if load_only else weights.prefix * per_token, weights.queue * per_token,

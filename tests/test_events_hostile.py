@@ -105,9 +105,10 @@ class Engine:
 
     def publish(self, events: list, send: bool = True) -> int:
         payload = self.pub.encode(events)
-        seq = self.pub.publish_payload(payload, send=send)
-        self.sent[seq] = payload
-        return seq
+        # Recorded before it is sent: the subscriber may ask the scripted replay for it
+        # before publish_payload returns here.
+        self.sent[self.pub.next_seq] = payload
+        return self.pub.publish_payload(payload, send=send)
 
     def reply(self, seq: int) -> list[bytes]:
         return [TOPIC, seq_frame(seq), self.sent[seq]]

@@ -125,7 +125,7 @@ class Applier:
         self._heap = HeapTrim(time.monotonic)
         self.thread: threading.Thread | None = None
 
-    # -- any thread ----------------------------------------------------------------------
+    # -- any thread ------------------------------------------------------------------------
 
     def event_counts(self) -> dict[str, int]:
         return dict(self._event_counts)
@@ -143,7 +143,7 @@ class Applier:
     def shutdown_workers(self) -> None:
         self._workers.shutdown()
 
-    # -- control calls (applier thread) --------------------------------------------------
+    # -- control calls (applier thread) ----------------------------------------------------
 
     def expect(self, sid: StreamId, model: str, replay_endpoint: str | None) -> None:
         """On the applier thread: a configured pod's stream, before its first message.
@@ -204,7 +204,7 @@ class Applier:
         if marked:
             log.info("KV events: an engine on %s connected; verifying %d stream(s)", host, marked)
 
-    # -- the thread ----------------------------------------------------------
+    # -- the thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -278,7 +278,7 @@ class Applier:
         )
         return min(_IDLE_WAIT_S, max(0.0, due - self._clock()))
 
-    # -- draining a stream ---------------------------------------------------
+    # -- draining a stream -----------------------------------------------------------------
 
     def _refresh_ready(self, stream: Stream) -> None:
         if not stream.blocked and (stream.held or stream.lane.queue):
@@ -443,7 +443,7 @@ class Applier:
         self._lost(stream, dropped, dropped - expected + 1, self._no_replay_reason(stream))
         stream.tracker.skip_to(dropped + 1)
 
-    # -- applying ------------------------------------------------------------
+    # -- applying --------------------------------------------------------------------------
 
     def _apply(
         self,
@@ -591,7 +591,9 @@ class Applier:
             why,
         )
 
-    # -- the stream table ----------------------------------------------------
+    # -- the stream table ------------------------------------------------------------------
+    # The table (stream_table.py) chooses who joins and who leaves; this is what a removal
+    # costs: the lane, the door's cap (``stream_closed``), the gate's claim, the sink reset.
 
     def _arrived(self, sid: StreamId) -> None:
         stream = self._table.get(sid)
@@ -681,7 +683,9 @@ class Applier:
         self._resets.owe(sid, reason)
         self._resets.reset(sid, reason)
 
-    # -- proving positions ---------------------------------------------------
+    # -- proving positions -----------------------------------------------------------------
+    # The wire has no incarnation id: after a reconnect, or for a configured pod not heard
+    # since start, a replay proves which engine the stream's position belongs to.
 
     def _reconnected_where(self, chosen: Callable[[StreamId], bool]) -> int:
         due = self._clock() + self._config.verify_after_reconnect_s
@@ -740,7 +744,11 @@ class Applier:
     def _next_verify(self) -> float:
         return min(self._verify_at.values(), default=float("inf"))
 
-    # -- pauses and retries --------------------------------------------------
+    # -- pauses and retries ----------------------------------------------------------------
+    # When the sink fails the stream's next seq stays at the first undelivered batch and
+    # the stream pauses with exponential backoff; the retry fetches those batches again by
+    # replay (without a replay endpoint they are counted lost). A stream whose reset the
+    # sink refused applies nothing until the reset went through.
 
     def _sink_failed(self, stream: Stream, first: int, last: int, exc: Exception) -> None:
         stream.sink_errors += 1
@@ -818,7 +826,8 @@ class Applier:
                 due = min(due, stream.recovery.stalled_until)
         return min(due, self._resets.next_orphan_retry(self._table))
 
-    # -- ownership -----------------------------------------------------------
+    # -- ownership -------------------------------------------------------------------------
+    # With a gate (several replicas, one index): act on ownership_step and plan_takeover.
 
     def _owns(self, stream: Stream) -> bool:
         """Whether this replica may apply ``stream`` now, acting on any change."""
@@ -954,7 +963,9 @@ class Applier:
         self._stalled.add(stream.sid)
         self._ready.pop(stream.sid, None)
 
-    # -- replay --------------------------------------------------------------
+    # -- replay ----------------------------------------------------------------------------
+    # Start a job (fetched by the workers, off this thread), then validate its result
+    # (check_replay) and apply it, acting on what the anchor check says.
 
     def _can_replay(self, stream: Stream) -> bool:
         return bool(stream.replay_endpoint) and self._clock() >= stream.recovery.cooldown_until

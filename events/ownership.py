@@ -1,22 +1,9 @@
 """Stream ownership under a :class:`~kvindex.events.gate.StreamGate`, as decisions.
 
 With several replicas sharing one index the applier asks the gate before applying a
-stream. What it then does is decided here, without I/O:
-
-* **owned under the epoch it knows**: go on;
-* **owned under a new epoch** (just acquired, or re-acquired after the lease lapsed):
-  local sequence state is not trusted (another replica may have applied batches in
-  between); resume after the seq the gate says was applied last
-  (:func:`plan_takeover`), fetching by replay what went by meanwhile. When the gate
-  also stored that batch's digest, the replay starts *at* that seq and must repeat the
-  digest: a mismatch is a restart (reset), an engine that no longer has it leaves the
-  stream ``incomplete`` (its entries are kept, but not reported complete). A
-  **rebuild** (the shared index lost the stream's entries) owes the whole history:
-  caught up from the engine's first buffered batch, ``incomplete`` without a replay;
-* **not owned**: another replica applies it; drop its batches (counted ``not_owner``),
-  remember the last seq seen, stand by;
-* **unknown** (the gate's store is unreachable): keep everything queued, apply
-  nothing, ask again shortly.
+stream; what it then does is decided here, without I/O: go on, stand by while another
+replica applies it, wait while the gate cannot tell (:func:`ownership_step`), or take
+it over from the position the gate stored (:func:`plan_takeover`).
 """
 
 from __future__ import annotations
@@ -36,7 +23,17 @@ class Step(enum.Enum):
 
 
 def ownership_step(claim: Claim, epoch: int | None) -> Step:
-    """What the applier does with a stream it knows under ``epoch``, given ``claim``."""
+    """What the applier does with a stream it knows under ``epoch``, given ``claim``.
+
+    * **owned under the epoch it knows**: go on (``KEEP``);
+    * **owned under a new epoch** (just acquired, or re-acquired after the lease
+      lapsed): local sequence state is not trusted, another replica may have applied
+      batches in between (``TAKE_OVER``, :func:`plan_takeover`);
+    * **not owned**: another replica applies it; drop its batches (counted
+      ``not_owner``), remember the last seq seen (``STAND_BY``);
+    * **unknown** (the gate's store is unreachable): keep everything queued, apply
+      nothing, ask again shortly (``WAIT``).
+    """
     if claim.ownership is Ownership.OWNED:
         return Step.KEEP if claim.epoch == epoch else Step.TAKE_OVER
     if claim.ownership is Ownership.NOT_OWNED:
@@ -80,7 +77,14 @@ def plan_takeover(
     stored). ``seen`` is the newest seq this replica knows the engine published;
     ``last_waiting`` the newest of the live messages still waiting to be applied.
     ``rebuild``: the index lost everything up to ``seen``, so history that cannot be
-    fetched is ``incomplete`` (waiting messages catch up on first contact)."""
+    fetched is ``incomplete`` (waiting messages catch up on first contact).
+
+    When the gate stored the batch's digest, the replay starts *at* that seq and must
+    repeat the digest: a mismatch is a restart (reset), an engine that no longer has it
+    leaves the stream ``incomplete`` (its entries are kept, but not reported complete).
+    A rebuild owes the whole history: caught up from the engine's first buffered batch,
+    ``incomplete`` without a replay.
+    """
     highest: int | None = None
     if after is not None or seen is not None:
         highest = max(-1 if after is None else after, -1 if seen is None else seen)

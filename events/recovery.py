@@ -1,23 +1,9 @@
 """Recovery decisions as pure functions: a stream's facts and an input in, a verdict out.
 
 Like :mod:`kvindex.events.sequence`, nothing here touches a socket, a clock or a thread;
-the applier does the I/O a verdict asks for. Three decisions live here:
-
-* **Is a replay reply trustworthy?** (:func:`check_replay`) An engine's replay buffer
-  is contiguous, so a good reply is a run of consecutive seqs starting at or after the
-  asked seq and no later than one past the last needed seq, each payload a batch
-  envelope, each topic (vLLM >= 0.26 sends it) the stream's own. Anything else is
-  discarded and counted by reason (``seq_out_of_range``, ``seq_repeated``,
-  ``bad_payload``, ``wrong_topic``): a far-ahead seq must never move the stream's
-  position (it would drop every later live batch as a duplicate).
-* **Is it still the same engine?** The wire has no incarnation id, and an engine that
-  restarts and passes its old seq before kvindex hears from it looks like a plain gap.
-  So a gap's replay starts *at* the last applied seq (the anchor) and the reply's batch
-  at that seq must have the same digest. A different digest is a restart; an anchor the
-  engine no longer has cannot prove continuity and is treated as one too. Replayed
-  batches that overlap live ones this stream holds must also agree, or the reply came
-  from another engine and none of it is indexed.
-* **Which stream leaves a full table?** (:func:`eviction_victim`).
+the applier does the I/O a verdict asks for. Two decisions live here: whether a replay's
+replies can be trusted and still come from the same engine (:func:`check_replay`), and
+which stream leaves a full table (:func:`eviction_victim`, :func:`idle_victims`).
 """
 
 from __future__ import annotations
@@ -118,7 +104,23 @@ def check_replay(
     topics: Sequence[bytes | None] = (),
 ) -> ReplayCheck:
     """Validate a replay's ``(seq, payload)`` replies (``topics`` parallel, None where
-    the layout has none) against ``request``."""
+    the layout has none) against ``request``.
+
+    An engine's replay buffer is contiguous, so a good reply is a run of consecutive
+    seqs starting at or after the asked seq and no later than one past the last needed
+    seq, each payload a batch envelope, each topic (vLLM >= 0.26 sends it) the stream's
+    own. Anything else is discarded and counted by reason (``seq_out_of_range``,
+    ``seq_repeated``, ``bad_payload``, ``wrong_topic``): a far-ahead seq must never move
+    the stream's position (it would drop every later live batch as a duplicate).
+
+    The wire has no incarnation id, and an engine that restarts and passes its old seq
+    before kvindex hears from it looks like a plain gap. So a gap's replay starts *at*
+    the last applied seq (the anchor) and the reply's batch at that seq must have the
+    same digest: a different digest is a restart; an anchor the engine no longer has
+    cannot prove continuity and is treated as one too. Replayed batches that overlap
+    live ones this stream holds must also agree, or the reply came from another engine
+    and none of it is indexed (``foreign``).
+    """
     anchor = request.anchor
     check = ReplayCheck([], {}, AnchorCheck.NOT_ASKED if anchor is None else AnchorCheck.ABSENT)
     rejected = check.rejected

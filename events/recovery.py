@@ -1,18 +1,16 @@
 """Recovery decisions as pure functions: a stream's facts and an input in, a verdict out.
 
 Like :mod:`kvindex.events.sequence`, nothing here touches a socket, a clock or a thread;
-the applier does the I/O a verdict asks for. Two decisions live here: whether a replay's
-replies can be trusted and still come from the same engine (:func:`check_replay`), and
-which stream leaves a full table (:func:`eviction_victim`, :func:`idle_victims`).
+the applier does the I/O a verdict asks for. The decision here: whether a replay's
+replies can be trusted and still come from the same engine (:func:`check_replay`).
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -21,8 +19,6 @@ from kvindex.events.wire import BatchEnvelope, decode_bounded
 #: Bytes of the payload digest kept per stream (blake2b; collisions are irrelevant at
 #: this size, the check is against accidents and restarts, not adversaries).
 DIGEST_BYTES = 16
-
-K = TypeVar("K")
 
 _ENVELOPE = msgspec.msgpack.Decoder(BatchEnvelope)
 
@@ -164,51 +160,3 @@ def _well_formed(payload: bytes) -> bool:
     except msgspec.DecodeError:
         return False
     return True
-
-
-# -- the stream table ---------------------------------------------------------------------
-
-
-class EvictionFacts(Protocol):
-    """What eviction needs to know about a stream."""
-
-    @property
-    def pinned(self) -> bool: ...
-
-    @property
-    def delivered(self) -> int: ...
-
-    @property
-    def last_active_at(self) -> float: ...
-
-
-def idle_victims(streams: Iterable[tuple[K, EvictionFacts]], now: float, idle_s: float) -> list[K]:
-    """Streams to evict for idling: not pinned (their pod is neither configured nor
-    discovered) and silent for ``idle_s``. A pinned stream keeps its entries however
-    long its engine is quiet."""
-    return [k for k, s in streams if not s.pinned and now - s.last_active_at >= idle_s]
-
-
-def eviction_victim(
-    streams: Iterable[tuple[K, EvictionFacts]], now: float, min_idle_s: float
-) -> K | None:
-    """The stream that leaves a full table for a new one, or None (refuse the newcomer).
-
-    Only unpinned streams are candidates: first those that never delivered a batch
-    (unknown), then those silent for ``min_idle_s``; the least recently active of the
-    first non-empty group. A flood of fake streams therefore cannot keep a real pod
-    out for longer than ``min_idle_s``, and an active pod is never pushed out.
-    """
-    unknown: tuple[float, K] | None = None
-    idle: tuple[float, K] | None = None
-    for key, s in streams:
-        if s.pinned:
-            continue
-        active = s.last_active_at
-        if s.delivered == 0:
-            if unknown is None or active < unknown[0]:
-                unknown = (active, key)
-        elif now - active >= min_idle_s and (idle is None or active < idle[0]):
-            idle = (active, key)
-    best = unknown or idle
-    return None if best is None else best[1]

@@ -4,7 +4,7 @@ A stream is opened by its first message, unless its pod was just forgotten (stra
 of a deleted pod must not re-create its entries) or the table is full. A full table
 makes room by evicting the least recently active *unpinned* stream (its pod neither
 configured in connect mode nor discovered) that never delivered a batch or has been
-silent ``stream_evict_idle_s`` (:func:`~kvindex.events.recovery.eviction_victim`), so a
+silent ``stream_evict_idle_s`` (:func:`eviction_victim`, a pure function), so a
 flood of made-up pods cannot lock a real one out for longer than that. Unpinned streams
 silent for ``stream_idle_s`` are evicted too. The table only decides; the applier does
 what a removal costs (the sink reset, the inbox lane, the door's cap).
@@ -13,14 +13,61 @@ what a removal costs (the sink reset, the inbox lane, the door's cap).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol, TypeVar
 
 from kvindex.events.identity import StreamId
-from kvindex.events.recovery import eviction_victim, idle_victims
 from kvindex.events.stream import COUNTERS, Stream
 
 #: How often idle streams are looked for.
 _IDLE_SCAN_S = 1.0
+
+K = TypeVar("K")
+
+
+class EvictionFacts(Protocol):
+    """What eviction needs to know about a stream."""
+
+    @property
+    def pinned(self) -> bool: ...
+
+    @property
+    def delivered(self) -> int: ...
+
+    @property
+    def last_active_at(self) -> float: ...
+
+
+def idle_victims(streams: Iterable[tuple[K, EvictionFacts]], now: float, idle_s: float) -> list[K]:
+    """Streams to evict for idling: not pinned (their pod is neither configured nor
+    discovered) and silent for ``idle_s``. A pinned stream keeps its entries however
+    long its engine is quiet."""
+    return [k for k, s in streams if not s.pinned and now - s.last_active_at >= idle_s]
+
+
+def eviction_victim(
+    streams: Iterable[tuple[K, EvictionFacts]], now: float, min_idle_s: float
+) -> K | None:
+    """The stream that leaves a full table for a new one, or None (refuse the newcomer).
+
+    Only unpinned streams are candidates: first those that never delivered a batch
+    (unknown), then those silent for ``min_idle_s``; the least recently active of the
+    first non-empty group. A flood of fake streams therefore cannot keep a real pod
+    out for longer than ``min_idle_s``, and an active pod is never pushed out.
+    """
+    unknown: tuple[float, K] | None = None
+    idle: tuple[float, K] | None = None
+    for key, s in streams:
+        if s.pinned:
+            continue
+        active = s.last_active_at
+        if s.delivered == 0:
+            if unknown is None or active < unknown[0]:
+                unknown = (active, key)
+        elif now - active >= min_idle_s and (idle is None or active < idle[0]):
+            idle = (active, key)
+    best = unknown or idle
+    return None if best is None else best[1]
 
 
 class StreamTable:

@@ -1,19 +1,18 @@
 /* A compiled scanner for vLLM KV-event payloads (events/scanned.py wraps it).
  *
  * Why C: decoding a payload with msgspec turns every block hash into a Python int and
- * walks every token id to skip it (about 12 ns each, 4,096 per message of 8 events);
- * the ingest path needs neither. This scanner walks the msgpack bytes once, at memory
- * speed, and yields what ingest needs: every block hash as a native uint64 (no Python
- * ints), the events grouped into runs of consecutive events whose ingest-relevant
- * fields are equal, and each event's byte span (so one event can be decoded by
- * msgspec on demand: the sampled hash check reads its token ids). merge()
+ * walks every token id to skip it; the ingest path needs neither. This scanner walks
+ * the msgpack bytes once and yields what ingest needs: every block hash as a native
+ * uint64 (no Python ints), the events grouped into runs of consecutive events whose
+ * ingest-relevant fields are equal, and each event's byte span (so one event can be
+ * decoded by msgspec on demand: the sampled hash check reads its token ids). merge()
  * (_wire_scan_merge.h) joins the scans of consecutive batches; drain()
  * (_wire_scan_zmq.h) receives, scans and joins them straight off a SUB socket.
  *
- * It recognises the payloads of every vLLM release from 0.9 to 0.33 (DESIGN.md, "The
- * wire"): a positional batch [ts, events(, rank, ...)] whose events are all positional
- * arrays (tag first, <= 0.23) or all maps ("type" first, >= 0.24). The rule that keeps
- * it exact: it accepts only payloads msgspec's typed decoder (events/wire.py) accepts
+ * It recognises the payloads of every vLLM release from 0.9 to 0.33: a positional
+ * batch [ts, events(, rank, ...)] whose events are all positional arrays (tag first,
+ * <= 0.23) or all maps ("type" first, >= 0.24). The rule that keeps it exact: it
+ * accepts only payloads msgspec's typed decoder (events/wire.py) accepts
  * whole, with nothing skipped, and returns the same values; for anything else -
  * a map envelope, an int timestamp, an unknown tag or medium-like oddity it does not
  * model, a negative hash, an oversized event, invalid UTF-8, a msgpack map or ext

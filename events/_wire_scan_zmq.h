@@ -1,9 +1,9 @@
 /* Receiving KV-event messages straight from libzmq, scanned and grouped (the receiver's
  * drain, events/_wire_scan.c).
  *
- * Only _wire_scan.c includes this. Why: pyzmq costs several microseconds per 3-frame
- * message (a Frame object per part, the part's bytes, the GIL), which at one event per
- * message is a third of what ingest may spend on it. Here one call takes up to `limit`
+ * Only _wire_scan.c includes this. Why: pyzmq pays per 3-frame message for a Frame
+ * object per part, the part's bytes and the GIL, a large share of what ingest may spend
+ * on a one-event message (bench/README.md). Here one call takes up to `limit`
  * messages off a SUB socket without the GIL, checks their framing, scans each payload
  * and groups consecutive messages of one sender (same topic and sender address,
  * consecutive seqs, same rank and layout) into one scan, as ScannedBatch.merge would.

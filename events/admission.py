@@ -5,27 +5,8 @@ topic, ``kv@<pod>@<model>``; without checks, anyone who reaches the port could w
 pod with one ``AllBlocksCleared`` under its topic, inject blocks, or open thousands of
 fake streams. The receiver asks these functions about every bind-mode message before
 anything is queued; a rejection drops the message and is counted by its reason
-(``kvindex_event_errors{reason=...}``):
-
-* ``undiscovered_pod`` - Kubernetes discovery is on, does not know the pod, and no
-  setting names it;
-* ``unlisted_pod`` - pods are configured (``--pod-role``, ``--zmq-connect``) or
-  allowlisted (``--bind-allow``), discovery is off, and the pod is none of them;
-* ``sender_mismatch`` - the TCP peer (ZMQ's ``Peer-Address`` message property) is not
-  the host in the topic's pod id;
-* ``sender_unverifiable`` - the pod id's host is a name, not an address, so the peer
-  cannot be compared with it;
-* ``sender_stream_cap`` - the sender already has ``max_streams_per_sender`` streams;
-* ``model_cap`` - the message names a model that is not configured while
-  ``max_models`` others are already indexed (checked in either topology).
-
-Pods listed in the allowlist (``--bind-allow``: a pod id, or a CIDR that pod hosts fall
-in) skip the address comparison - for engines whose traffic reaches kvindex through NAT
-or a proxy - but not discovery or the caps; they also extend the configured pods. Only
-with no configured pods, no allowlist and no discovery is sending from its own host
-all a pod needs (the service warns about that at start). Messages over ``ipc://`` and
-``inproc://`` carry no peer address; only local processes can send those, so the
-address check does not apply to them.
+(``kvindex_event_errors{reason=...}``, :func:`sender_problem`, :func:`stream_cap_problem`,
+:class:`ModelAdmission`).
 """
 
 from __future__ import annotations
@@ -122,7 +103,22 @@ def sender_problem(
 
     ``peer`` is the message's ``Peer-Address`` (None or empty: a local transport);
     ``known`` is discovery's pods, None when discovery is off; ``configured`` the pods the
-    operator named (``--pod-role``, ``--zmq-connect``).
+    operator named (``--pod-role``, ``--zmq-connect``). The reasons:
+
+    * ``undiscovered_pod`` - Kubernetes discovery is on, does not know the pod, and no
+      setting names it;
+    * ``unlisted_pod`` - pods are configured (``--pod-role``, ``--zmq-connect``) or
+      allowlisted (``--bind-allow``), discovery is off, and the pod is none of them;
+    * ``sender_mismatch`` - the TCP peer (ZMQ's ``Peer-Address``) is not the host in the
+      topic's pod id;
+    * ``sender_unverifiable`` - the pod id's host is a name, not an address.
+
+    Allowlisted pods (``--bind-allow``: a pod id, or a CIDR that pod hosts fall in) skip
+    the address comparison - for engines behind NAT or a proxy - but not discovery or
+    the caps; they also extend the configured pods. With no configured pods, no
+    allowlist and no discovery, sending from its own host is all a pod needs (the
+    service warns about that at start). ``ipc://`` and ``inproc://`` carry no peer
+    address; only local processes can send those, so the address check does not apply.
     """
     roster = roster_problem(pod, known, configured, allowlist)
     if roster == UNDISCOVERED_POD:  # discovery is asked first
@@ -156,7 +152,8 @@ def address_problem(pod: str, peer: str | None, allowlist: Allowlist) -> str | N
 
 
 def stream_cap_problem(new_stream: bool, sender_streams: int, max_per_sender: int) -> str | None:
-    """Why a sender may not open another stream; None when it may (or the stream is old)."""
+    """Why a sender may not open another stream (``sender_stream_cap``: it already has
+    ``max_streams_per_sender``); None when it may (or the stream is old)."""
     if new_stream and sender_streams >= max_per_sender:
         return SENDER_STREAM_CAP
     return None
@@ -164,7 +161,8 @@ def stream_cap_problem(new_stream: bool, sender_streams: int, max_per_sender: in
 
 class ModelAdmission:
     """The model names events may bring into the index: configured ones always, others
-    first come, first served up to ``max_models``.
+    first come, first served up to ``max_models`` (past it: ``model_cap``, in either
+    topology).
 
     Every model is a namespace in the index and a name in ``/score``'s answers, so a
     sender making up names would grow both without limit. An admitted model keeps its

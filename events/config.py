@@ -19,9 +19,8 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     #: Messages waiting per stream (pod and DP rank). When full, the newest message is
     #: dropped and counted; the gap it leaves is recovered by replay, but only from the
     #: engine's last ``buffer_steps`` batches (10,000 by default), so a burst past both is
-    #: lost. 32,768 holds a 31,000-message burst of 1-event batches that dropped 3,500-3,900
-    #: batches at the old 4,096 (bench_ingest.py --stream-queue); it costs memory only while
-    #: a stream is behind (at most ~80 MB for a stream of 2.5 KB batches).
+    #: lost. Sized to hold a burst of small batches (``bench_ingest.py --stream-queue``
+    #: measures it); it costs memory only while a stream is behind.
     queue_capacity: int = 32_768
     #: Bytes the messages waiting in every stream's queue may hold together (payloads,
     #: what was read from them, about 640 bytes each besides). Past it, a stream holding

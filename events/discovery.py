@@ -1,38 +1,14 @@
 """Kubernetes pod discovery: keep the subscriber pointed at the vLLM pods that exist now.
 
-vLLM pods come, go, restart and get rescheduled with new IPs. Discovery watches the pods
-that match a label selector in one or more namespaces and drives a
-:class:`DiscoveryTarget` (the :class:`~kvindex.events.subscriber.Subscriber`) with three
-calls, so this module needs nothing from the index:
-
-* a pod that is **Running, Ready and has an IP** is subscribed: in *connect* mode one
-  :class:`PodEndpoint` per data-parallel rank is connected; in *bind* mode (the pods
-  connect to kvindex) nothing is connected, but the pod is known by name;
-* a pod that **stops being ready** keeps its subscription for ``grace_s``: a readiness
-  flap (a slow health check, a brief overload) must not wipe a warm cache. Past the
-  grace period it is forgotten (``forget_pod``: sockets closed, index entries purged);
-* a pod that is **deleted, terminating, or finished** is forgotten at once: a gateway no
-  longer routes to it, so its entries can only mislead;
-* a pod whose **address changes** (same name, new IP or new UID: a StatefulSet pod
-  recreated, or a pod we saw again only after an outage) is forgotten under the old id
-  and subscribed under the new one.
-
-What a pod object means (its id ``podIP:servingPort``, model, ports, one endpoint per
-data-parallel rank) is worked out by the pure functions of
-:mod:`kvindex.events.k8s_pods`; :class:`~kvindex.events.pod_roster.PodRoster` keeps the
-target in line with those plans, and this module feeds it what the API says.
-
-The API is read with the Kubernetes client's list + watch. Each namespace has a watcher
-thread: list (the full truth, with a ``resourceVersion``), then watch from that version.
-A watch that expires (``410 Gone``: etcd compacted past our version) is answered with a
-fresh list; an unreachable API server with a relist after exponential backoff, because
-events may have been missed while it was away; and every ``resync_s`` the list is
-redone anyway, so a missed event cannot leave a stale subscription for long. The
-watchers only read; one applier thread alone turns what they saw into calls on the
-target and runs the grace timers, so those calls are never concurrent or reordered.
-
-The ``kubernetes`` package is the optional ``k8s`` extra and is imported only when
-discovery starts.
+Discovery watches the pods that match a label selector in one or more namespaces and
+drives a :class:`DiscoveryTarget` (the :class:`~kvindex.events.subscriber.Subscriber`):
+a Running, Ready pod with an IP is subscribed; one that stops being ready keeps its
+subscription for ``grace_s`` (a readiness flap must not wipe a warm cache); a deleted,
+terminating or finished pod is forgotten at once; one whose address changes is
+forgotten under the old id and subscribed under the new. What a pod object means is
+worked out by :mod:`kvindex.events.k8s_pods`; :class:`~kvindex.events.pod_roster.PodRoster`
+keeps the target in line. The ``kubernetes`` package is the optional ``k8s`` extra,
+imported only when discovery starts.
 """
 
 from __future__ import annotations
@@ -106,7 +82,17 @@ class _Counters:
 
 
 class _NamespaceWatcher:
-    """List + watch of one namespace's pods, on its own thread, forever until stopped."""
+    """List + watch of one namespace's pods, on its own thread, forever until stopped.
+
+    List (the full truth, with a ``resourceVersion``), then watch from that version. A
+    watch that expires (``410 Gone``: etcd compacted past our version) is answered with
+    a fresh list; an unreachable API server with a relist after exponential backoff,
+    because events may have been missed meanwhile; and every ``resync_s`` the list is
+    redone anyway, so a missed event cannot leave a stale subscription for long. The
+    watchers only read: one thread of :class:`KubernetesDiscovery` turns what they saw
+    into calls on the target and runs the grace timers, so those calls are never
+    concurrent or reordered.
+    """
 
     def __init__(
         self,

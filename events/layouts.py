@@ -2,27 +2,9 @@
 
 The decoder in :mod:`kvindex.events.wire` accepts every layout at once; the publisher,
 the simulator and the tests need the opposite: produce exactly the bytes one given
-release would send. A :class:`WireFormat` holds one release's choices: which fields each
+release would send. A :class:`WireFormat` holds one release's choices (which fields each
 event carries and in which order, array or map events, whether a batch carries the
-data-parallel rank, and whether replay replies carry the topic.
-
-Facts (vLLM source, releases 0.9-0.33):
-
-* up to 0.23 events are positional arrays, tag first; fields were appended:
-  BlockStored ``[tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id]``
-  (0.9), ``medium`` (0.10.2), ``lora_name`` (0.14), ``extra_keys`` (0.17),
-  ``group_idx`` (0.20), ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``
-  (0.22); BlockRemoved ``[tag, block_hashes]`` (0.9), ``medium`` (0.10.2),
-  ``group_idx`` (0.20); AllBlocksCleared ``[tag]``;
-* from 0.24 events are maps ``{"type": tag, ...}``; later fields ``locality`` (0.26),
-  ``ownership`` (0.29), ``session_id`` (0.30), ``lookahead_token_ids`` (0.33);
-* the structs are declared with ``omit_defaults``: fields declared with a default (every
-  field from ``extra_keys`` on) are left out when at that default, which for arrays
-  means trailing defaults are dropped; earlier fields have no default and are always
-  sent, None included;
-* batches are ``[ts, events, data_parallel_rank]``; 0.9 sends ``[ts, events]``;
-* replay replies are ``[b"", seq, payload]`` up to 0.25 and ``[b"", topic, seq,
-  payload]`` from 0.26.
+data-parallel rank, whether replay replies carry the topic) and the facts behind them.
 """
 
 from __future__ import annotations
@@ -74,7 +56,26 @@ _DEFAULTED = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class WireFormat:
-    """One vLLM release's encoding of events, batches and replay replies."""
+    """One vLLM release's encoding of events, batches and replay replies.
+
+    Facts (vLLM source, releases 0.9-0.33):
+
+    * up to 0.23 events are positional arrays, tag first; fields were appended:
+      BlockStored ``[tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id]``
+      (0.9), ``medium`` (0.10.2), ``lora_name`` (0.14), ``extra_keys`` (0.17),
+      ``group_idx`` (0.20), ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``
+      (0.22); BlockRemoved ``[tag, block_hashes]`` (0.9), ``medium`` (0.10.2),
+      ``group_idx`` (0.20); AllBlocksCleared ``[tag]``;
+    * from 0.24 events are maps ``{"type": tag, ...}``; later fields ``locality`` (0.26),
+      ``ownership`` (0.29), ``session_id`` (0.30), ``lookahead_token_ids`` (0.33);
+    * the structs are declared with ``omit_defaults``: fields declared with a default (every
+      field from ``extra_keys`` on) are left out when at that default, which for arrays
+      means trailing defaults are dropped; earlier fields have no default and are always
+      sent, None included;
+    * batches are ``[ts, events, data_parallel_rank]``; 0.9 sends ``[ts, events]``;
+    * replay replies are ``[b"", seq, payload]`` up to 0.25 and ``[b"", topic, seq,
+      payload]`` from 0.26.
+    """
 
     release: str
     event_layout: Layout

@@ -1,32 +1,16 @@
 """Recovery decisions as pure functions: a stream's facts and an input in, a verdict out.
 
 Like :mod:`kvindex.events.sequence`, nothing here touches a socket, a clock or a thread;
-the applier does the I/O a verdict asks for. Three decisions live here:
-
-* **Is a replay reply trustworthy?** (:func:`check_replay`) An engine's replay buffer
-  is contiguous, so a good reply is a run of consecutive seqs starting at or after the
-  asked seq and no later than one past the last needed seq, each payload a batch
-  envelope, each topic (vLLM >= 0.26 sends it) the stream's own. Anything else is
-  discarded and counted by reason (``seq_out_of_range``, ``seq_repeated``,
-  ``bad_payload``, ``wrong_topic``): a far-ahead seq must never move the stream's
-  position (it would drop every later live batch as a duplicate).
-* **Is it still the same engine?** The wire has no incarnation id, and an engine that
-  restarts and passes its old seq before kvindex hears from it looks like a plain gap.
-  So a gap's replay starts *at* the last applied seq (the anchor) and the reply's batch
-  at that seq must have the same digest. A different digest is a restart; an anchor the
-  engine no longer has cannot prove continuity and is treated as one too. Replayed
-  batches that overlap live ones this stream holds must also agree, or the reply came
-  from another engine and none of it is indexed.
-* **Which stream leaves a full table?** (:func:`eviction_victim`).
+the applier does the I/O a verdict asks for. The decision here: whether a replay's
+replies can be trusted and still come from the same engine (:func:`check_replay`).
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -35,8 +19,6 @@ from kvindex.events.wire import BatchEnvelope, decode_bounded
 #: Bytes of the payload digest kept per stream (blake2b; collisions are irrelevant at
 #: this size, the check is against accidents and restarts, not adversaries).
 DIGEST_BYTES = 16
-
-K = TypeVar("K")
 
 _ENVELOPE = msgspec.msgpack.Decoder(BatchEnvelope)
 
@@ -118,7 +100,23 @@ def check_replay(
     topics: Sequence[bytes | None] = (),
 ) -> ReplayCheck:
     """Validate a replay's ``(seq, payload)`` replies (``topics`` parallel, None where
-    the layout has none) against ``request``."""
+    the layout has none) against ``request``.
+
+    An engine's replay buffer is contiguous, so a good reply is a run of consecutive
+    seqs starting at or after the asked seq and no later than one past the last needed
+    seq, each payload a batch envelope, each topic (vLLM >= 0.26 sends it) the stream's
+    own. Anything else is discarded and counted by reason (``seq_out_of_range``,
+    ``seq_repeated``, ``bad_payload``, ``wrong_topic``): a far-ahead seq must never move
+    the stream's position (it would drop every later live batch as a duplicate).
+
+    The wire has no incarnation id, and an engine that restarts and passes its old seq
+    before kvindex hears from it looks like a plain gap. So a gap's replay starts *at*
+    the last applied seq (the anchor) and the reply's batch at that seq must have the
+    same digest: a different digest is a restart; an anchor the engine no longer has
+    cannot prove continuity and is treated as one too. Replayed batches that overlap
+    live ones this stream holds must also agree, or the reply came from another engine
+    and none of it is indexed (``foreign``).
+    """
     anchor = request.anchor
     check = ReplayCheck([], {}, AnchorCheck.NOT_ASKED if anchor is None else AnchorCheck.ABSENT)
     rejected = check.rejected
@@ -162,51 +160,3 @@ def _well_formed(payload: bytes) -> bool:
     except msgspec.DecodeError:
         return False
     return True
-
-
-# -- the stream table ---------------------------------------------------------------------
-
-
-class EvictionFacts(Protocol):
-    """What eviction needs to know about a stream."""
-
-    @property
-    def pinned(self) -> bool: ...
-
-    @property
-    def delivered(self) -> int: ...
-
-    @property
-    def last_active_at(self) -> float: ...
-
-
-def idle_victims(streams: Iterable[tuple[K, EvictionFacts]], now: float, idle_s: float) -> list[K]:
-    """Streams to evict for idling: not pinned (their pod is neither configured nor
-    discovered) and silent for ``idle_s``. A pinned stream keeps its entries however
-    long its engine is quiet."""
-    return [k for k, s in streams if not s.pinned and now - s.last_active_at >= idle_s]
-
-
-def eviction_victim(
-    streams: Iterable[tuple[K, EvictionFacts]], now: float, min_idle_s: float
-) -> K | None:
-    """The stream that leaves a full table for a new one, or None (refuse the newcomer).
-
-    Only unpinned streams are candidates: first those that never delivered a batch
-    (unknown), then those silent for ``min_idle_s``; the least recently active of the
-    first non-empty group. A flood of fake streams therefore cannot keep a real pod
-    out for longer than ``min_idle_s``, and an active pod is never pushed out.
-    """
-    unknown: tuple[float, K] | None = None
-    idle: tuple[float, K] | None = None
-    for key, s in streams:
-        if s.pinned:
-            continue
-        active = s.last_active_at
-        if s.delivered == 0:
-            if unknown is None or active < unknown[0]:
-                unknown = (active, key)
-        elif now - active >= min_idle_s and (idle is None or active < idle[0]):
-            idle = (active, key)
-    best = unknown or idle
-    return None if best is None else best[1]

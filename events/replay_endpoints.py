@@ -3,24 +3,10 @@
 Every engine has its own replay ROUTER, so every stream must have its own endpoint: two
 engines on one host (several vLLM instances on a bare-metal node, or pods with
 ``hostNetwork``) that were sent to ``<host>:<replay port>`` would replay each other's
-batches into the wrong pod's index. The rule, for a stream ``(pod, rank)``:
-
-1. the pod's own endpoint, in this order: ``--replay-endpoint POD=tcp://HOST:RPORT``
-   (the operator's word), then the pod's ``kvindex.io/replay-endpoint`` annotation as
-   Kubernetes discovery learned it;
-2. else the port rule ``tcp://<pod host>:<replay_port + rank>`` (``--replay-port``),
-   right only while one engine runs per host;
-3. else none: gaps of that stream cannot be recovered (counted as missed).
-
-A per-pod endpoint is rank 0's: data-parallel rank ``r`` of that pod is asked at the
-same host and ``RPORT + r``, because vLLM (0.9-0.33, ``ZmqEventPublisher.__init__`` ->
-``offset_endpoint_port``) offsets both the events and the replay port by the rank.
-
-:class:`ReplayEndpoints` is that rule as one object, handed to the
-:class:`~kvindex.events.subscriber.Subscriber` as its ``replay_resolver`` (applied to
-bind-mode streams). In connect mode the endpoint belongs to the connect target instead
-(``--zmq-connect 'tcp://HOST:PORT;replay=tcp://HOST:RPORT'``, or the pod's rule above);
-this module only gives the syntax its one parser.
+batches into the wrong pod's index. :class:`ReplayEndpoints` is the rule for bind-mode
+streams; in connect mode the endpoint belongs to the connect target
+(``--zmq-connect 'tcp://HOST:PORT;replay=tcp://HOST:RPORT'``), and this module only
+gives that syntax its one parser.
 """
 
 from __future__ import annotations
@@ -85,11 +71,23 @@ def stream_replay_endpoint(
 
 
 class ReplayEndpoints:
-    """``StreamId -> replay endpoint | None`` for bind-mode streams (see the module doc).
+    """``StreamId -> replay endpoint | None`` for bind-mode streams, handed to the
+    :class:`~kvindex.events.subscriber.Subscriber` as its ``replay_resolver``.
 
     ``configured`` maps normalised pod ids to rank-0 endpoints (``--replay-endpoint``);
     ``known`` is what discovery learned (annotations), read at every call so a pod's
-    endpoint follows its annotation; ``replay_port`` is the fallback port rule.
+    endpoint follows its annotation; ``replay_port`` is the fallback port rule. For a
+    stream ``(pod, rank)``:
+
+    1. the pod's own endpoint: ``--replay-endpoint POD=tcp://HOST:RPORT`` (the
+       operator's word), then the pod's ``kvindex.io/replay-endpoint`` annotation;
+    2. else ``tcp://<pod host>:<replay_port + rank>``, right only while one engine runs
+       per host;
+    3. else none: gaps of that stream cannot be recovered (counted as missed).
+
+    A per-pod endpoint is rank 0's: rank ``r`` is asked at the same host and
+    ``RPORT + r``, because vLLM (0.9-0.33, ``ZmqEventPublisher.__init__`` ->
+    ``offset_endpoint_port``) offsets both the events and the replay port by the rank.
     """
 
     def __init__(

@@ -1,104 +1,54 @@
-"""The applier's pauses and retries: sink failures, backoff, pending resets.
+"""Sink resets the applier owes: asked for, and retried until the sink takes them.
 
-When the sink fails (the Redis backend is down) the stream's next seq to apply stays at
-the first undelivered batch and the stream pauses with exponential backoff; at the retry
-the undelivered batches are fetched again by replay, so nothing is lost silently when
-the backend returns (without a replay endpoint they are counted as missed). A reset the
-sink refused (after a restart, for a removed pod) is retried the same way, and a stream
-applies nothing until its reset went through.
+A stream's entries are reset in the sink when its engine restarts and when the stream
+leaves the table. The sink may refuse (the Redis backend is down): the reset is then
+owed, a stream applies nothing until its own reset went through (its next batch belongs
+after it), and the resets of streams already gone are retried on a timer.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Container
 
-from kvindex.events.stream import JobKind, Stream
+from kvindex.events.identity import StreamId
+from kvindex.events.ratelog import RateLimitedLog
+from kvindex.events.sink import BatchSink
+from kvindex.events.status import ReasonCounts
 
-if TYPE_CHECKING:
-    from kvindex.events.applier import Applier
-    from kvindex.events.identity import StreamId
 
+class PendingResets:
+    """The owed resets, by stream, and the sink calls that settle them (applier thread
+    only). ``retry_s`` spaces the retries of streams no longer in the table."""
 
-class Resync:
-    """A mixin of :class:`~kvindex.events.applier.Applier` (applier thread only)."""
+    def __init__(
+        self,
+        sink: BatchSink,
+        errors: ReasonCounts,
+        ratelog: RateLimitedLog,
+        clock: Callable[[], float],
+        retry_s: float,
+    ) -> None:
+        self._sink = sink
+        self._errors = errors
+        self._ratelog = ratelog
+        self._clock = clock
+        self._retry_s = retry_s
+        self._owed: dict[StreamId, str] = {}  # stream -> the reset's reason
+        self._orphan_retry_at = 0.0
 
-    _stalled: set[StreamId]
-    _pending_resets: dict[StreamId, str]
-    _orphan_retry_at: float
+    def owe(self, sid: StreamId, reason: str) -> None:
+        self._owed[sid] = reason
 
-    def _sink_failed(self: Applier, stream: Stream, first: int, last: int, exc: Exception) -> None:
-        stream.sink_errors += 1
-        self._errors.add("sink_error")
-        self._ratelog.error(
-            "sink_error",
-            "KV events: the sink failed on batches %d-%d of %s: %r",
-            first,
-            last,
-            stream.sid,
-            exc,
-        )
-        rec = stream.recovery
-        stream.tracker.rewind(first)
-        rec.resync_until = last if rec.resync_until is None else max(rec.resync_until, last)
-        if not stream.replay_endpoint:
-            # Nothing can bring these batches back: count them lost now.
-            self._lost(stream, last, last - first + 1, "the sink failed; no replay endpoint")
-            stream.tracker.skip_to(last + 1)
-            rec.resync_until = None
-        self._stall(stream)
+    def cancel(self, sid: StreamId) -> None:
+        self._owed.pop(sid, None)
 
-    def _stall(self: Applier, stream: Stream) -> None:
-        config = self._config
-        rec = stream.recovery
-        rec.backoff = min(config.retry_max_s, max(config.retry_initial_s, rec.backoff * 2))
-        rec.stalled_until = self._clock() + rec.backoff
-        self._stalled.add(stream.sid)
-        self._ready.pop(stream.sid, None)
+    def settle(self, sid: StreamId) -> bool:
+        """Run ``sid``'s owed reset, if any; False when the sink refused it."""
+        reason = self._owed.get(sid)
+        return reason is None or self.reset(sid, reason)
 
-    def _retry_due(self: Applier) -> None:
-        now = self._clock()
-        for sid in list(self._stalled):
-            stream = self._streams.get(sid)
-            if stream is None:
-                self._stalled.discard(sid)
-                continue
-            rec = stream.recovery
-            if rec.stalled_until is None or rec.stalled_until > now:
-                continue
-            self._stalled.discard(sid)
-            rec.stalled_until = None
-            self._guarded(stream, self._retry)
-        if now >= self._orphan_retry_at:
-            self._retry_orphan_resets()
-
-    def _retry(self: Applier, stream: Stream) -> None:
-        rec = stream.recovery
-        if not self._owns(stream) or stream.blocked or not self._ensure_reset(stream):
-            return
-        expected = stream.tracker.expected
-        until, rec.resync_until = rec.resync_until, None
-        if until is not None and expected is not None and expected <= until:
-            if self._can_replay(stream):
-                rec.resync_until = until
-                anchor = self._anchor(stream)
-                start = expected if anchor is None else anchor.seq
-                self._start_replay(stream, start, until, JobKind.GAP, anchor)
-                return
-            self._lost(stream, until, until - expected + 1, self._no_replay_reason(stream))
-            stream.tracker.skip_to(until + 1)
-        self._refresh_ready(stream)
-
-    def _ensure_reset(self: Applier, stream: Stream) -> bool:
-        """Run the stream's pending sink reset, if any; pause the stream if it fails."""
-        reason = self._pending_resets.get(stream.sid)
-        if reason is None:
-            return True
-        if self._try_reset(stream.sid, reason):
-            return True
-        self._stall(stream)
-        return False
-
-    def _try_reset(self: Applier, sid: StreamId, reason: str) -> bool:
+    def reset(self, sid: StreamId, reason: str) -> bool:
+        """Reset ``sid`` in the sink now; on success nothing is owed for it any more."""
         try:
             self._sink.reset(sid, reason)
         except Exception as exc:
@@ -111,23 +61,26 @@ class Resync:
                 exc,
             )
             return False
-        self._pending_resets.pop(sid, None)
+        self._owed.pop(sid, None)
         return True
 
-    def _retry_orphan_resets(self: Applier) -> None:
-        """Resets of removed streams that failed: retry until the sink takes them."""
-        failed = False
-        for sid, reason in list(self._pending_resets.items()):
-            if sid not in self._streams and not self._try_reset(sid, reason):
-                failed = True
-        self._orphan_retry_at = self._clock() + (self._config.retry_initial_s if failed else 0)
+    def reset_pod(self, pod: str, reason: str, live: Container[StreamId]) -> None:
+        """Run the owed resets of ``pod``'s streams that are not ``live``, as ``reason``."""
+        for sid in [s for s in self._owed if s.pod == pod and s not in live]:
+            self.reset(sid, reason)
 
-    def _next_retry(self: Applier) -> float:
-        due = float("inf")
-        for sid in self._stalled:
-            stream = self._streams.get(sid)
-            if stream is not None and stream.recovery.stalled_until is not None:
-                due = min(due, stream.recovery.stalled_until)
-        if self._pending_resets and any(s not in self._streams for s in self._pending_resets):
-            due = min(due, self._orphan_retry_at)
-        return due
+    def retry_orphans(self, now: float, live: Container[StreamId]) -> None:
+        """When due at ``now``: retry the owed resets of streams that are not ``live``."""
+        if now < self._orphan_retry_at:
+            return
+        failed = False
+        for sid, reason in list(self._owed.items()):
+            if sid not in live and not self.reset(sid, reason):
+                failed = True
+        self._orphan_retry_at = self._clock() + (self._retry_s if failed else 0)
+
+    def next_orphan_retry(self, live: Container[StreamId]) -> float:
+        """When :meth:`retry_orphans` has work next (inf: none owed outside ``live``)."""
+        if any(s not in live for s in self._owed):
+            return self._orphan_retry_at
+        return float("inf")

@@ -40,9 +40,8 @@ if _compiled is not None and not all(hasattr(_compiled, name) for name in _API):
 scanner: ModuleType | None = _compiled
 
 #: Payloads at least this long are scanned with the GIL released, so the applier thread
-#: can run on another core meanwhile (bench_ingest, ABBA at load average 6-7 on 2 cores,
-#: unpinned: 0.92-1.19 M blocks/s with the release against 0.62-0.76 M without, 8 events
-#: per message; pinned to one core no loss was seen). A tiny payload is not worth it.
+#: can run on another core meanwhile (``bench_ingest.py`` unpinned shows the gain). A
+#: tiny payload is not worth the release.
 RELEASE_GIL_BYTES = 2048
 
 _BATCHES = {layout: msgspec.msgpack.Decoder(t) for layout, t in BATCH_TYPES.items()}

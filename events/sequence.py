@@ -3,20 +3,7 @@
 Every vLLM engine numbers its batches 0, 1, 2, ... and starts again at 0 when its
 process restarts. PUB/SUB delivers a connection's messages in order but drops them
 silently past the high-water mark, so the seq numbers are the only evidence of what
-happened:
-
-* the next live seq equals the one expected → apply it;
-* it is higher → messages were lost (a gap): fetch them by replay, or accept the loss;
-* it is at or below a seq already *received live* → the engine restarted. Live delivery
-  is in order and never repeats, so a repeat can only be a new process counting from 0;
-* it is more than :data:`MAX_PLAUSIBLE_GAP` above the next expected seq → not a loss
-  any engine could have had: a new incarnation (or a corrupt seq frame), handled like a
-  restart, never counted as that many missed batches;
-* it is below the next expected seq but above every seq received live → a replay already
-  applied it: a duplicate. This is why two numbers are tracked: the highest seq received
-  live and the next seq to apply (which a replay can move past the live stream);
-* the first seq ever seen is above 0 → the subscriber joined late: catch up by replay
-  from 0 when the engine still buffers it.
+happened; :class:`SequenceTracker` reads them (the rules are in its docstring).
 """
 
 from __future__ import annotations
@@ -74,7 +61,21 @@ class SequenceTracker:
     ``expected`` is the next seq to apply (None before the first one); ``highest_live``
     the highest seq received on the live socket (None likewise). The tracker only
     classifies; the caller reports what it did with :meth:`applied`, :meth:`skip_to`,
-    :meth:`rewind` and :meth:`restart`.
+    :meth:`rewind` and :meth:`restart`. A live seq that is:
+
+    * the one expected → apply it;
+    * higher → messages were lost (a gap): fetch them by replay, or accept the loss;
+    * at or below a seq already *received live* → the engine restarted. Live delivery
+      is in order and never repeats, so a repeat can only be a new process counting
+      from 0;
+    * more than :data:`MAX_PLAUSIBLE_GAP` above the next expected seq → not a loss any
+      engine could have had: a new incarnation (or a corrupt seq frame), handled like a
+      restart, never counted as that many missed batches;
+    * below the next expected seq but above every seq received live → a replay already
+      applied it: a duplicate. This is why two numbers are tracked: a replay can move
+      the next seq to apply past the live stream;
+    * the first seq ever seen, above 0 → the subscriber joined late: catch up by replay
+      from 0 when the engine still buffers it.
     """
 
     __slots__ = ("expected", "highest_live")

@@ -1,29 +1,14 @@
 """SGLang KV-cache events, decoded into the structs vLLM's decode gives.
 
-SGLang publishes vLLM's framing (three ZMQ frames, ``[ts, events, attn_dp_rank]``,
-replay replies ``[b"", topic, seq, payload]``), but its events differ. Facts, read in
-the released wheels (``sglang/srt/disaggregation/kv_events.py``):
-
-* 0.4.9-0.5.5: array events ``[tag, block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id]``, ``["BlockRemoved", block_hashes]``; a block's hash is Python's
-  ``hash(tuple(page_tokens))`` (a signed int64 of that page alone, not chained);
-* 0.5.10-0.5.17: ``medium`` appended to both (``GPU``, ``CPU_PINNED``; 0.5.15 adds
-  ``DISK`` and ``EXTERNAL``); hashes are the first 8 bytes of a SHA-256 page chain as a
-  **signed** int64;
-* 0.5.18-0.5.19: a salted store appends ``metadata: {"cache_salt": str}`` at position 7;
-* 0.5.20 on: map events (``{"type": tag, ...}``, fields at their default left out) with
-  ``cache_salt`` and ``session_id``; 0.5.23 adds ``lora_name``.
-
-So about half the hashes are negative, and position 7 of an array event is a map where
-vLLM has ``lora_name``: vLLM's decoder rejects or misreads them. The structs here accept
-both engines' events (a model served by vLLM and SGLang pods decodes with them) and
-:func:`normalise` turns each into the vLLM structs ingest knows: a hash becomes its
-uint64 bits, ``CPU_PINNED`` the ``CPU`` tier and ``DISK`` the ``STORAGE`` tier, an
-``EXTERNAL`` store (a pool shared by every instance, like vLLM's ``REMOTE`` locality)
-``locality="REMOTE"``, and the salt of a chain's first store a bare ``extra_keys``
-item on its first block, as vLLM <= 0.30 sends it. SGLang's hashes are opaque ids
-(its docstring: "consumers index the emitted hashes rather than recompute them"), so a
-model with SGLang pods is keyed by token content (``key_mode: tokens``).
+SGLang publishes vLLM's framing but its own events (the facts, by release, are in
+:class:`SglangBatchDecoder`): about half its hashes are negative, and position 7 of an
+array event is a map where vLLM has ``lora_name``, so vLLM's decoder rejects or misreads
+them. The structs here accept both engines' events and :func:`normalise` turns each into
+the vLLM structs ingest knows: a hash becomes its uint64 bits, ``CPU_PINNED`` the ``CPU``
+tier and ``DISK`` the ``STORAGE`` tier, an ``EXTERNAL`` store (a pool shared by every
+instance) ``locality="REMOTE"``, and the salt of a chain's first store a bare
+``extra_keys`` item on its first block, as vLLM <= 0.30 sends it. SGLang's hashes are
+opaque ids, so a model with SGLang pods is keyed by token content (``key_mode: tokens``).
 """
 
 from __future__ import annotations
@@ -235,7 +220,22 @@ def decode_load(payload: bytes) -> LoadStat:
 
 class SglangBatchDecoder:
     """:class:`~kvindex.events.wire.BatchDecoder`'s contract for models served by SGLang
-    pods (alone or beside vLLM ones): same skip reasons, events normalised."""
+    pods (alone or beside vLLM ones): same skip reasons, events normalised.
+
+    SGLang publishes vLLM's framing (three ZMQ frames, ``[ts, events, attn_dp_rank]``,
+    replay replies ``[b"", topic, seq, payload]``), but its events differ. Facts, read in
+    the released wheels (``sglang/srt/disaggregation/kv_events.py``):
+
+    * 0.4.9-0.5.5: array events ``[tag, block_hashes, parent_block_hash, token_ids,
+      block_size, lora_id]``, ``["BlockRemoved", block_hashes]``; a block's hash is Python's
+      ``hash(tuple(page_tokens))`` (a signed int64 of that page alone, not chained);
+    * 0.5.10-0.5.17: ``medium`` appended to both (``GPU``, ``CPU_PINNED``; 0.5.15 adds
+      ``DISK`` and ``EXTERNAL``); hashes are the first 8 bytes of a SHA-256 page chain as a
+      **signed** int64;
+    * 0.5.18-0.5.19: a salted store appends ``metadata: {"cache_salt": str}`` at position 7;
+    * 0.5.20 on: map events (``{"type": tag, ...}``, fields at their default left out) with
+      ``cache_salt`` and ``session_id``; 0.5.23 adds ``lora_name``.
+    """
 
     def __init__(self) -> None:
         self._batches = {

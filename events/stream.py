@@ -7,10 +7,9 @@ Messages reach the applier through the stream's :class:`~kvindex.events.inbox.La
 replay results and control calls through the inbox's command queue.
 
 Everything a recovery decision depends on that belongs to *one engine incarnation* (the
-replay in flight, the replay cooldown, retry backoff, undelivered and dropped ranges,
-loss marks, the last applied batch) lives in :class:`Recovery`, which is replaced as a
-whole when the engine restarts: a new engine never inherits its predecessor's cooldown
-or gaps (issue 10 item 2).
+replay in flight, the replay cooldown, retry backoff, undelivered ranges, loss marks,
+the last applied batch) lives in :class:`Recovery`, which is replaced as a whole when the
+engine restarts: a new engine never inherits its predecessor's cooldown or gaps.
 """
 
 from __future__ import annotations
@@ -91,10 +90,6 @@ class Recovery:
     #: ``(seq, payload)`` of the last batch applied in the turn being delivered (becomes
     #: ``anchor`` once the delivery succeeded; a tuple, not an Anchor: once per batch).
     pending_anchor: tuple[int, bytes] | None = None
-
-    @property
-    def replaying(self) -> bool:
-        return self.replay_job is not None
 
     @property
     def blocked(self) -> bool:

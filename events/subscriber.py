@@ -1,80 +1,16 @@
 """The subscriber: every engine's KV-event stream, in order, into one BatchSink.
 
-Topologies (both may be used at once):
+Topologies (both at once is fine): **bind**, one SUB socket every engine's PUB connects
+to, the topic ``kv@<pod>@<model>`` the only sender identity; **connect**, one SUB socket
+per engine endpoint, which identifies the pod unless the topic does.
 
-* **bind** - one SUB socket that every engine's PUB connects to (engines configured with
-  a non-wildcard endpoint such as ``tcp://kvindex:5557``). The topic ``kv@<pod>@<model>``
-  is the only sender identity.
-* **connect** - one SUB socket per engine endpoint (``tcp://<pod-ip>:5557``, vLLM's
-  default ``tcp://*:5557`` on the engine side). The endpoint identifies the pod unless
-  the topic does.
-
-Threads and where work happens (this module only wires them together):
-
-* the **receiver** thread (:mod:`kvindex.events.receiver`) owns every SUB socket, checks
-  framing, attributes each message to a stream - ``StreamId(pod, rank)``, the rank read
-  from the batch envelope - and appends it to that stream's bounded lane in the
-  :mod:`~kvindex.events.inbox`;
-* the **applier** thread (:mod:`kvindex.events.applier`) owns every stream's state
-  (:mod:`kvindex.events.stream`) and is the only one to write it: it drains the streams
-  round-robin, at most ``batches_per_turn`` at a time so a flooding pod cannot starve the
-  others, runs the sequence state machine (:mod:`kvindex.events.sequence`) and the
-  recovery decisions (:mod:`kvindex.events.recovery`, :mod:`kvindex.events.ownership`),
-  decodes, and calls the sink - the sink is only ever called from this thread;
-* **replay workers** (:mod:`kvindex.events.replaying`) fetch missed batches, so a slow or
-  dead replay endpoint delays nothing but its own stream; results come back as commands
-  through the inbox. While a stream replays, its live messages wait; the replayed
-  batches are validated, applied first, duplicates dropped, then the queue resumes;
-* control calls (``forget_pod``, ``connect``) are commands through the inbox too.
-
-Loss and recovery:
-
-* **Queue overflow**: when a stream's queue is full (``queue_capacity`` messages, or
-  past its share of ``queue_bytes`` for every queue, by default a quarter of the memory
-  the process may use) the *newest* message is dropped and counted (``queue_overflow``).
-  Keeping the oldest keeps the queue contiguous; the seq gap the drop leaves is seen on
-  the next message and recovered by the normal replay path, exactly like a message PUB
-  dropped.
-* **Gap**: replay from the engine's replay endpoint (connect mode:
-  ``PodEndpoint.replay_endpoint``; bind mode: what the ``replay_resolver`` says,
-  :mod:`kvindex.events.replay_endpoints`, by default ``tcp://<pod host>:<replay_port +
-  rank>``). The replay starts *at* the last applied seq
-  and its digest must match (an engine that restarted and overtook its old seq unseen
-  is caught here and reset). Every reply is validated; bad ones are counted by reason
-  (``bad_replay_*``) and discarded. If there is no replay endpoint, or it fails or times
-  out, the loss is counted (``missed_batches``), the stream is marked ``gapped`` and
-  ingestion goes on.
-* **Restart** (seq went backwards, or the anchor check failed):
-  ``sink.reset(stream, "engine_restart")`` before the new engine's first batch, fresh
-  recovery state (no inherited cooldown or gap); then catch up from seq 0 by replay if
-  the first seen is > 0. History that cannot be fetched leaves the stream
-  ``incomplete`` until the engine sends AllBlocksCleared or restarts.
-* **Stream table**: unpinned streams (pod neither configured nor discovered) idle for
-  ``stream_idle_s`` are evicted and their pod reset; a full table makes room by evicting
-  the least recently active unpinned stream that never delivered or is idle.
-* **Sink failure** (``deliver`` raised, e.g. the Redis backend is down): counted
-  (``sink_error``), logged (rate limited); the stream's next seq to apply stays at the
-  first undelivered batch and the stream pauses with exponential backoff. At the retry
-  the undelivered batches are fetched again by replay, so nothing is lost silently when
-  the backend returns; without a replay endpoint they are counted as missed.
-* **Bad input** of every kind is skipped and counted by reason (:meth:`error_counts`) and
-  logged at most once per ``log_interval_s`` per reason; the next valid message applies.
-
-Several replicas (a :class:`~kvindex.events.gate.StreamGate`, optional):
-
-* Before applying a stream the applier asks the gate. **Not owned**: another replica
-  applies it; its batches are dropped here (counted ``not_owner``) and the stream stands
-  by (state ``standby``), remembering only the last seq it saw. **Unknown** (the gate's
-  store is unreachable): the batches stay queued, bounded like any queue, and nothing is
-  applied until the gate can tell. **Owned under a new epoch** (just acquired, or
-  re-acquired after the lease lapsed): local sequence state is dropped and the stream
-  resumes after the seq the gate says was applied last; batches seen while standing by
-  are fetched again by replay.
-* After every successful delivery the gate is told the last applied seq and its payload
-  digest, which is what the next owner resumes from: it replays from that seq and checks
-  the digest (a mismatch is a restart: reset; a seq the engine no longer has leaves the
-  stream ``incomplete``). Ownership is re-checked every ``ownership_check_s`` even
-  for idle streams, so a takeover does not wait for the pod's next batch.
+This module only wires the threads together. The **receiver** thread
+(:mod:`~kvindex.events.receiver`) owns every socket and queues each message on its
+stream's lane in the :mod:`~kvindex.events.inbox`; the **applier** thread
+(:mod:`~kvindex.events.applier`) owns every stream's state and is the only caller of the
+sink; **replay workers** (:mod:`~kvindex.events.replaying`) fetch missed batches and
+answer through the inbox, as control calls (``forget_pod``, ``connect``) do. What is
+lost, recovered and reported, and when: docs/correctness.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """vLLM KV-cache event structs, as every vLLM release from 0.9 to 0.33 puts them on the wire.
 
 The schema is the types: one decoder call turns a payload into typed structs, and the
-decoder is the validator. Two layouts exist:
-
-* up to vLLM 0.23 each event is a positional msgpack array with its tag first
-  (``["BlockStored", hashes, parent, ...]``); fields were appended over releases
-  (medium 0.10.2, lora_name 0.14, extra_keys 0.17, group_idx 0.20, spec kind/window
-  0.22) and trailing fields at their default may be omitted;
-* from vLLM 0.24 each event is a msgpack map with a ``"type"`` key, fields at their
-  default omitted, and new fields added since (locality 0.26, ownership 0.29,
-  session_id 0.30, lookahead_token_ids 0.33).
-
-A batch is ``[ts, events, data_parallel_rank]``, a positional array in every release so
-far; a batch sent as a map with those keys decodes too (unknown keys ignored), so a
-future vLLM that drops ``array_like`` from its ``EventBatch`` keeps working.
-
-msgspec cannot put array-like and map-like structs in one union, so each layout has its
-own struct family; the map structs subclass the array ones, so ``isinstance(event,
-BlockStored)`` holds for both and consumers never see the layout. Fields this project
-does not use are left out: msgspec ignores unknown map keys and extra trailing array
-items, so newer vLLM fields never break decoding.
+decoder is the validator. Events come in two layouts (:class:`Layout`); msgspec cannot
+put array-like and map-like structs in one union, so each has its own struct family, the
+map structs subclassing the array ones, so ``isinstance(event, BlockStored)`` holds for
+both and consumers never see the layout. A batch is ``[ts, events, data_parallel_rank]``,
+a positional array in every release so far; a batch sent as a map with those keys
+decodes too, so a future vLLM that drops ``array_like`` from its ``EventBatch`` keeps
+working. Fields kvindex does not use are left out: msgspec ignores unknown map keys and
+extra trailing array items, so newer vLLM fields never break decoding.
 """
 
 from __future__ import annotations
@@ -44,7 +33,18 @@ _U64_MASK = 2**64 - 1
 
 
 class Layout(enum.Enum):
-    """How a vLLM release lays out events inside a batch."""
+    """How a vLLM release lays out events inside a batch.
+
+    The two layouts:
+
+    * up to vLLM 0.23 each event is a positional msgpack array with its tag first
+      (``["BlockStored", hashes, parent, ...]``); fields were appended over releases
+      (medium 0.10.2, lora_name 0.14, extra_keys 0.17, group_idx 0.20, spec kind/window
+      0.22) and trailing fields at their default may be omitted;
+    * from vLLM 0.24 each event is a msgpack map with a ``"type"`` key, fields at their
+      default omitted, and new fields added since (locality 0.26, ownership 0.29,
+      session_id 0.30, lookahead_token_ids 0.33).
+    """
 
     ARRAY = "array"  # vLLM <= 0.23
     MAP = "map"  # vLLM >= 0.24

@@ -1,4 +1,5 @@
-"""Recovery decisions (events/recovery.py, events/ownership.py), without sockets."""
+"""Recovery decisions (events/recovery.py, events/ownership.py, and the stream table's
+eviction choices in events/stream_table.py), without sockets."""
 
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ from kvindex.events.recovery import (
     AnchorCheck,
     ReplayRequest,
     check_replay,
-    eviction_victim,
-    idle_victims,
     payload_digest,
 )
 from kvindex.events.stream import JobKind
+from kvindex.events.stream_table import eviction_victim, idle_victims
 
 
 def batch(n: int) -> bytes:

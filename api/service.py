@@ -224,9 +224,7 @@ class Service:
         self.load = self.routing.loads  # started and stopped with the service
         self.speculative = self.routing.speculative  # /score shows them too
         self.registry.register(RouteCollector(self.routing))
-        self.registry.register(
-            LoadCollector(self.load, self.routing.ledger, self.routing.outliers)
-        )
+        self.registry.register(LoadCollector(self.load, self.routing.ledger, self.routing.outliers))
         self.registry.register(SpeculativeCollector(self.speculative))
         self.registry.register(EventLagCollector(self.event_lag))
         self.route_view = RouteView(self.known_pods, self.directory.index_doubts)

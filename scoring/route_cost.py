@@ -161,10 +161,10 @@ def pod_costs(
     load_only: bool = False,
     future_tokens: float = 0.0,
 ) -> list[CostTerms]:
-    """:func:`pod_cost` of each of ``pods``, in one loop: it runs for every candidate of
-    every /route request, so the per-request constants are computed once and the loop
-    body is plain arithmetic. (:mod:`kvindex.scoring.route_pass` repeats this body term
-    for term; ``tests/test_route_pass.py`` holds the two equal.)"""
+    """:func:`pod_cost` of each of ``pods``, in one loop: the per-request constants are
+    computed once and the loop body is plain arithmetic. The formula's one Python
+    reference: ``scoring/_route_pass.c`` computes the same float operations in the same
+    order, and ``tests/test_route_pass.py`` holds the two equal."""
     if prompt_tokens > 0:
         total_blocks = -(-prompt_tokens // block_size)
         cap = (prompt_tokens - 1) // block_size

@@ -229,9 +229,7 @@ class Routing:
         pod = pods[done.chosen]
         view = request.view
         route_id = self._enter(request, pod, done.confirmed, done.usable)
-        return Routed(
-            route_id, pod, 0, done.reason, done.rows, view.warnings, future, excluded
-        )
+        return Routed(route_id, pod, 0, done.reason, done.rows, view.warnings, future, excluded)
 
     def _decide_targets(
         self,

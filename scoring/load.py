@@ -34,7 +34,7 @@ from kvindex.scoring.outlier import Outcome, OutlierDetector
 
 log = logging.getLogger(__name__)
 
-_MAX_BODY_BYTES = 8 * 1024 * 1024  # a vLLM metrics page is ~100 KB
+_MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any vLLM metrics page: a bound, not a size
 
 
 class PodLoad(msgspec.Struct, frozen=True, gc=False):

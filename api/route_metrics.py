@@ -1,65 +1,72 @@
 """What ``/route`` exports on ``/metrics``: decisions by reason, the speculative entries'
 lifecycle, each pod's scrape errors and staleness, in-flight routes, and each stream's
-event lag. Read at scrape time from the objects that hold the numbers (the load view,
-the speculative index, the lag tracker), which hold no registry themselves."""
+event lag. Read at scrape time from the objects that hold the numbers (the routing
+state, the load view, the speculative index, the lag tracker), which hold no registry
+themselves."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvindex.scoring.event_lag import EventLag
+    from kvindex.scoring.inflight import InFlightLedger
     from kvindex.scoring.load import LoadView
+    from kvindex.scoring.outlier import OutlierDetector
+    from kvindex.scoring.routing import Routing
     from kvindex.scoring.speculative import SpeculativeIndex
 
 
-class RouteMetrics:
-    """What /route records per decision."""
+class RouteCollector(Collector):
+    """What /route decided: decisions by reason, P/D outcomes and saturated decisions,
+    read at scrape time from :class:`~kvindex.scoring.routing.Routing`'s counts."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.decisions = Counter(
+    def __init__(self, routing: Routing) -> None:
+        self._routing = routing
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        routing = self._routing
+        decisions = CounterMetricFamily(
             "kvindex_route_decisions",
             "Routing decisions by reason: prefix, load, "
             "fallback_backend_down, fallback_unknown_model, fallback_tokenizer_unavailable, "
             "fallback_multimodal, fallback_untokenizable, "
             "least_bad (no pod admissible, the cheapest chosen), no_capacity (answered 429).",
-            ["reason"],
-            registry=registry,
+            labels=["reason"],
         )
-        self.prefill = Counter(
+        for reason, count in routing.decision_counts().items():
+            decisions.add_metric([str(reason)], count)
+        yield decisions
+        prefill = CounterMetricFamily(
             "kvindex_route_prefill_decisions",
             "P/D routes by outcome: remote (a prefill pod chosen) or local (the uncached "
             "part is under --pd-threshold, or the prefill pod is the decode pod).",
-            ["outcome"],
-            registry=registry,
+            labels=["outcome"],
         )
-
-        self.saturated = Counter(
+        for outcome, count in routing.prefill_counts().items():
+            prefill.add_metric([outcome], count)
+        yield prefill
+        saturated = CounterMetricFamily(
             "kvindex_route_saturated",
             "Routing decisions taken while no candidate with known load had KV-cache room "
             "(usage at most --max-kv-usage): every candidate was admitted and the cost chose.",
-            registry=registry,
         )
-        self._by_reason: dict[str, Any] = {}
-
-    def decided(self, reason: str) -> None:
-        child = self._by_reason.get(reason)
-        if child is None:  # labels() takes a lock and builds a key: once per reason
-            child = self._by_reason[reason] = self.decisions.labels(reason)
-        child.inc()
+        saturated.add_metric([], routing.saturated_count())
+        yield saturated
 
 
 class LoadCollector(Collector):
-    """The load view's scrape failures and staleness and the in-flight ledger, per pod,
-    read at scrape time."""
+    """The load view's scrape failures and staleness, the in-flight ledger per pod and
+    the ejections, read at scrape time."""
 
-    def __init__(self, view: LoadView) -> None:
+    def __init__(self, view: LoadView, ledger: InFlightLedger, outliers: OutlierDetector) -> None:
         self._view = view
+        self._ledger = ledger
+        self._outliers = outliers
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         from kvindex.scoring.load import PodLoad, Unknown
@@ -99,10 +106,10 @@ class LoadCollector(Collector):
             "not done (nor past --route-ttl).",
             labels=["pod"],
         )
-        for pod, count in sorted(self._view.ledger.all().items()):
+        for pod, count in sorted(self._ledger.all().items()):
             flying.add_metric([pod], count.requests)
         yield flying
-        outliers = self._view.outliers
+        outliers = self._outliers
         ejections = CounterMetricFamily(
             "kvindex_route_ejections",
             "Pods ejected from routing after failures reported for them (connect errors, "

@@ -1,12 +1,12 @@
-"""What ``/route`` reads about the cluster on every request, read at most every 0.5 s.
+"""What ``/route`` reads about the cluster on every request, re-read at most every
+``max_age_s``.
 
 Which pods exist (the candidates when a request names none, and the only pods it may
-name) and which pods' index entries are in doubt (what each one's prefix is credited)
-come from the subscriber and the index: a snapshot of every stream is a few µs per
-stream, so at 64 pods reading them per request cost more than the whole routing
-decision. A pod that appeared, or a stream that gapped, in the last half second is seen
-at the next refresh: as late as the load figures (scraped every second), and a stream's
-gap is itself detected only when the next batch arrives.
+name) and which pods' index entries are in doubt come from the subscriber and the index:
+reading every stream per request would cost more than the routing decision itself. A
+pod that appeared, or a stream that gapped, since the last read is seen at the next one:
+no later than the load figures, and a gap is itself seen only when the next batch
+arrives.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from kvindex.api.peers import PeerRecovery, parse_peers
 from kvindex.api.route_metrics import (
     EventLagCollector,
     LoadCollector,
-    RouteMetrics,
+    RouteCollector,
     SpeculativeCollector,
 )
 from kvindex.api.route_view import RouteView
@@ -73,7 +73,6 @@ from kvindex.api.service_parts import (
     make_index_work,
     make_leases,
     make_routing,
-    make_speculative,
     parse_connect,
     replay_endpoints,
     snapshot_backend,
@@ -219,10 +218,13 @@ class Service:
         clock = self.route_clock or time.monotonic
         if route_seed is None:
             route_seed = settings.scoring.route_seed
-        self.load, self.router = make_routing(settings, self.known_pods, route_seed, clock)
-        self.route_metrics = RouteMetrics(self.registry)
-        self.registry.register(LoadCollector(self.load))
-        self.speculative = make_speculative(settings, clock)
+        self.routing = make_routing(
+            settings, self.known_pods, self.event_lag, self.roles, route_seed, clock
+        )
+        self.load = self.routing.loads  # started and stopped with the service
+        self.speculative = self.routing.speculative  # /score shows them too
+        self.registry.register(RouteCollector(self.routing))
+        self.registry.register(LoadCollector(self.load, self.routing.ledger, self.routing.outliers))
         self.registry.register(SpeculativeCollector(self.speculative))
         self.registry.register(EventLagCollector(self.event_lag))
         self.route_view = RouteView(self.known_pods, self.directory.index_doubts)

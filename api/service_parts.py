@@ -1,6 +1,6 @@
 """Building each part of a :class:`~kvindex.api.service.Service` from Settings: the
 backend, leases, off-loop index work, the snapshot's backend, replay endpoints, connect
-targets, the router, speculative entries and static pod roles. One factory per part, so
+targets, the routing state and decision, and static pod roles. One factory per part, so
 the composition root reads as a list of parts and each rule lives in one place.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,10 +29,13 @@ from kvindex.events.replay_endpoints import (
 )
 from kvindex.indexer.backend import IndexBackend
 from kvindex.indexer.memory import MemoryBackend
+from kvindex.scoring.event_lag import EventLag
+from kvindex.scoring.inflight import InFlightLedger
 from kvindex.scoring.load import LoadView
 from kvindex.scoring.outlier import EjectionPolicy, OutlierDetector
 from kvindex.scoring.pd import Role, parse_role
 from kvindex.scoring.router import Admission, Router
+from kvindex.scoring.routing import Routing
 from kvindex.scoring.speculative import SpeculativeIndex
 
 if TYPE_CHECKING:
@@ -181,12 +184,14 @@ def parse_connect(
 def make_routing(
     settings: Settings,
     pods: Callable[[], Iterable[str]],
+    event_lag: EventLag,
+    roles: Callable[[], Mapping[str, Role]],
     seed: int | None = None,
     clock: Callable[[], float] = time.monotonic,
-) -> tuple[LoadView, Router]:
-    """/route's parts: the load view scraping every known pod, and the router; ``clock``
-    ages their state (the ledger, session homes, ejections, scrape ages), ``seed`` seeds
-    the router's tie-breaks."""
+) -> Routing:
+    """/route's parts: the load view scraping every known pod, and the routing state and
+    decision over it; ``clock`` ages their state (the ledger, session homes, speculative
+    entries, ejections, scrape ages), ``seed`` seeds the router's tie-breaks."""
     scoring = settings.scoring
     if scoring.load_interval <= 0 or scoring.load_timeout <= 0:
         raise ConfigError("--load-interval and --load-timeout must be positive")
@@ -206,20 +211,31 @@ def make_routing(
         raise ConfigError("--eject-base must be positive and --eject-max-percent in 0..100")
     if scoring.pd_threshold < 0:
         raise ConfigError(f"--pd-threshold {scoring.pd_threshold}: must be >= 0")
+    outliers = OutlierDetector(
+        EjectionPolicy(scoring.eject_after, scoring.eject_base, scoring.eject_max_percent),
+        clock,
+    )
     view = LoadView(
         interval_s=scoring.load_interval,
         timeout_s=scoring.load_timeout,
         stale_after_s=scoring.load_stale_after or None,
         clock=clock,
         pods_source=pods,
-        outliers=OutlierDetector(
-            EjectionPolicy(scoring.eject_after, scoring.eject_base, scoring.eject_max_percent),
-            clock,
-        ),
+        outliers=outliers,
     )
     admission = Admission(scoring.max_kv_usage, scoring.max_waiting)
     least_bad = scoring.when_full == "least_bad"
-    return view, Router(scoring.route_weights, admission, seed, least_bad=least_bad)
+    return Routing(
+        Router(scoring.route_weights, admission, seed, least_bad=least_bad),
+        view,
+        InFlightLedger(clock),
+        make_speculative(settings, clock),
+        outliers,
+        event_lag,
+        roles,
+        route_ttl=scoring.route_ttl,
+        pd_threshold=scoring.pd_threshold,
+    )
 
 
 def make_speculative(

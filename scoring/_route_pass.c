@@ -1,37 +1,23 @@
-/* /route's one-pass candidate loop (scoring/route_pass.py's _rows_python), compiled.
- *
- * Why C: the loop reads each candidate pod's load, match, speculative blocks and
- * in-flight routes, computes the four cost terms and admission, and builds the answer
- * row: ~4 us of interpreted Python per pod, ~260 us at 64 pods, more than /route's whole
- * budget over /score (issue 11: 0.2 ms). Here it is a fraction of a microsecond per pod
- * plus the row's construction.
+/* /route's one-pass candidate loop (scoring/route_pass.py), compiled: the loop runs for
+ * every candidate of every /route request, and interpreted it cost more than the rest of
+ * the decision.
  *
  * rows(pods, matches, speculative, loads, in_flight, heard, podload_type, row,
  *      refusal, consts)
  *   -> None | (rows, totals, load_terms, usables, admitted, dropped, refused)
  *
  * rows: row(...) per pod; dropped: the pods that restarted unheard; refused: "pod: why"
- * for each pod refused admission.
+ * for each pod refused admission. None where a pod has several engines (the general
+ * path decides). consts = (load_only, prompt_tokens, block_size, total_blocks, cap,
+ * w_prefix, w_queue, w_decode, w_kv, max_kv, max_waiting, pending_waiting, future,
+ * busiest_sharing, busiest_queued): route_pass._kernel_consts.
  *
- * (Writing the rows' JSON here instead of building row objects for msgspec to encode
- * was tried: no faster, since formatting the ~450 floats is most of msgspec's time.)
- *
- * Exactly the Python loop's semantics, term for term: the same double operations in the
- * same order (built with -ffp-contract=off, so no fused multiply-add), the same objects
- * passed through to the rows (a pod's kv_usage as its load holds it), None where the
- * Python loop answers None (a pod with several engines: the general path decides).
- * consts = (load_only, prompt_tokens, block_size, total_blocks, cap, w_prefix, w_queue,
- * w_decode, w_kv, max_kv, max_waiting, pending_waiting, future, busiest_sharing,
- * busiest_queued).
- *
- * No input can overflow the loop: every per-pod count (requests running and waiting,
- * in-flight routes, their prefill tokens, matched and speculative blocks) is read
- * clamped to 0..COUNT_MAX, as the Python loop clamps it (route_pass.COUNT_MAX), so a
- * sum of two is far inside 64 bits and a count times a prompt's tokens (which the
- * request limits bound far below 2^32) too. Real counts are far below the bound (the
- * scraper refuses a page past a million requests): the clamp is what keeps a figure
- * that got past those checks from failing every /route, not a rule that decides.
- * tests/test_route_pass.py runs both and compares every row.
+ * The cost is route_cost.pod_costs, the formula's Python reference, term for term: the
+ * same double operations in the same order (built with -ffp-contract=off, so no fused
+ * multiply-add). Every per-pod count is read clamped to 0..COUNT_MAX, as
+ * route_pass._rows_python clamps it, so neither a sum of two nor a count times the
+ * prompt's tokens (bounded by the request limits) overflows 64 bits, whatever a scraped
+ * page says. tests/test_route_pass.py compares every row.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -39,8 +25,8 @@
 
 /* An attribute read by name, the way PyObject_GetAttr reads it, but for the slot of a
  * msgspec Struct or slots dataclass (a member descriptor) straight from the object at
- * the slot's offset, which is resolved once per type: the loop reads ~11 attributes per
- * pod. Anything else (a property, a subclass overriding the name, an empty slot) goes
+ * the slot's offset, which is resolved once per type: the loop reads a dozen attributes
+ * per pod. Anything else (a property, a subclass overriding the name, an empty slot) goes
  * through PyObject_GetAttr. */
 typedef struct {
     const char *text;

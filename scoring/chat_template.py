@@ -1,25 +1,14 @@
 """Chat templates rendered exactly as transformers renders them, without transformers.
 
-vLLM renders a chat request with ``tokenizer.apply_chat_template``. Any difference in
-the text we render (an escaped ``<``, a re-ordered JSON key, a missing global) changes
-the tokens, and a prompt that vLLM has cached then scores as a miss with no error. So
-the Jinja environment here is a copy of transformers' own (``_compile_jinja_template``
-in ``transformers/utils/chat_template_utils.py``, transformers 5.16-5.20, the range vLLM
-0.33 requires):
-
-- ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the
-  ``loopcontrols`` extension (``{% break %}``, ``{% continue %}``) and a
-  ``{% generation %}`` block tag that renders its body unchanged;
-- a ``tojson`` filter that is ``json.dumps`` with ``ensure_ascii=False`` and no key
-  sorting (Jinja's own escapes ``<``, ``>``, ``&``, ``'`` and sorts keys), with
-  ``indent``, ``separators`` and ``sort_keys`` options;
-- the globals ``raise_exception`` and ``strftime_now``;
-- the template variables: the tokenizer's named special tokens (``bos_token``,
-  ``eos_token``, ...) overridden by the request's keyword arguments, then
-  ``messages``, ``tools``, ``documents`` and ``add_generation_prompt``.
-
-kvindex only needs jinja2 for this; transformers is the reference the tests compare
-against, never imported at run time.
+vLLM renders a chat request with ``tokenizer.apply_chat_template``; any difference in
+the text (an escaped ``<``, a re-ordered JSON key, a missing global) changes the tokens,
+and a cached prompt then scores as a miss with no error. So the Jinja environment is a
+copy of transformers' own (``_compile_jinja_template``, transformers 5.16-5.20, the range
+vLLM 0.33 requires): a sandboxed environment with ``trim_blocks``, ``lstrip_blocks``,
+loop controls and a ``{% generation %}`` tag; a ``tojson`` that neither escapes nor sorts
+keys; the globals ``raise_exception`` and ``strftime_now``; the tokenizer's special
+tokens overridden by the request's keyword arguments. transformers is the reference the
+tests compare against, never imported at run time.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """OpenAI chat messages turned into the conversation vLLM hands its chat template.
 
-vLLM does not pass a request's ``messages`` to the template as they come: it rebuilds
-each message (vLLM 0.33, ``vllm/renderers/chat_utils/chat_message.py`` and
-``vllm/renderers/hf.py``), and the rendered prompt depends on every step. These are the
-steps for text conversations, as pure functions:
-
-- Content parts become one string joined with ``"\\n"`` when the template treats
-  ``content`` as a string, or a list of ``{"type": "text", "text": ...}`` parts when the
-  template loops over it (the "openai" content format, detected from the template's
-  syntax tree); a plain string content becomes one text part in that case.
-- Only the fields vLLM keeps survive: ``role``, ``content``, and per role
-  ``tool_calls`` and ``reasoning``/``reasoning_content`` (assistant), ``tool_call_id``
-  (tool), ``name``, ``task``, ``tools`` (developer).
-- Assistant tool calls: ``arguments`` given as a JSON string become an object (``{}``
-  when empty or not a JSON object); an empty ``tool_calls`` list is dropped.
-- ``developer`` messages become ``system`` ones (merged into a single first system
-  message) when the template never mentions the ``developer`` role.
-- Tools are rebuilt as vLLM's request model dumps them: ``{"type": "function",
-  "function": {"name", "description", "parameters"}}`` with absent fields as null.
-
-Multimodal parts (images, audio, video, files, embeddings) raise MultimodalContent and
-other part types Untokenizable: their placeholders and hashes are the engine's business
-and kvindex cannot compute the blocks of such a conversation (``/route`` and the gateway
-route it by load).
+vLLM 0.33 rebuilds each message before rendering (``vllm/renderers/chat_utils/
+chat_message.py``, ``vllm/renderers/hf.py``), and the prompt depends on every step; these
+are the steps for text conversations, as pure functions: content parts joined with
+``"\n"``, or kept as text parts when the template loops over ``content`` (the "openai"
+content format, read from the template's syntax tree); only the fields vLLM keeps per
+role; tool-call ``arguments`` parsed from JSON strings; ``developer`` messages merged
+into the first ``system`` one when the template never names that role; tools dumped as
+vLLM's request model dumps them. Multimodal parts raise MultimodalContent, unknown part
+types Untokenizable: kvindex cannot compute such a conversation's blocks, so ``/route``
+and the gateway route it by load.
 """
 
 from __future__ import annotations

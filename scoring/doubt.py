@@ -1,27 +1,14 @@
 """What a pod's doubted index entries are worth to ``/route``: the per-pod credit rule.
 
-A pod's entries are in doubt when its stream is not in step with its engine (a stream
-state other than ``live``), its events arrive late (:data:`LAGGING`, above
-``--max-event-lag``) or its block hashes do not match what the index computes
-(:data:`~kvindex.indexer.pods.HASH_MISMATCH`). A doubt concerns that pod alone: its
-load still counts, every other pod's prefix still decides, and only what its own
-entries claim is weighed by the rule below.
-
-- No credit where the entries may claim blocks the engine does not hold, so crediting
-  them would send requests (and home sessions) to a cache that is not there:
-  ``hash_mismatch`` (keys computed under another algorithm, seed or block size: a match
-  is meaningless) and ``gapped`` (lost batches may have held its evictions or an
-  ``AllBlocksCleared``).
-- Credit for what is matched where the entries are a lower bound of the engine's cache:
-  ``incomplete`` (history before some seq is missing), ``unheard`` (nothing heard since
-  kvindex started), ``replaying`` (catching up), ``verifying`` (its position being
-  proven), ``resync`` (a failed delivery being retried) and ``restored`` (a snapshot,
-  there to keep routing warm across kvindex's own restart; the engine's next events or
-  restart correct it). A matched block was reported by the engine; what is missing only
-  makes the pod look colder than it is.
-- Credit for ``lagging``: the entries describe the cache as it was seconds ago; the
-  newest blocks are missing (a lower bound) and the evictions not yet seen are at the
-  cache's least recently used end, rarely a live prefix. The warning names the lag.
+A pod's entries are in doubt when its stream is not in step with its engine, its events
+arrive late (:data:`LAGGING`) or its block hashes do not match the index's. The doubt
+concerns that pod alone: its load still counts and every other pod's prefix decides.
+No credit where the entries may claim blocks the engine does not hold (:data:`NO_CREDIT`:
+``hash_mismatch``, whose keys are meaningless, and ``gapped``, whose lost batches may
+have held evictions), since crediting them sends requests to a cache that is not there.
+Every other doubt keeps its matched prefix: the entries are a lower bound of the
+engine's cache (``incomplete``, ``unheard``, ``replaying``, ``verifying``, ``resync``,
+``restored``), or describe it as it was seconds ago (``lagging``).
 """
 
 from __future__ import annotations

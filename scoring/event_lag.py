@@ -1,17 +1,11 @@
 """How far behind its engine each index member is: the event lag of its last batch.
 
-A pod whose events reach the index seconds late has an index that describes its cache
-as it was seconds ago; comparing prefixes across pods then routes on history. ``/route``
-marks a candidate whose lag is above ``--max-event-lag`` as doubted (``lagging``, with a
-warning); what that costs it is :mod:`kvindex.scoring.doubt`'s rule.
-
-The lag of a batch is the applier's wall clock at apply time minus the engine's batch
-timestamp (clock skew between the hosts included: keep them in NTP sync). Replayed
-batches are left out (they are late by design; the stream's own state covers replay).
-vLLM sends batches only when its scheduler produced events, so a quiet pod's last lag
-would otherwise stand forever: a lag counts only while it is recent (``window_s``), and
-a pod that has sent nothing since is taken as caught up. A backlog keeps delivering late
-batches, so it keeps its lag fresh.
+An index whose events arrive seconds late describes the cache as it was; ``/route``
+marks a candidate above ``--max-event-lag`` as doubted (``lagging``). A batch's lag is
+the applier's wall clock at apply time minus the engine's batch timestamp (keep the
+hosts in NTP sync); replayed batches are left out. vLLM sends batches only when its
+scheduler produced events, so a lag counts only while recent (``window_s``): a quiet pod
+is taken as caught up, while a backlog keeps delivering late batches.
 """
 
 from __future__ import annotations

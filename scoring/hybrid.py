@@ -1,22 +1,14 @@
 """The prefix-cache hit of a hybrid model, computed exactly as vLLM 0.33 computes it.
 
-With several KV groups (full attention plus sliding-window or Mamba layers), a prompt
-hits only as far as every group can serve it, and each kind of group has its own rule.
-This module is a step-by-step transcription of vLLM 0.33.0's
-``HybridKVCacheCoordinator.find_longest_cache_hit`` and the per-kind
-``find_longest_cache_hit`` of ``FullAttentionManager``, ``SlidingWindowManager`` and
-``MambaManager`` (``vllm/v1/core/kv_cache_coordinator.py``,
-``vllm/v1/core/single_type_kv_cache_manager.py``), in the configuration kvindex can see
-on the wire: no EAGLE/MTP drop, no decode/prefill context parallelism, and cache hits
-aligned to the scheduler block size (the LCM of the group block sizes), i.e. without
-the fine-grained partial hits vLLM enables only for Mamba groups whose block is larger
-than the hash block (:func:`unsupported_reason` says so for such layouts).
-
-Inputs are plain bitmasks: for each group of equal spec, bit ``i`` is set when block
-``i`` of that group's view of the prompt (blocks of the group's own size) is cached in
-every KV group of it (vLLM's ``BlockPool.get_cached_block`` over ``kv_cache_group_ids``).
-Nothing here touches the index: the scorer builds the masks from backend presence
-queries, and tests build them by hand or from vLLM's own block pool.
+With several KV groups (full attention plus sliding-window or Mamba layers) a prompt hits
+only as far as every group can serve it, each kind by its own rule. This transcribes
+vLLM 0.33.0's ``HybridKVCacheCoordinator.find_longest_cache_hit`` and the per-kind
+managers' (``vllm/v1/core/kv_cache_coordinator.py``, ``single_type_kv_cache_manager.py``)
+for what kvindex sees on the wire: no EAGLE/MTP drop, no context parallelism, hits
+aligned to the scheduler block size (:func:`unsupported_reason` names other layouts).
+Inputs are bitmasks per group of equal spec: bit ``i`` set when block ``i`` of that
+group's view of the prompt is cached in every KV group of it. Nothing here touches the
+index: the scorer builds the masks from presence queries.
 """
 
 from __future__ import annotations

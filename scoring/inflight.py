@@ -1,30 +1,13 @@
 """kvindex's own count of the requests it routed to each pod that have not finished yet,
 and of the prefill work they bring.
 
-A pod's ``/metrics`` are a second old at best; a burst of requests routed between two
-scrapes would all see the same idle pod and all land on it. The ledger closes that gap:
-each routing decision is entered (``begin``) and counts against its pod until the gateway
-reports it finished (``done``) or its time to live runs out (a gateway that crashed never
-reports). Every operation is O(1) amortised and thread-safe.
-
-A route also carries its predicted prefill: the prompt tokens the chosen pod must
-compute (those past its cached prefix). They count as prefill work queued on the pod
-until the request's first token (``first_token``: the prefill is over; the gateway
-saw the answer begin) or, for a gateway that never says, until ``done``. Dynamo's
-router keeps the same two figures (predicted prefill tokens, released at the first
-token, and active requests), from its own decisions.
-
-Between its turns a session has no request in flight, yet comes back to its pod: a
-finished route leaves a *home* there (:mod:`kvindex.scoring.sessions`), claimed by the
-session's next request, and each pod's record counts its expected returning sessions
-(``sessions``). ``arrive`` takes each request's prompt keys before its decision (the
-homes it claims), ``begin`` its last full block key (its own home, once done) and
-whether it continued a session (its prefill then feeds ``future_prefill``: what a
-session's later turns bring to the pod it is placed on).
-
-Expiry without a heap: entries with the same TTL expire in the order they began, so each
-distinct TTL keeps a FIFO of (deadline, route id); expiring pops the fronts that are due.
-A route finished early stays in its FIFO as a stale entry and is skipped when reached.
+A pod's ``/metrics`` lag; a burst routed between two scrapes would all land on the same
+idle-looking pod. Each decision is entered (``begin``) and counts against its pod until
+``done`` or its TTL (a crashed gateway never reports). Its predicted prefill counts as
+queued until ``first_token``. Finished routes leave session homes
+(:mod:`kvindex.scoring.sessions`), counted in each pod's ``sessions``. Thread-safe, every
+operation O(1) amortised: each distinct TTL keeps a FIFO of deadlines, so expiry needs
+no heap.
 """
 
 from __future__ import annotations

@@ -1,49 +1,15 @@
 """Live load per pod, for routing decisions: what each vLLM pod's ``/metrics`` said in its
-last good scrape, plus what kvindex routed to it since (the in-flight ledger).
+last good scrape (:class:`PodLoad`), or why it is not known (:class:`Unknown`).
 
-Interface for the router (``/route``, issue 11)::
-
-    view = LoadView(interval_s=1.0, timeout_s=0.5, stale_after_s=3.0)
-    view.set_pods(["127.0.0.7:8000", "127.0.0.8:8000"])  # the known pods, any time
-    view.start()                                        # background scraping
-    loads = view.snapshot(candidate_pods)               # per request, no I/O
-    for pod, load in loads.items():
-        if isinstance(load, Unknown): ...               # never "idle": unknown
-        else: load.running, load.waiting, load.kv_usage, view.age(load) ...
-    view.ledger.all()                                   # kvindex's own in-flight routes
-    view.ledger.begin(pod, route_id, prompt_blocks, ttl_s=...)  # after choosing
-    view.ledger.done(route_id)                                   # POST /route/{id}/done
-    view.stop()
-
-- A pod is scraped at ``metrics_url(pod)`` (default ``http://<pod>/metrics``: vLLM
-  serves its metrics on the OpenAI server's port, which is the pod id) every
-  ``interval_s``, all pods concurrently, each with ``timeout_s`` and a body limit.
-- A pod whose last good scrape is older than ``stale_after_s`` (or that never had one)
-  is ``Unknown``, with the reason and the last error: a pod we cannot see is not idle.
-  The one exception is ``pending``: a pod to be scraped whose first scrape has not been
-  tried yet. Nothing is known against it, so the router may choose it (see
-  :mod:`kvindex.scoring.targets`); once a scrape fails it is ``not_scraped``.
-- Only the pods ``set_pods`` (or ``pods_source``) gives are scraped: the pods kvindex
-  knows. A name taken from a request is never dialled (it would make kvindex a proxy
-  for GETs to any address, and its per-pod error counter a port scanner).
-- Scrape failures (connection, timeout, HTTP status, unreadable text, no vLLM gauges,
-  impossible values) are counted per pod (``scrape_errors``) and never raise: one pod's
-  page cannot stop the others' scrapes. A page that answers with impossible values also
-  drops the pod's last good figures at once (its load is unknown): the pod spoke, and
-  what it said is no load.
-- Requests are summed over a pod's engines (data-parallel ranks, the ``engine`` label);
-  KV usage is reported as the mean and the max over engines, and per engine.
-- ``process_start_time_seconds`` (when the pod's server process started) is kept with
-  the load: ``/route`` compares it with the pod's last KV-event batch to tell a pod that
-  restarted and has not published since (its index entries are the old engine's).
-- The scraper thread is the only writer of scrape results; it publishes each pod's new
-  immutable record by a single dict assignment, so ``snapshot`` takes no lock for them.
-  The record is the :class:`PodLoad` itself, built once per scrape: ``snapshot`` runs
-  per ``/route`` request over every candidate and only checks each one's age.
-
-Metrics (Prometheus counters for errors and staleness, gauges for in-flight) are left to
-the caller to wrap around ``scrape_errors()`` and ``snapshot``, as the index backends
-are wrapped: this module holds no registry.
+Only the pods kvindex knows are scraped (``set_pods`` or ``pods_source``), never a name
+taken from a request: that would make kvindex a proxy for GETs to any address. A pod
+whose last good scrape is older than ``stale_after_s`` is Unknown, never idle; the one
+exception is ``pending`` (its first scrape not tried yet: nothing is known against it).
+Scrape failures are counted per pod and never raise. Requests are summed over a pod's
+engines (data-parallel ranks); KV usage is kept as mean, max and per engine. The scraper
+thread is the only writer of scrape results and publishes each pod's immutable record by
+one dict assignment, so ``snapshot`` takes no lock. Metrics are the caller's to wrap
+around ``scrape_errors`` and ``snapshot``: this module holds no registry.
 """
 
 from __future__ import annotations
@@ -57,7 +23,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvindex.scoring.inflight import InFlightLedger
 from kvindex.scoring.load_metrics import (
     EngineLoad,
     MetricsError,
@@ -65,16 +30,16 @@ from kvindex.scoring.load_metrics import (
     parse_start_time,
     totals,
 )
-from kvindex.scoring.outlier import EjectionPolicy, Outcome, OutlierDetector
+from kvindex.scoring.outlier import Outcome, OutlierDetector
 
 log = logging.getLogger(__name__)
 
-_MAX_BODY_BYTES = 8 * 1024 * 1024  # a vLLM metrics page is ~100 KB
+_MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any vLLM metrics page: a bound, not a size
 
 
 class PodLoad(msgspec.Struct, frozen=True, gc=False):
     """A pod's load as of its last good scrape (kvindex's own in-flight routes are the
-    ledger's: :meth:`InFlightLedger.all`)."""
+    ledger's: :class:`kvindex.scoring.inflight.InFlightLedger`)."""
 
     pod: str
     running: int
@@ -120,7 +85,7 @@ def default_metrics_url(pod: str) -> str:
 
 
 class LoadView:
-    """Background scraper of every pod's vLLM metrics and the in-flight ledger."""
+    """Background scraper of every pod's vLLM metrics."""
 
     def __init__(
         self,
@@ -131,7 +96,6 @@ class LoadView:
         metrics_url: Callable[[str], str] = default_metrics_url,
         max_workers: int = 16,
         clock: Callable[[], float] = time.monotonic,
-        ledger: InFlightLedger | None = None,
         pods_source: Callable[[], Iterable[str]] | None = None,
         outliers: OutlierDetector | None = None,
     ) -> None:
@@ -143,9 +107,8 @@ class LoadView:
         self.stale_after_s = stale_after_s if stale_after_s is not None else 3 * interval_s
         self._metrics_url = metrics_url
         self._clock = clock
-        self.ledger = ledger or InFlightLedger(clock)
-        # How each pod answered the requests sent to it: failures set it aside.
-        self.outliers = outliers or OutlierDetector(EjectionPolicy())
+        # Told of pods whose scrapes keep timing out (a frozen engine): it sets them aside.
+        self._outliers = outliers
         self._pods: tuple[str, ...] = ()
         # Asked before every background round, so pods found later are scraped too.
         self._pods_source = pods_source
@@ -218,7 +181,8 @@ class LoadView:
                     state.silent_in_a_row += 1
                     if state.silent_in_a_row >= SILENT_SCRAPES_EJECT:
                         state.silent_in_a_row = 0
-                        self.outliers.report(pod, Outcome.TIMEOUT)
+                        if self._outliers is not None:
+                            self._outliers.report(pod, Outcome.TIMEOUT)
 
     def snapshot(self, pods: Iterable[str]) -> dict[str, PodLoad | Unknown]:
         """Each of ``pods`` as a PodLoad, or Unknown when its figures are missing or older

@@ -1,22 +1,15 @@
 """A vLLM pod's ``/metrics`` text to its live load: requests running and waiting, and how
 full its KV cache is, per engine.
 
-Names and labels as vLLM 0.33 registers them (``vllm/v1/metrics/loggers.py``,
-``PrometheusStatLogger``): the gauges ``vllm:num_requests_running``,
-``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (0..1), each labelled
-``model_name`` and ``engine`` (one series per data-parallel engine core). Older vLLM
-releases named the KV gauge ``vllm:gpu_cache_usage_perc`` (0.33 no longer exports it);
-it is read when the new name is absent. Parsing is prometheus_client's own text parser,
-fed only the lines of those gauges: a vLLM page is ~1,000 lines (~85 KB, histograms
-mostly), and parsing all of it took ~15-30 ms per page, which at 64 pods scraped every
-second is a core's worth of work contending for the GIL with every request.
-
-SGLang pods (0.5.23, ``--enable-metrics``; ``sglang/srt/observability/metrics_collector.py``)
-serve the same three figures as ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``
-and ``sglang:token_usage`` (0..1), labelled ``dp_rank`` (when data-parallel) and
-``tp_rank`` / ``pp_rank``: one series per data-parallel rank is the engine, and as more
-than one tensor- or pipeline-parallel rank may export a scheduler's figures, the largest
-value per rank is read, never a sum.
+vLLM 0.33 (``vllm/v1/metrics/loggers.py``): the gauges ``vllm:num_requests_running``,
+``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (0..1), labelled
+``model_name`` and ``engine`` (one series per data-parallel engine core); older releases
+named the KV gauge ``vllm:gpu_cache_usage_perc``, read when the new one is absent. Only
+those gauges' lines are fed to prometheus_client's parser: a page is mostly histograms,
+and parsing every pod's whole page each second competes for the GIL with requests.
+SGLang 0.5.23 (``--enable-metrics``) serves ``sglang:num_running_reqs``,
+``sglang:num_queue_reqs`` and ``sglang:token_usage`` per ``dp_rank``; several tensor- or
+pipeline-parallel ranks may export one scheduler's figures, so the largest is read.
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
 """Faulty pods stop drawing traffic: passive outlier detection, in the manner of Envoy's.
 
-Whoever sends a routed request to its pod reports how the pod answered (the gateway in
-this process, or any gateway over ``POST /route/{id}/done`` with an ``outcome``):
-
-- ``ok``: the pod answered (any status below 500: a 4xx is the client's error);
-- ``connect_error``: refused, reset, or closed without a status line;
-- ``timeout``: no connection, or no status line, within the gateway's timeouts;
-- ``http_5xx``: the pod answered with a 5xx status;
-- ``broken``: the answer broke off after it began.
-
-The load scraper reports too: a pod whose ``/metrics`` answered before and then times
-out :data:`~kvindex.scoring.load.SILENT_SCRAPES_EJECT` times in a row is a ``timeout``
-(a frozen engine, which a non-streamed request would otherwise find only at the
-gateway's read timeout). A good scrape clears nothing: only an answer to a request does.
-
-``eject_after`` consecutive failures eject the pod for ``eject_base x times_ejected``
-seconds (capped at :data:`MAX_EJECTION_S` or the base, whichever is longer). Once that
-ejection time has passed the pod is on probation: one request may go to it as a probe
-(another one each ``eject_base`` while no answer came back); a probe that fails ejects it
-again at once, for longer; any answer that is not a failure makes it healthy and forgets
-its ejections. A pod that never answers, such as one whose packets are dropped, is
-therefore tried once per ejection, each time less often.
-
-Never more than ``max_percent`` of a decision's candidates count as ejected (at least
-one may be): those ejected until latest (the latest and most repeated failures) stay
-out, the others, most likely healthy again, come back first. So a fault that hits every
-pod at once (a network partition on the gateway's side) degrades to plain routing
-instead of refusing everything. And a decision whose every admissible candidate is
-ejected still chooses among them (:mod:`kvindex.scoring.router`).
-
-Why one failure ejects by default: a client's retry after a 5xx carries nothing that
-ties it to the failed request, so unless the pod is set aside at once the same prefix
-sends the retry straight back to it. nginx's passive checks make the same choice
-(``max_fails=1``, ``fail_timeout=10s``); the percentage bound limits the harm of a
-failure that was the request's fault, not the pod's.
-
-:func:`judge` and :func:`standing` are the rules, pure; :class:`OutlierDetector` owns
-every pod's record and applies them.
+Whoever sends a routed request reports how its pod answered (:class:`Outcome`: ok,
+connect_error, timeout, http_5xx, broken); the load scraper reports a pod whose
+``/metrics`` keeps timing out. ``eject_after`` consecutive
+failures eject the pod for ``eject_base x times_ejected`` seconds; then it is on
+probation, one probe at a time, and any good answer makes it healthy. One failure
+ejects by default because a client's retry carries nothing tying it to the failed
+request: the same prefix would send it straight back. At most ``max_percent`` of a
+decision's candidates count as ejected, so a fault hitting every pod degrades to plain
+routing. :func:`judge` and :func:`standing` are the rules, pure; :class:`OutlierDetector`
+owns every pod's record.
 """
 
 from __future__ import annotations
@@ -55,11 +28,11 @@ MAX_EJECTION_S = 300.0
 class Outcome(StrEnum):
     """How a pod answered one request (see the module docstring)."""
 
-    OK = "ok"
-    CONNECT_ERROR = "connect_error"
-    TIMEOUT = "timeout"
+    OK = "ok"  # any status below 500: a 4xx is the client's error
+    CONNECT_ERROR = "connect_error"  # refused, reset, or closed without a status line
+    TIMEOUT = "timeout"  # no connection or status line in time; or its scrapes time out
     HTTP_5XX = "http_5xx"
-    BROKEN = "broken"
+    BROKEN = "broken"  # the answer broke off after it began
 
 
 class EjectionPolicy(msgspec.Struct, frozen=True):

@@ -28,9 +28,6 @@ class Role(StrEnum):
     BOTH = "both"
 
 
-#: The Kubernetes pod label that gives a discovered pod its role.
-ROLE_LABEL = "kvindex.io/role"
-
 _DECODES = (Role.DECODE, Role.BOTH)
 _PREFILLS = (Role.PREFILL, Role.BOTH)
 

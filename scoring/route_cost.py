@@ -1,79 +1,15 @@
 """What serving one prompt on one pod costs, from its cached prefix and its load: a pure
-function, the heart of ``POST /route``.
-
-The cost (lower is better) estimates the latency a request adds if sent to the pod, its
-own and what it inflicts on other requests, counted in units of this prompt's full
-prefill (1.0 = the time to compute every token of the prompt)::
+function, the heart of ``POST /route``. Lower is better, in units of this prompt's full
+prefill::
 
     cost = prefix_w * u / P  +  queue_w * Q / P  +  decode_w * R * (u + F) / P  +  kv_w * usage
 
-- ``P``: the prompt's tokens; ``u``: those the pod must compute, past its cached prefix.
-  Only ``(P - 1) // block_size`` blocks can be reused, as vLLM 0.33 always computes the
-  prompt's last token (``KVCacheManager.get_computed_blocks``); cached blocks count by
-  their tier weight (a CPU block must be copied back first).
-  **Prefix term**, weight 2: computing ``u`` costs the request that time, and costs the
-  pod's capacity as much again: the requests that reach the pod after it wait behind
-  that work (the marginal delay a job adds to an M/M/1 queue is its own service time
-  over ``1 - utilisation``: twice it at 50%, the load a router is there for). This is
-  also what breaks the tie between waiting for a prefill of the same prompt queued on
-  the pod holding it and computing the prompt afresh elsewhere, equal in latency alone:
-  reuse wins. Dynamo's router prices the same thing (``overlap_weight x`` uncached
-  prefill blocks); llm-d weighs its prefix scorer 2 against queue 1 too.
-- ``Q``: prefill tokens queued on the pod ahead of this request, which it waits for
-  before its own: the predicted uncached tokens of the requests kvindex routed there
-  whose first token has not been reported (the in-flight ledger; a gateway reports it
-  with ``POST /route/{id}/first-token``, else it counts until ``done``), plus, for
-  waiting requests the scrape shows beyond those (traffic kvindex did not route), one
-  prompt of this size each. **Queue term**, weight 1: counted in work, not in requests:
-  three 5,000-token prefills queued weigh a hundred times three 50-token chat turns.
-  Dynamo's router counts its predicted in-flight prefill blocks the same way.
-- ``R``: requests on the pod that will share the engine's steps with this prefill:
-  running + waiting as last scraped, or the ledger's in-flight count when that is
-  higher (routes since the scrape), plus the sessions homed there between their turns
-  (a chat user reading, an agent waiting on a tool: no request in flight, but back on
-  this pod in a moment; :mod:`kvindex.scoring.sessions`), counted as the share of
-  sessions that do come back. **Decode term**, weight 1: vLLM's chunked prefill
-  batches a prefill with every running request's decode step, so each of them waits
-  about as long as the prefill computes: ``R x u`` tokens of delay in all. Without it, a
-  long shared prefix (an agent's 4,500-token preamble) sends every new session to the
-  one pod holding it, whatever runs there, and every decode on that pod stalls behind
-  every new session's prefill (bench/README, "Routing comparison"); with it, a new
-  session goes to a quieter pod once the prefill it saves is smaller than the stall it
-  causes, while a session's later turns, whose uncached part is small, stay with their
-  cache. Dynamo's router counts active decode blocks next to prefill blocks; this term
-  prices decode load by what actually slows it, a prefill landing on it.
-- ``F``: where a session starts (its request continues none), the prefill tokens its
-  later turns are expected to bring (a tool's result, the user's next message), from
-  the traffic seen: the share of sessions that come back and the mean uncached tokens
-  of a turn that continued one (:attr:`kvindex.scoring.sessions.SessionHomes.future_prefill`;
-  0 where nothing returns). Each of those prefills stalls the ``R`` decodes on the pod,
-  and theirs stall this session's: ``R x u`` prices only the first prefill of a
-  session's life, which is where its later turns will live. Without it, at light agent
-  load a new task went where the preamble was cached and one or two tasks already ran,
-  and their tool results' prefills then shared steps with its decodes on every turn:
-  5-6% slower end to end than session-sticky (bench/README, "Later turns' prefills").
-  It is the same for every pod, so it moves decisions only where pods' ``R`` differ.
-  A later turn (it claimed a home) takes ``F = 0``: it follows its history, and
-  pricing its remaining turns there made turns leave their cache for an idler pod and
-  recompute it, TTFT p90 +19% at that load for no gain end to end. Under P/D
-  ``F = 0`` too: later turns prefill on the prefill pods.
-- ``usage``: the fraction of the pod's KV cache in use (mean over its engines), llm-d's
-  KV-utilisation scorer: a full cache means preemptions and evicting what others reuse.
-  **KV term**, weight 1: a full cache costs as much as prefilling the prompt once.
-
-The weights are operators' to change (``scoring.route_weights``), e.g. a lower ``decode``
-when first-token latency matters more than inter-token latency. Unlike llm-d's scores,
-which are normalised over the candidates and bounded, the queue and decode terms grow
-with the work: a pod twice as busy costs twice as much. (The previous model here, 2 x
-uncached fraction + queued requests / 4 + KV usage, counted requests, not work.)
-
-Unknown load (no fresh scrape) is never idle, and never lighter than the busiest known
-candidate's: its KV usage counts as full, its ``R`` as one request more than the ledger
-holds and its ``Q`` as one prompt of this size more, or the largest ``R`` and ``Q`` of the
-candidates whose load is known where those are higher. A pod that stopped answering its
-scrapes (killed, blackholed, frozen) so never draws traffic away from busy live pods by
-looking cheap. A ``pending`` pod (first scrape not tried yet:
-:mod:`kvindex.scoring.targets`) counts one waiting request and an empty cache.
+``P`` the prompt's tokens, ``u`` those the pod must compute past its reusable prefix,
+``Q`` the prefill queued ahead of it, ``R`` the requests (and returning sessions) whose
+decodes its prefill stalls, ``F`` the prefill its session's later turns will bring,
+``usage`` its KV-cache usage. docs/routing.md ("Cost model") says why each term and
+weight. A pod whose load is unknown is never idle, nor lighter than the busiest known
+candidate. :func:`pod_costs` is the formula's one Python reference (``_route_pass.c``).
 """
 
 from __future__ import annotations
@@ -84,7 +20,7 @@ import msgspec
 
 
 class CostWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The cost model's weights; see the module docstring for why these defaults.
+    """The cost model's weights; docs/routing.md ("Cost model") says why these defaults.
 
     The config file's ``scoring.route_weights`` decodes into this type (a negative
     weight is refused there, naming the field)."""
@@ -161,10 +97,10 @@ def pod_costs(
     load_only: bool = False,
     future_tokens: float = 0.0,
 ) -> list[CostTerms]:
-    """:func:`pod_cost` of each of ``pods``, in one loop: it runs for every candidate of
-    every /route request, so the per-request constants are computed once and the loop
-    body is plain arithmetic. (:mod:`kvindex.scoring.route_pass` repeats this body term
-    for term; ``tests/test_route_pass.py`` holds the two equal.)"""
+    """:func:`pod_cost` of each of ``pods``, in one loop: the per-request constants are
+    computed once and the loop body is plain arithmetic. The formula's one Python
+    reference: ``scoring/_route_pass.c`` computes the same float operations in the same
+    order, and ``tests/test_route_pass.py`` holds the two equal."""
     if prompt_tokens > 0:
         total_blocks = -(-prompt_tokens // block_size)
         cap = (prompt_tokens - 1) // block_size

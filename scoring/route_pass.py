@@ -1,26 +1,14 @@
-"""``/route``'s decision in one pass over its candidate pods: each pod's target, cost
-terms, admission and answer row together, then the choice.
+"""``/route``'s decision in one pass over its candidate pods: each pod's cost terms,
+admission and answer row together, then the choice.
 
-Why a second path: the general one builds, per candidate, a routing target
-(:func:`kvindex.scoring.targets.build_targets`), its cost inputs, its cost terms and a
-router candidate, and only then the answer row: five objects and five passes per pod,
-about half of what ``/route`` costs beyond ``/score`` at 64 pods. Here a pod is read
-once and its row written once. It covers the common case, pods without data-parallel
-ranks and no P/D; :func:`one_pass` answers None otherwise, and the caller takes the
-general path, before anything is drawn from the router's RNG.
-
-Same decision, same rows: the cost is :mod:`kvindex.scoring.route_cost`'s formula
-term for term (the same float operations in the same order), admission is
-:class:`~kvindex.scoring.router.Admission`'s, the choice is
-:meth:`~kvindex.scoring.router.Router.choose` itself, and a pod's inputs are what
-``build_targets`` gives a rank-0 target. ``tests/test_route_pass.py`` checks both paths
-against each other over random fleets.
-
-The candidate loop itself is compiled (``scoring/_route_pass.c``: the Python loop cost
-~4 us per pod, more than ``/route``'s whole 0.2 ms budget over ``/score`` at 64 pods);
-:func:`_rows_python` is the same loop for builds without a compiler, and the tests run
-both. The loop also leaves out the index entries of a pod that restarted unheard, which
-the general path does beforehand (``api/route.py``'s ``_drop_restarted``).
+The general path (:mod:`kvindex.scoring.routing`) builds a routing target, cost inputs,
+cost terms and a router candidate per pod before its row; this path reads each pod once
+and writes its row once. It covers pods without data-parallel ranks and without P/D;
+:func:`one_pass` answers None otherwise, before anything is drawn from the router's RNG.
+The loop is compiled (``scoring/_route_pass.c``); :func:`_rows_python` runs it where
+the extension is not built, costing each pod by the formula's one Python reference,
+:func:`~kvindex.scoring.route_cost.pod_costs`. ``tests/test_route_pass.py`` holds both
+loops and the general path to the same decisions and rows, float for float.
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ from typing import Generic, TypeVar
 from kvindex.scoring.event_lag import Lag
 from kvindex.scoring.inflight import InFlight
 from kvindex.scoring.load import PodLoad, Unknown
-from kvindex.scoring.route_cost import busiest_known
+from kvindex.scoring.route_cost import CostWeights, PodInputs, busiest_known, pod_costs
 from kvindex.scoring.router import Reason, Router, prefer_included
 from kvindex.scoring.scorer import PodScore
 from kvindex.scoring.targets import PENDING_WAITING, has_ranks
@@ -110,39 +98,31 @@ def one_pass(
     ``heard`` (:meth:`kvindex.scoring.event_lag.EventLag.batches`): a pod whose server
     started (``PodLoad.started``) after the engine timestamp of the last batch the index
     applied from it restarted unheard; its match and speculative blocks are left out of
-    the decision and it is named in :attr:`Pass.dropped` (``api/route.py``'s
-    ``_drop_restarted`` says why, for the general path). ``future_tokens``: the prefill
+    the decision and it is named in :attr:`Pass.dropped` (the general path drops them
+    beforehand: :class:`kvindex.scoring.routing.Routing`). ``future_tokens``: the prefill
     the request's session will bring in later turns (the cost's ``F``); ``excluded``:
     the ejected pods (:func:`~kvindex.scoring.router.prefer_included`)."""
     if has_ranks(matches) or has_ranks(speculative):
         return None
     weights, admission = router.weights, router.admission
-    # route_cost.pod_costs's per-request constants
     load_only = fallback is not None
-    if prompt_tokens > 0:
-        total_blocks = -(-prompt_tokens // block_size)
-        cap = (prompt_tokens - 1) // block_size
-        per_token = 1.0 / prompt_tokens
-    else:
-        total_blocks = cap = 0
-        per_token = 0.0
     max_kv = admission.kv_limit(_known_room(pods, loads))
     saturated = admission.saturated(max_kv)
     refusal = partial(admission.refusal, kv_limit=max_kv)  # names KV only past max_kv
-    consts = (
-        load_only, prompt_tokens, block_size, total_blocks, cap,
-        0.0 if load_only else weights.prefix * per_token, weights.queue * per_token,
-        weights.decode * per_token, weights.kv,
-        max_kv, admission.max_waiting, PENDING_WAITING,
-        float(future_tokens), *_busiest(pods, loads, in_flight, prompt_tokens),
-    )  # fmt: skip
     pods = pods if type(pods) is list else list(pods)
     heard = {} if heard is None else heard
     inputs = (pods, matches, speculative, loads, in_flight, heard)
     if compiled is not None and all(type(m) is dict for m in inputs[1:]):
+        consts = _kernel_consts(
+            weights, load_only, prompt_tokens, block_size, max_kv, admission.max_waiting,
+            float(future_tokens), _busiest(pods, loads, in_flight, prompt_tokens),
+        )  # fmt: skip
         done = compiled.rows(*inputs, PodLoad, row, refusal, consts)
     else:
-        done = _rows_python(*inputs, row, refusal, consts)
+        done = _rows_python(
+            *inputs, row, refusal, weights, load_only, prompt_tokens, block_size,
+            float(future_tokens), max_kv, admission.max_waiting,
+        )  # fmt: skip
     if done is None:
         return None
     rows, totals, loads_terms, usables, admitted, dropped, refused = done
@@ -153,6 +133,33 @@ def one_pass(
     match = matches.get(pods[chosen])
     confirmed = 0 if match is None or pods[chosen] in dropped else match.matched_blocks
     return Pass(chosen, reason, rows, confirmed, usables[chosen], dropped, refused, saturated)
+
+
+def _kernel_consts(
+    weights: CostWeights,
+    load_only: bool,
+    prompt_tokens: int,
+    block_size: int,
+    max_kv: float,
+    max_waiting: int,
+    future_tokens: float,
+    busiest: tuple[float, int],
+) -> tuple:
+    """The compiled loop's per-request constants: :func:`~kvindex.scoring.route_cost.pod_costs`'s,
+    computed as it computes them, and admission's limits."""
+    if prompt_tokens > 0:
+        total_blocks = -(-prompt_tokens // block_size)
+        cap = (prompt_tokens - 1) // block_size
+        per_token = 1.0 / prompt_tokens
+    else:
+        total_blocks = cap = 0
+        per_token = 0.0
+    return (
+        load_only, prompt_tokens, block_size, total_blocks, cap,
+        0.0 if load_only else weights.prefix * per_token, weights.queue * per_token,
+        weights.decode * per_token, weights.kv,
+        max_kv, max_waiting, PENDING_WAITING, future_tokens, *busiest,
+    )  # fmt: skip
 
 
 def _known_room(
@@ -206,27 +213,21 @@ def _rows_python(
     heard: Mapping[str, Lag],
     row: RowMaker[R],
     refusal: Callable[[float | None, int | None], str | None],
-    consts: tuple,
+    weights: CostWeights,
+    load_only: bool,
+    prompt_tokens: int,
+    block_size: int,
+    future_tokens: float,
+    max_kv: float,
+    max_waiting: int,
 ) -> tuple[list[R], list[float], list[float], list[int], list[int], list[str], list[str]] | None:
-    """The candidate loop (``scoring/_route_pass.c`` when compiled): each pod's cost
-    terms, admission and row; None when a pod has several engines."""
-    (
-        load_only, prompt_tokens, block_size, total_blocks, cap, w_prefix, w_queue,
-        w_decode, w_kv, max_kv, max_waiting, pending_waiting, future, busiest_sharing,
-        busiest_queued,
-    ) = consts  # fmt: skip
-    rows: list[R] = []
-    append = rows.append
-    totals: list[float] = []
-    loads_terms: list[float] = []  # only load-only decisions read them
-    usables: list[int] = []
-    admitted: list[int] = []
+    """The candidate loop without the compiler: each pod read as ``scoring/_route_pass.c``
+    reads it, costed by :func:`~kvindex.scoring.route_cost.pod_costs` (the formula's
+    reference), then admitted and given its row; None when a pod has several engines."""
+    inputs: list[PodInputs] = []
+    shown: list[tuple[str, int | None, float | None, float | None, int, int]] = []
     dropped: list[str] = []
-    refusals: list[str] = []
-    get_match, get_extra, get_flying = matches.get, speculative.get, in_flight.get
-    i = -1
     for pod in pods:
-        i += 1
         load = loads[pod]
         started = None
         if type(load) is PodLoad:
@@ -238,77 +239,65 @@ def _rows_python(
         else:
             state, kv_max = load.reason, None
             if state == "pending":
-                running, waiting, kv_usage = 0, pending_waiting, 0.0
+                running, waiting, kv_usage = 0, PENDING_WAITING, 0.0
             else:
                 running = waiting = kv_usage = None
-        match = get_match(pod)
-        extra = _count(get_extra(pod, 0))
+        match = matches.get(pod)
+        extra = _count(speculative.get(pod, 0))
         if started is not None and (match is not None or pod in speculative):
             lag = heard.get(pod)
             if lag is not None and lag.ts is not None and lag.ts < started:
                 dropped.append(pod)  # restarted unheard: its entries are the old engine's
                 match, extra = None, 0
-        flying_entry = get_flying(pod)
-        if flying_entry is None:
-            flying = prefilling = prefill_tokens = 0
+        flying = in_flight.get(pod)
+        if flying is None:
+            requests = prefilling = prefill_tokens = 0
             sessions = 0.0
         else:
-            flying, prefilling = _count(flying_entry.requests), _count(flying_entry.prefilling)
-            prefill_tokens = _count(flying_entry.prefill_tokens)
-            sessions = flying_entry.sessions
+            requests, prefilling = _count(flying.requests), _count(flying.prefilling)
+            prefill_tokens = _count(flying.prefill_tokens)
+            sessions = flying.sessions
         if match is None:
             confirmed, weighted = 0, 0.0
         else:
             confirmed, weighted = _count(match.matched_blocks), match.score
-        # route_cost.pod_costs, term for term
-        matched = confirmed + extra
-        weighted = weighted + extra
-        usable = matched if matched < cap else cap
-        hit = weighted * usable / matched if usable > 0 else 0.0
-        uncached = total_blocks - hit if total_blocks > hit else 0.0
-        own = prompt_tokens if load_only else prompt_tokens - hit * block_size
-        if waiting is None:
-            sharing = flying + 1 + sessions
-            if sharing < busiest_sharing:
-                sharing = busiest_sharing
-            queued = prefill_tokens + prompt_tokens
-            if queued < busiest_queued:
-                queued = busiest_queued
-            usage = 1.0
-        else:
-            sharing = (running or 0) + waiting
-            if flying > sharing:
-                sharing = flying
-            sharing = sharing + sessions
-            foreign = waiting - prefilling
-            queued = prefill_tokens + (foreign * prompt_tokens if foreign > 0 else 0)
-            usage = kv_usage
-            if usage is None:
-                usage = 1.0
-            elif usage < 0.0 or usage > 1.0:
-                usage = 0.0 if usage < 0.0 else 1.0
-        prefix = w_prefix * own
-        queue = w_queue * queued
-        decode = w_decode * sharing * (own + future)
-        kv = w_kv * usage
-        total = prefix + queue + decode + kv
+        inputs.append(
+            PodInputs(
+                pod, confirmed + extra, weighted + extra, running, waiting, kv_usage,
+                requests, prefilling, prefill_tokens, sessions,
+            )
+        )  # fmt: skip
+        running_shown = running if state == "known" else None
+        shown.append((state, running_shown, kv_usage, kv_max, confirmed, extra))
+    costs = pod_costs(inputs, prompt_tokens, block_size, weights, load_only, future_tokens)
+    rows: list[R] = []
+    totals: list[float] = []
+    loads_terms: list[float] = []  # only load-only decisions read them
+    usables: list[int] = []
+    admitted: list[int] = []
+    refusals: list[str] = []
+    for i, (p, terms, (state, running, kv_usage, kv_max, confirmed, extra)) in enumerate(
+        zip(inputs, costs, shown, strict=True)
+    ):
+        waiting = p.waiting
         if (kv_max is not None and kv_max > max_kv) or (
             max_waiting and waiting is not None and waiting > max_waiting
         ):
             refused = refusal(kv_max, waiting)
-            refusals.append(f"{pod}: {refused}")
+            refusals.append(f"{p.pod}: {refused}")
         else:
             refused = None
             admitted.append(i)
-        totals.append(total)
+        totals.append(terms.total)
         if load_only:
-            loads_terms.append(queue + decode + kv)
-        usables.append(usable)
-        append(
+            loads_terms.append(terms.load)
+        usables.append(terms.usable_blocks)
+        rows.append(
             row(
-                pod, 0, "both", confirmed, extra, usable, uncached, state,
-                running if state == "known" else None, waiting, kv_usage, flying, sessions,
-                prefill_tokens, prefix, queue, decode, kv, total, refused is None, refused,
+                p.pod, 0, "both", confirmed, extra, terms.usable_blocks, terms.uncached_blocks,
+                state, running, waiting, kv_usage, p.in_flight, p.sessions, p.prefill_tokens,
+                terms.prefix, terms.queue, terms.decode, terms.kv, terms.total, refused is None,
+                refused,
             )
         )  # fmt: skip
     return rows, totals, loads_terms, usables, admitted, dropped, refusals

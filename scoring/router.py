@@ -1,34 +1,15 @@
 """The routing decision: admission, the cheapest pod, ties, and load-only fallbacks.
+Pure apart from its tie-breaking state (a seeded RNG and a round-robin counter).
 
-Pure apart from its tie-breaking state (a seeded RNG and a round-robin counter), so every
-rule here is unit-tested without a network; ``POST /route`` gathers the inputs (index
-matches, scraped load, in-flight ledger) and enters the decision in the ledger.
-
-- Admission: a pod whose scraped waiting queue is longer than ``max_waiting`` (0: no
-  limit) is not chosen. KV usage is a cost term, not a refusal, by default
-  (``max_kv_usage`` 1): a busy vLLM's cache is full of its running requests, and
-  refusing the pod that holds a prompt's prefix for that reason sent its sessions to
-  pods that must recompute them, which collapsed the hit ratio past the
-  cache-oblivious knee (bench/README.md, "Overload"). An operator's ``max_kv_usage``
-  below 1 passes over a fuller pod only *while another candidate has room*
-  (:meth:`Admission.kv_limit`); when none has, every candidate is admitted and the cost
-  decides (``saturated``): refusing them all would hand the request to a cache-blind
-  fallback.
-  A pod with unknown load is admitted (nothing says it is full) but costed as busy.
-  No admitted pod: no decision (``no_capacity``; the API answers 429), or, with
-  ``least_bad``, the cheapest pod of all (``least_bad``): for a gateway that has nowhere
-  else to send the request, a queue on the least loaded pod beats an error.
-- Ejected pods (failures reported: :mod:`kvindex.scoring.outlier`) are chosen only
-  when every admitted pod is ejected.
-- Normal decision: the lowest :func:`pod_cost`; equal costs are broken at random (a
-  fixed order would always load the first pod). ``reason`` is ``prefix`` when the chosen
-  pod has the longest reusable match among the admitted pods (and a non-empty one),
-  else ``load``.
-- Fallback (the index cannot be asked for this request: backend down, unknown model, no
-  tokenizer): the least loaded pod by the load terms alone, equal ones taken in turn
-  (round-robin), and the reason says which fallback. A pod whose own entries are in
-  doubt is no fallback: it loses its prefix credit before the decision
-  (:mod:`kvindex.scoring.doubt`), and the reason is the decision's own.
+- Admission: a pod with more than ``max_waiting`` waiting is refused. KV usage is a cost
+  term, not a refusal, unless ``max_kv_usage`` < 1, and then only while another
+  candidate has room (:meth:`Admission.kv_limit`): refusing the pod holding a prompt's
+  prefix sends its sessions where the prefix must be recomputed. No admitted pod: no
+  decision (``no_capacity``), or with ``least_bad`` the cheapest of all.
+- Ejected pods (:mod:`kvindex.scoring.outlier`) are chosen only when all admitted are.
+- The lowest cost wins, equal costs broken at random; ``reason`` is ``prefix`` when the
+  chosen pod has the longest reusable match, else ``load``. Fallbacks (the index cannot
+  be asked) take the least loaded pod, equal ones in turn.
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ class Scorer:
         the blocks, so that order *is* the answer's: it is checked in the same loop
         (``in_order`` says whether the matches come from a lookup at all) and the sort
         is skipped. A GPU-only score depends on the block count alone and comes from a
-        table (``round`` is ~100 ns a call).
+        table (no ``round`` per pod).
         """
         weights = self._weights
         w_gpu, w_cpu, w_storage = weights.gpu, weights.cpu, weights.storage

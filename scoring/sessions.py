@@ -1,44 +1,15 @@
 """Sessions between turns: which pod each one will come back to, and for how long to
 expect it.
 
-A chat user reading an answer, or an agent waiting for its tool call, has no request in
-flight, yet its next request will come back to the pod holding its history (the index
-sends it there: that pod has the longest prefix). A router that counts only requests in
-flight sees such a pod as idle and sends new sessions to it; when the sessions come back
-they all share its steps, and every new session's prefill stalls their decodes. On the
-simulator's agent traffic this packed new tasks onto 2.4 of 4 pods at light load
-(bench/README, "Routing comparison"). Counting the sessions homed on a pod lets ``/route``
-spread new sessions the way they will actually load the pods.
-
-A finished route leaves a *home*: its prompt's last full block key, on its pod. The
-session's next request extends the same prompt (a chat resends its history, an agent its
-transcript), so its keys hold that block key at the same position: the request that
-holds it claims the home, wherever it is routed. A session that never comes back is
-forgotten after twice the 90th percentile of the return gaps seen (the time from a
-route's ``done`` to the request that claims its home), so the wait adapts to the
-traffic: a second for agents waiting on tools, minutes for people. A 90th percentile
-needs a sample behind it: until :data:`MIN_GAPS` returns have been seen the wait only
-grows from :data:`FIRST_WAIT_S`, so one quick first return cannot shorten it to
-milliseconds and forget every slower session.
-
-Not every request has a next one (a chat's last turn; traffic without sessions at all,
-such as one-shot prompts sharing a system prompt). A home counts as the share of homes
-that were claimed, of the last :data:`_OUTCOMES_KEPT` claimed or forgotten
-(:attr:`SessionHomes.returning`): a pod's expected returning sessions. Traffic whose
-requests never come back counts nothing.
-
-A session's later turns also cost the pod it starts on: each brings a prefill (a
-tool's result, the user's next message) that stalls every decode sharing its steps,
-this session's own included. :attr:`SessionHomes.future_prefill` estimates what a
-request's session will still bring: the expected number of later turns, ``p / (1 - p)``
-for a returning share ``p`` (each turn is followed by another with probability ``p``),
-times the mean uncached tokens of a turn that continued a session
-(:meth:`SessionHomes.turn`, an exponentially weighted mean). ``p`` is capped at
-:data:`MAX_RETURNING`, so one estimate prices at most nine later turns however loyal
-the traffic. It is 0 where nothing returns.
-
-Not thread-safe: :class:`~kvindex.scoring.inflight.InFlightLedger` calls it under its
-lock.
+A chat user reading or an agent waiting on a tool has no request in flight, yet comes
+back to the pod holding its history; counting those sessions keeps ``/route`` from
+packing new sessions onto pods that only look idle. A finished route leaves a *home*
+(its prompt's last full block key, on its pod), claimed by the session's next request,
+whose prompt holds that key. Homes are forgotten after twice the 90th percentile of the
+return gaps seen, and count as the share of homes that were claimed (traffic that never
+comes back counts nothing). :attr:`SessionHomes.future_prefill` estimates the prefill a
+session's later turns will bring. Not thread-safe:
+:class:`~kvindex.scoring.inflight.InFlightLedger` calls it under its lock.
 """
 
 from __future__ import annotations
@@ -52,7 +23,7 @@ MIN_GAPS = 16
 #: The bounds of the adapted wait, in seconds.
 MIN_WAIT_S, MAX_WAIT_S = 0.01, 3600.0
 #: The most homes kept; past it the oldest is forgotten first (memory stays bounded
-#: whatever the traffic: ~150 bytes a home).
+#: whatever the traffic).
 MAX_HOMES = 65_536
 _GAPS_KEPT = 256  # the return gaps the wait is computed from
 _OUTCOMES_KEPT = 256  # the homes, claimed or forgotten, the returning share is from

@@ -1,35 +1,14 @@
 """Speculative entries: blocks a pod will hold because ``/route`` just sent it the prompt.
 
-Between a routing decision and the chosen pod's ``BlockStored`` events lie the request's
-queueing, its prefill and the event path: tens of milliseconds to seconds. A burst of
-same-prefix requests (or a conversation's next turn) arriving in that window would see
-no pod holding the prefix and scatter. llm-d calls the remedy speculative indexing: once
-routed, the prompt's blocks count as present on the chosen pod for a short TTL.
-
-They are kept here, apart from the index backends (which hold only what engines
-reported), so that ``/score`` can show them separately and a confirmed count never
-includes a guess. Layout, per (model, member): ``key -> deadline``, the latest deadline
-of any live entry holding the key. An entry is a prompt's chain of block keys from the
-end of the member's confirmed prefix at routing time to the prompt's last full block,
-so along a chain, from the member's confirmed prefix on, the keys with a live deadline
-form a run (a key's entry holds every earlier key of the chain past that point, and a
-key's deadline is at least that of any later key): the speculative run is found by
-binary search, O(log n) probes per member that has entries at all. (Were a member's
-confirmed prefix to shrink below where an entry starts, by evictions, the run from the
-new point is taken as empty: conservative, and rare within a TTL of seconds.)
-
-Confirmation is checked at query time, where it costs nothing extra: the caller passes
-each member's confirmed prefix (from the index, already looked up for the same chain).
-Speculation counts only past it; when the confirmed prefix covers speculative keys,
-those keys leave this structure (the events have arrived). The search then starts at
-the confirmed prefix, so a longer entry keeps counting past a confirmed part.
-
-An entry's outcome is counted when its TTL ends (or when the size bound evicts it):
-``confirmed`` when its last block was confirmed by a query, ``superseded`` when a later
-route of a chain through that block renewed it, ``expired`` otherwise (a prefix nobody
-asked about again is counted expired even if its events did arrive: confirmation is
-observed when it matters, at the next query). The structure holds at most
-``max_blocks`` keys over all live entries; the oldest entries are evicted first.
+Between a decision and the chosen pod's ``BlockStored`` events, a burst of same-prefix
+requests would see no pod holding the prefix and scatter; so a routed prompt's blocks
+count as present on the chosen member for a short TTL (llm-d's speculative indexing).
+They are kept apart from the index backends so that a confirmed count never includes a
+guess. Per (model, member) a key maps to its latest deadline; along a chain, the live
+keys past the confirmed prefix form a run, found by binary search. Confirmation is
+checked at query time: keys the confirmed prefix covers leave. Each entry's outcome
+(confirmed, superseded, expired, evicted) is counted when it ends; at most
+``max_blocks`` keys are held, oldest evicted first.
 """
 
 from __future__ import annotations

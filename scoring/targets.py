@@ -1,22 +1,13 @@
 """Routing targets: one per engine a request can be sent to, with its cost inputs.
 
-A pod running several data-parallel ranks is one address for a gateway, but each rank
-is its own engine with its own KV cache (its own index member, ``<pod>/dp<rank>``,
-:class:`kvindex.events.identity.StreamId`) and its own scheduler queue (vLLM's
-``engine`` label on ``/metrics``). So each rank is costed on its own prefix and its own
-load, the pod's cost is its best rank's, and the answer names that rank. A pod's ranks
-are those its index entries, speculative entries or metrics page show; rank 0 always.
-
-A ``pending`` pod (to be scraped, its first scrape not tried yet:
-:mod:`kvindex.scoring.load`) is costed as a pod with one request waiting, none running
-and an empty cache: no better than a known idle pod, but far from the "busy" an unknown pod is
-costed as, so on a fresh cluster the first requests spread over the configured pods
-instead of all going to the first pod kvindex heard from. Its in-flight routes
-count as for any pod, so a burst before the first scrape spreads too.
-
-Speculative blocks (:mod:`kvindex.scoring.speculative`) extend a rank's confirmed prefix
-for the cost, valued as GPU blocks (they were just computed there); the confirmed count
-stays apart in the target for the answer.
+A pod running data-parallel ranks is one address for a gateway, but each rank is its
+own engine with its own KV cache (index member ``<pod>/dp<rank>``) and its own queue, so
+each rank is costed on its own and the answer names the best one. A ``pending`` pod
+(first scrape not tried yet) is costed as one waiting request and an empty cache: no
+better than a known idle pod, far from the busy an unknown pod is costed as, so the
+first requests on a fresh cluster spread over the configured pods. Speculative blocks
+extend a rank's confirmed prefix for the cost, valued as GPU blocks; the confirmed count
+stays apart for the answer.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Prompt text and chat messages to token ids, with the model's own tokenizer.
 
-Gateways often have only text. A score is only right if the text becomes exactly the
-tokens the engine will see, so kvindex uses the model's own ``tokenizer.json`` (the
-``tokenizers`` library, the optional ``tokenize`` extra) and renders chat messages the
-way vLLM 0.33 does: the messages rebuilt as vLLM rebuilds them (``conversation``), the
-model's own chat template rendered as transformers renders it (``chat_template``). A
-completion prompt is encoded with special tokens added, a rendered chat prompt without
-(its template already holds them).
-
-Nothing is downloaded at run time: a tokenizer comes from a configured local directory,
-or from the local Hugging Face cache (``$HF_HUB_CACHE`` or ``$HF_HOME/hub``, else
-``~/.cache/huggingface/hub``) when the model name is a hub id.
+A score is only right if the text becomes exactly the tokens the engine will see, so
+kvindex uses the model's own ``tokenizer.json`` (the ``tokenizers`` library, the optional
+``tokenize`` extra) and renders chat messages as vLLM 0.33 does (:mod:`.conversation`,
+:mod:`.chat_template`). A completion prompt is encoded with special tokens added, a
+rendered chat prompt without (its template holds them). Nothing is downloaded at run
+time: a tokenizer comes from a configured local directory, or from the local Hugging
+Face cache when the model name is a hub id.
 """
 
 from __future__ import annotations

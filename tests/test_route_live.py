@@ -278,10 +278,10 @@ def test_pd_names_a_prefill_and_a_decode_pod(live) -> None:
     assert answer["prefill_reason"] == "prefix"
     roles = {c["pod"]: c["role"] for c in answer["candidates"]}
     assert roles == {d: "decode", p1: "prefill", p2: "prefill"}
-    flying = cluster.service.load.ledger.all()
+    flying = cluster.service.routing.ledger.all()
     assert flying[d].requests == 1 and flying[p2].requests == 1
     assert cluster.client.post("/route/pd1/done").json() == {"route_id": "pd1", "pod": d}
-    assert cluster.service.load.ledger.all() == {}
+    assert cluster.service.routing.ledger.all() == {}
     # The decode pod now holds every full block: 5 uncached tokens, under the threshold.
     cluster.hold(d, 24)
     answer = cluster.route(request_id="pd2")
@@ -291,7 +291,7 @@ def test_pd_names_a_prefill_and_a_decode_pod(live) -> None:
     assert only["pod"] in (p1, p2) and only["decode_pod"] is None
     # pd2 repeated pd1's prompt: a session come back, whose later turns are expected;
     # under P/D they prefill on the prefill pods, so no decision prices them.
-    assert cluster.service.load.ledger.future_prefill() > 0
+    assert cluster.service.routing.ledger.future_prefill() > 0
     assert answer["future_prefill_tokens"] == only["future_prefill_tokens"] == 0.0
     metrics = cluster.client.get("/metrics").text
     assert 'kvindex_route_prefill_decisions_total{outcome="remote"} 1.0' in metrics
@@ -315,5 +315,5 @@ def test_a_data_parallel_pod_is_one_target_and_names_its_best_rank(live) -> None
     assert set(rows) == {(pod, 0), (pod, 1), (single, 0)}
     assert rows[(pod, 1)]["matched_blocks"] == 12 and rows[(pod, 0)]["matched_blocks"] == 2
     assert rows[(pod, 1)]["waiting"] == 0
-    assert cluster.service.load.ledger.all()[f"{pod}/dp1"].requests == 1
+    assert cluster.service.routing.ledger.all()[f"{pod}/dp1"].requests == 1
     assert cluster.client.post("/route/dp1/done").json()["pod"] == pod

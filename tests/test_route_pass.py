@@ -9,7 +9,7 @@ stale), KV usage past the admission limit, long queues, tier-weighted matches,
 speculative blocks, in-flight routes, tiny prompts, load-only fallbacks and least-bad
 routing, and pods that restarted unheard (their server started after the last batch
 the index applied from them: the one-pass loop leaves their entries out, the general
-path is given them already left out, as ``api/route.py`` does). Fleets with
+path is given them already left out, as ``scoring/routing.py`` does). Fleets with
 data-parallel ranks must be left to the general path. The candidate loop runs both
 compiled (``scoring/_route_pass.c``) and in Python.
 """
@@ -21,7 +21,6 @@ import random
 import msgspec
 import pytest
 
-from kvindex.api.route import _candidates_of
 from kvindex.api.schemas import RouteCandidate
 from kvindex.scoring import route_pass
 from kvindex.scoring.event_lag import Lag
@@ -31,6 +30,7 @@ from kvindex.scoring.load_metrics import EngineLoad
 from kvindex.scoring.route_cost import CostWeights
 from kvindex.scoring.route_pass import one_pass
 from kvindex.scoring.router import Admission, Reason, Router
+from kvindex.scoring.routing import target_rows
 from kvindex.scoring.scorer import PodScore
 from kvindex.scoring.targets import build_targets
 
@@ -91,7 +91,7 @@ def fleet(rng: random.Random, pods: list[str], prompt_blocks: int):
 
 def unheard(loads, heard, matches, speculative) -> set[str]:
     """The pods that restarted unheard, left out of ``matches`` and ``speculative`` as
-    ``api/route.py`` leaves them out before the general path."""
+    ``scoring/routing.py`` leaves them out before the general path."""
     out = set()
     for pod, load in loads.items():
         lag = heard.get(pod)
@@ -109,7 +109,7 @@ def general(
     router: Router, pods, loads, matches, speculative, in_flight, tokens, fallback, future,
     excluded=frozenset(),
 ):  # fmt: skip
-    """What api/route.py's general path decides and answers (no P/D, no role)."""
+    """What the general path (scoring/routing.py) decides and answers (no P/D, no role)."""
     targets = build_targets(pods, matches, speculative, loads, in_flight)
     decision = router.decide(
         [t.inputs for t in targets],
@@ -120,7 +120,7 @@ def general(
         future,
         excluded,
     )
-    rows = _candidates_of(decision, None, {t.member: t for t in targets}, {})
+    rows = target_rows(decision, None, {t.member: t for t in targets}, {}, RouteCandidate)
     return decision.pod, decision.reason, rows, decision.saturated
 
 

@@ -90,6 +90,7 @@ log = logging.getLogger(__name__)
 
 #: vLLM's ``Locality.REMOTE`` (``v1/kv_offload/base.py``, 0.26-0.33).
 _REMOTE = "REMOTE"
+#: vLLM's ``medium`` -> tier (None: GPU). The one mapping: an unknown medium is counted.
 _TIERS = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "STORAGE": Tier.STORAGE}
 
 
@@ -199,7 +200,7 @@ class Ingestor:
                 continue
             if stored and group_idx is not None:
                 self._learn_group(member, model, count, run)
-            place = self._place(member, model, group_idx, kind, medium, False, count)
+            place = self._place(member, model, group_idx, kind, medium, count)
             if place is None:
                 continue
             target, tier = place
@@ -232,7 +233,7 @@ class Ingestor:
                     counts.skipped["remote_locality"] += 1
                     continue
                 place = self._place(
-                    member, model, event.group_idx, event.kv_cache_spec_kind, event.medium, True
+                    member, model, event.group_idx, event.kv_cache_spec_kind, event.medium
                 )
                 if place is None:
                     continue
@@ -247,7 +248,7 @@ class Ingestor:
                 if event.locality == _REMOTE:
                     counts.skipped["remote_locality"] += 1
                     continue
-                place = self._place(member, model, event.group_idx, None, event.medium, True)
+                place = self._place(member, model, event.group_idx, None, event.medium)
                 if place is None:
                     continue
                 target, tier = place
@@ -283,7 +284,6 @@ class Ingestor:
         group_idx: int | None,
         kind: str | None,
         medium: str | None,
-        tokens_mode: bool,
         count: int = 1,
     ) -> tuple[str, Tier] | None:
         """The index namespace and tier ``count`` events of this KV-cache group and

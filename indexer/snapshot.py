@@ -354,7 +354,6 @@ class SnapshotStats:
     last_bytes: int = 0
     restore: str = "none"  # restored, missing, or a SnapshotError reason
     restore_seconds: float = 0.0
-    restored_streams: int = 0
 
 
 class Snapshotter:
@@ -403,7 +402,6 @@ class Snapshotter:
             return exc.reason
         seconds = time.perf_counter() - started
         self.stats.restore, self.stats.restore_seconds = "restored", seconds
-        self.stats.restored_streams = streams
         stats = self._backend.stats()
         log.info(
             "restored the index from %s in %.2fs: %d keys, %d members, %d streams to resume "

@@ -364,7 +364,7 @@ class BlockTable:
         stopped.
 
         Compiled (:mod:`kvindex.indexer.compiled`): one probing loop per key, always
-        exact. numpy: most keys sit in their home slot (about 3 in 4 at load 0.5), so
+        exact. numpy: most keys sit in their home slot at the loads the table keeps, so
         one gather settles them; only the others read windows of ``WINDOW`` slots.
         """
         probe = compiled.probe

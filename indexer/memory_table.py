@@ -24,21 +24,17 @@ from kvindex.indexer.table_copies import MAX_MEMBERS, MEMBER_BITS, ExtraCopies
 from kvindex.indexer.table_layout import (
     _BIT,
     _MULT,
-    _OFFSETS,
     _SMALL,
-    _WIDE_OFFSETS,
     CHUNK_KEYS,
     DEAD_FRACTION,
     EVICT_FRACTION,
     LOG_SLACK,
-    LOOKUP_WINDOW,
     MAX_DISPLACEMENT,
     MAX_LOAD,
     MIN_CAP,
     PAD,
     REBUILD_LOAD,
     STAMP_MAX,
-    WINDOW,
     WORD,
     Bools,
     Counts,
@@ -59,6 +55,8 @@ from kvindex.indexer.table_layout import (
     _sorted_unique,
     as_keys,
     check_array,
+    insert_absent,
+    probe_windows,
 )
 
 __all__ = [
@@ -407,60 +405,19 @@ class BlockTable:
             vacant = at[rest] == 0
             cursors[rest[vacant]] = far[vacant]
             rest, far = rest[~vacant], far[~vacant]
-        self._probe(keys[rest], far, slots, rest, cursors)
+        probe_windows(self.keys, self.max_disp, keys[rest], far, slots, rest, cursors)
         return slots
-
-    def _probe(
-        self, keys: U64s, home: Slots, slots: Slots, todo: Slots, cursors: Slots | None
-    ) -> None:
-        """Fill ``slots[todo]`` for non-zero ``keys`` (``home`` their home slots, row for
-        row) by reading windows from home, until each key is found, an empty slot proves
-        it absent, or ``max_disp`` is passed. With ``cursors``, record for each absent
-        key its first empty slot, where inserting it starts (raises TableFull when there is
-        none within ``MAX_DISPLACEMENT``)."""
-        offset = 0
-        # Lookups read up to LOOKUP_WINDOW slots at once: one wide round is cheaper
-        # than a second narrow one. Inserts mostly stop at a near empty slot.
-        width = WINDOW if cursors is not None else min(LOOKUP_WINDOW, self.max_disp + 1)
-        while todo.size and offset <= self.max_disp:
-            m = todo.size
-            pos = _WIDE_OFFSETS[:width] + (home + offset)  # (width, m): long axis inner
-            window = self.keys[pos]
-            hits = np.flatnonzero(window == keys)
-            rows = hits % m  # each non-zero key matches at most one slot
-            slots[todo[rows]] = pos.ravel()[hits]
-            if rows.size == m:
-                return
-            empty = window == 0
-            go = ~empty.any(axis=0)
-            go[rows] = False
-            if cursors is not None:  # absent: the first empty slot is where it goes
-                done = ~go
-                done[rows] = False
-                cursors[todo[done]] = home[done] + offset + empty[:, done].argmax(axis=0)
-            todo, home, keys = todo[go], home[go], keys[go]
-            offset += width
-            width = WINDOW
-        while cursors is not None and todo.size:  # absent, past max_disp: find a gap
-            if offset > MAX_DISPLACEMENT:
-                raise TableFull
-            empty = self.keys[_OFFSETS + (home + offset)] == 0
-            done = empty.any(axis=0)
-            cursors[todo[done]] = home[done] + offset + empty[:, done].argmax(axis=0)
-            todo, home = todo[~done], home[~done]
-            offset += WINDOW
 
     def _insert(self, keys: U64s, cursor: Slots) -> Slots:
         """Place keys known to be absent (repeats allowed), starting at ``cursor``, the
         first empty slot ``_find`` saw for each; return their slots. ``n_used`` is left
-        to the caller, which counts distinct new slots.
-
-        Keys probing the same empty slot all write it; the one whose write survived won
-        it (with its repeats), the others continue after it. Raises TableFull past
+        to the caller, which counts distinct new slots. Raises TableFull past
         ``MAX_DISPLACEMENT`` (keys already placed are then dead slots, which the rebuild
         that follows drops).
 
         Compiled: the keys are placed one after another, which settles every race.
+        numpy: :func:`~kvindex.indexer.table_layout.insert_absent` settles them by
+        scatter-then-read-back.
         """
         out = np.empty(keys.size, np.intp)
         probe = compiled.probe
@@ -482,41 +439,20 @@ class BlockTable:
             self.max_disp = max(self.max_disp, worst)
             return out
         if keys.all():
-            rows = np.arange(keys.size)
+            placing, at = keys, cursor
         else:
             zero = keys == 0
             out[zero] = self.zero_slot
             self.zero_used = True
-            rows = np.flatnonzero(~zero)
-        if not rows.size:
-            return out
-        start = home = self._home_slots(keys[rows])
-        cand = cursor[rows]  # empty when found: the first round needs no probing
-        mine = keys[rows]
-        has_free = None
-        if (cand - start).max() > MAX_DISPLACEMENT:
-            raise TableFull
-        while True:
-            take = np.arange(rows.size) if has_free is None else np.flatnonzero(has_free)
-            slots = cand[take]
-            self.keys[slots] = mine[take]  # the last write to a slot wins it
-            won = take[self.keys[slots] == mine[take]]
-            out[rows[won]] = cand[won]
-            if won.size == rows.size:
-                break
-            cursor = cand + 1 if has_free is None else np.where(has_free, cand + 1, cursor + WINDOW)
-            left = np.ones(rows.size, np.bool_)
-            left[won] = False
-            rows, start, cursor, mine = rows[left], start[left], cursor[left], mine[left]
-            free = self.keys[_OFFSETS + cursor] == 0
-            has_free = free.any(axis=0)
-            cand = cursor + free.argmax(axis=0)
-            if not has_free.all():
-                cand[~has_free] = -1
-            if max((cand - start).max(), (cursor - start).max()) > MAX_DISPLACEMENT:
-                raise TableFull
-        placed = out if keys.all() else out[keys != 0]
-        self.max_disp = max(self.max_disp, int((placed - home).max()))
+            placing, at = keys[~zero], cursor[~zero]
+        if placing.size:
+            home = self._home_slots(placing)
+            slots = insert_absent(self.keys, placing, at, home)
+            if placing is keys:
+                out = slots
+            else:
+                out[~zero] = slots
+            self.max_disp = max(self.max_disp, int((slots - home).max()))
         return out
 
     def _locate(self, keys: U64s, store: bool | Bools) -> tuple[Slots, Bools | None]:

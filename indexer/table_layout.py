@@ -1,6 +1,7 @@
 """Constants and stateless array functions of the memory backend's hash table
 (:class:`~kvindex.indexer.memory_table.BlockTable`, whose docstring explains the layout):
-key conversion, home slots, laying keys out in an empty table, bitmask-row helpers.
+key conversion, home slots, the numpy probing and insertion loops, laying keys out in
+an empty table, bitmask-row helpers.
 
 Each function that has a compiled twin in ``indexer/_probe.c`` (reached through
 :mod:`kvindex.indexer.compiled`) calls it when it is built and keeps the numpy version
@@ -184,6 +185,91 @@ def _layout(keys: U64s, cap: int, seed: np.uint64, into: U64s) -> tuple[Slots, i
     out[rows[order]] = pos
     into[out] = keys
     return out, disp
+
+
+def probe_windows(
+    table: U64s,
+    max_disp: int,
+    keys: U64s,
+    home: Slots,
+    slots: Slots,
+    todo: Slots,
+    cursors: Slots | None,
+) -> None:
+    """numpy probing of the keys array ``table``: fill ``slots[todo]`` for non-zero
+    ``keys`` (``home`` their home slots, row for row) by reading windows from home,
+    until each key is found, an empty slot proves it absent, or ``max_disp`` is passed.
+    With ``cursors``, record for each absent key its first empty slot, where inserting
+    it starts (raises TableFull when there is none within ``MAX_DISPLACEMENT``)."""
+    offset = 0
+    # Lookups read up to LOOKUP_WINDOW slots at once: one wide round is cheaper
+    # than a second narrow one. Inserts mostly stop at a near empty slot.
+    width = WINDOW if cursors is not None else min(LOOKUP_WINDOW, max_disp + 1)
+    while todo.size and offset <= max_disp:
+        m = todo.size
+        pos = _WIDE_OFFSETS[:width] + (home + offset)  # (width, m): long axis inner
+        window = table[pos]
+        hits = np.flatnonzero(window == keys)
+        rows = hits % m  # each non-zero key matches at most one slot
+        slots[todo[rows]] = pos.ravel()[hits]
+        if rows.size == m:
+            return
+        empty = window == 0
+        go = ~empty.any(axis=0)
+        go[rows] = False
+        if cursors is not None:  # absent: the first empty slot is where it goes
+            done = ~go
+            done[rows] = False
+            cursors[todo[done]] = home[done] + offset + empty[:, done].argmax(axis=0)
+        todo, home, keys = todo[go], home[go], keys[go]
+        offset += width
+        width = WINDOW
+    while cursors is not None and todo.size:  # absent, past max_disp: find a gap
+        if offset > MAX_DISPLACEMENT:
+            raise TableFull
+        empty = table[_OFFSETS + (home + offset)] == 0
+        done = empty.any(axis=0)
+        cursors[todo[done]] = home[done] + offset + empty[:, done].argmax(axis=0)
+        todo, home = todo[~done], home[~done]
+        offset += WINDOW
+
+
+def insert_absent(table: U64s, keys: U64s, cursor: Slots, home: Slots) -> Slots:
+    """numpy insertion into the keys array ``table``: place non-zero keys known to be
+    absent (repeats allowed), each starting at its ``cursor`` (the first empty slot
+    probing saw; ``home`` its home slot); return their slots.
+
+    Keys probing the same empty slot all write it; the one whose write survived won it
+    (with its repeats), the others continue after it. Raises TableFull past
+    ``MAX_DISPLACEMENT`` (keys already placed are then dead slots).
+    """
+    out = np.empty(keys.size, np.intp)
+    rows = np.arange(keys.size)
+    start = home
+    cand = cursor  # empty when found: the first round needs no probing
+    mine = keys
+    has_free = None
+    if (cand - start).max() > MAX_DISPLACEMENT:
+        raise TableFull
+    while True:
+        take = np.arange(rows.size) if has_free is None else np.flatnonzero(has_free)
+        slots = cand[take]
+        table[slots] = mine[take]  # the last write to a slot wins it
+        won = take[table[slots] == mine[take]]
+        out[rows[won]] = cand[won]
+        if won.size == rows.size:
+            return out
+        cursor = cand + 1 if has_free is None else np.where(has_free, cand + 1, cursor + WINDOW)
+        left = np.ones(rows.size, np.bool_)
+        left[won] = False
+        rows, start, cursor, mine = rows[left], start[left], cursor[left], mine[left]
+        free = table[_OFFSETS + cursor] == 0
+        has_free = free.any(axis=0)
+        cand = cursor + free.argmax(axis=0)
+        if not has_free.all():
+            cand[~has_free] = -1
+        if max((cand - start).max(), (cursor - start).max()) > MAX_DISPLACEMENT:
+            raise TableFull
 
 
 def _move_rows(src: np.ndarray, dst: np.ndarray, src_rows: Slots, dst_rows: Slots) -> None:

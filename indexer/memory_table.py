@@ -229,6 +229,25 @@ class BlockTable:
 
     #: Allocator of keys and masks (see :data:`~kvindex.indexer.table_layout.Zeros`).
     zeros: Zeros = np.zeros
+    # The state, all of it (install() sets what a layout brings).
+    keys: U64s
+    masks: list[np.ndarray | None]
+    stamps: npt.NDArray[np.uint32] | None
+    logs: dict[int, _SlotLog]
+    copies: ExtraCopies
+    cap: int
+    shift: np.uint64
+    zero_slot: int
+    zero_used: bool
+    max_disp: int
+    n_used: int
+    n_live: int
+    width: int
+    seed: np.uint64
+    stamped: bool
+    counts: npt.NDArray[np.int64]
+    held: npt.NDArray[np.int64]
+    rebuilds: int
 
     def __init__(
         self, width: int, *, seed: int, stamped: bool, cap: int = MIN_CAP, zeros: Zeros = np.zeros

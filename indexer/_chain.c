@@ -2,15 +2,15 @@
  *
  * Why C: vLLM hashes block i as H((digest_{i-1}, tuple(tokens_i), extra_keys_i)), where H
  * is SHA-256 (or xxh3_128) of pickle.dumps(x, protocol=5) (or of canonical CBOR). In
- * Python each block builds a tuple, runs the pickler and calls hashlib: ~1 us a block,
- * ~500 us for an 8,192-token prompt. Here the serialisation is written straight into
- * one buffer (_chain_pickle.h, _chain_cbor.h: the exact bytes pickle and cbor2 write)
- * and hashed in place with OpenSSL's SHA-256 (SHA-NI where the CPU has it), so a block
- * costs little more than SHA-256 of its ~100-130 bytes.
+ * Python each block builds a tuple, runs the pickler and calls hashlib, which adds up
+ * over a long prompt. Here the serialisation is written straight into one buffer
+ * (_chain_pickle.h, _chain_cbor.h: the exact bytes pickle and cbor2 write) and hashed in
+ * place with OpenSSL's SHA-256 (SHA-NI where the CPU has it), so a block costs little
+ * more than SHA-256 of its bytes (bench/bench_hash.py).
  *
  * xxhash variants call the digest function they are given (the Python xxhash module's
  * xxh3_128_digest) on the bytes written here: there is no xxhash library to link
- * against, and the call (~60 ns) is small next to the pickling it replaces.
+ * against, and the call is small next to the pickling it replaces.
  *
  * What cannot be written here is left to the pure path, block by block: a token that
  * is not an exact int in [-2^63, 2^64), an extra key of another type (or nested deeper
@@ -23,9 +23,8 @@
 #include "_chain_cbor.h"
 
 /* The low-level SHA256_Init/Update are deprecated in OpenSSL 3.0 but built (Debian's
- * libssl3 has them) and are the cheapest call: a reused EVP_MD_CTX with a prefetched
- * EVP_MD cost ~17 ns more per hash, EVP_Digest ~60 ns more, SHA256() ~250 ns more (it
- * fetches the algorithm on every call), against ~50 ns per 64-byte block here. */
+ * libssl3 has them) and are the cheapest call per hash: the EVP interfaces add a
+ * context's bookkeeping, and SHA256() fetches the algorithm on every call. */
 #define OPENSSL_SUPPRESS_DEPRECATED
 #include <openssl/sha.h>
 

@@ -104,7 +104,7 @@ static inline unsigned char *pickle_int_at(unsigned char *b, const Int *x) {
     int64_t v = x->v;
     if ((uint64_t)v <= INT32_MAX) {
         /* BININT1, BININT2 or BININT, chosen without a branch: a prompt's token ids
-         * mix all three at random, and a mispredicted branch per token cost ~40 ns a
+         * mix all three at random, and a mispredicted branch per token adds up over a
          * block. Four bytes are stored whatever the length (the writer has room). */
         static const unsigned char ops[3] = {P_BININT1, P_BININT2, P_BININT};
         static const unsigned char lengths[3] = {1, 2, 4};

@@ -1,15 +1,15 @@
-/* Compiled probing kernels for the memory backend's hash table (indexer/table_probe.py).
+/* Compiled probing kernels for the memory backend's hash table (BlockTable,
+ * indexer/memory_table.py).
  *
  * Why C: the table is open addressing with linear probing over numpy arrays. In numpy a
  * probe is several vectorised passes (gather the home slots, then windows for the keys
  * not at home, then scatter-and-read-back to settle keys of one batch racing for a
  * slot); each pass costs a call and a temporary array. Written as one loop per key it
- * is a handful of cache misses, and a fresh-key insert or a growth rebuild costs a few
- * nanoseconds per key instead of a few hundred.
+ * is a handful of cache misses (bench/README.md has the figures).
  *
  * The functions take buffers (numpy arrays, through the buffer protocol, so no numpy
  * headers are needed to build) and follow exactly the table's rules, which
- * indexer/table_probe.py documents and whose pure-numpy path stays the reference:
+ * BlockTable's docstring documents and whose pure-numpy path stays the reference:
  *   home(key) = ((key ^ seed) * 0x9E3779B97F4A7C15) >> shift
  *   a key lies within max_disp slots after its home, with no empty slot (0) between;
  *   probing never wraps; key 0 lives in a reserved slot the caller names.
@@ -360,7 +360,7 @@ done:
     return result;
 }
 
-/* ---- The lookup walk: one call answers a prefix lookup (indexer/table_query.py) ----
+/* ---- The lookup walk: one call answers a prefix lookup (BlockTable.walk) ----
  *
  * walk(table, gpu, cpu, storage, keys, seed, shift, max_disp, zero_slot, allowed, width,
  *      names, make) -> list
@@ -589,8 +589,8 @@ static PyObject *triple(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c) {
 }
 
 /* (n, 0, 0), the tiers of a GPU-only match: one shared tuple per n below the bound, made
- * on first use. Each new tuple is tracked by the garbage collector, and ~50 of them per
- * lookup triggered a young-generation collection every dozen lookups: the p99. */
+ * on first use. Each new tuple is tracked by the garbage collector, and dozens of them
+ * per lookup would trigger young-generation collections, which set the p99. */
 #define SHARED_TIERS 16384
 static PyObject *gpu_only_tiers[SHARED_TIERS];
 
@@ -816,7 +816,7 @@ done:
  *       tick, width, word, bit, slots, had, gained) -> (worst, created, newly, n_gained,
  *       n_live_new) or None
  *
- * One member stores one copy of each key in one tier (indexer/table_update.py's common
+ * One member stores one copy of each key in one tier (BlockTable.update's common
  * case), in one pass per key instead of numpy's passes over the batch:
  *   1. find each key, or insert it at the first empty slot from its home (a repeat finds
  *      the copy placed before it): slots[i]; worst = the largest displacement of a key

@@ -2,10 +2,10 @@
  * indexer/redis_walk.py's fast path.
  *
  * Why C: with Redis layout 2 a lookup is plain HMGETs and the walk runs in the replica,
- * and in Python that cost ~0.3 ms of CPU per 512-block, 64-pod lookup (packing the
- * fields with numpy ~50 us, hiredis making 512 bytes objects and putting them back in key
- * order ~40 us, the run-length walk and its answer ~120 us): more than Redis spends on
- * the same lookup, and the replica's CPU is what caps /score. Here:
+ * and in Python the client side (packing the fields with numpy, hiredis making one bytes
+ * object per block and putting them back in key order, the run-length walk and its
+ * answer) cost more CPU than Redis spends on the same lookup, and the replica's CPU is
+ * what caps /score (bench/bench_redis.py). Here:
  *
  * - exchange sends them and reads the answer on a plain socket, the GIL released only
  *   while it waits for Redis (_redis_io.h);
@@ -34,8 +34,8 @@
 #define COUNTING_SORT_MAX 4096
 
 /* An int's value in [0, 2**64); -1 with an exception set otherwise. Where unsigned long
- * has 64 bits, PyLong_AsUnsignedLong: it reads the digits directly, about half the time
- * of PyLong_AsUnsignedLongLong (which goes through _PyLong_AsByteArray on 3.11). */
+ * has 64 bits, PyLong_AsUnsignedLong: it reads the digits directly, where
+ * PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray (3.11). */
 static unsigned long long as_u64(PyObject *v) {
 #if ULONG_MAX == UINT64_MAX
     return PyLong_AsUnsignedLong(v);
@@ -215,7 +215,7 @@ static PyObject *pack_reads(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "too many block keys in one lookup");
         return NULL;
     }
-    /* a 32-bit modulo, once per key: the 64-bit one cost a third of the packing */
+    /* a 32-bit modulo, once per key: the 64-bit division is much slower */
     uint32_t *bucket = PyMem_Malloc(sizeof(uint32_t) * (size_t)(n ? n : 1));
     if (bucket == NULL) {
         PyMem_Free(keys);

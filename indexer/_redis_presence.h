@@ -4,7 +4,7 @@
  * Hybrid models (sliding-window or Mamba KV groups) score with one presence query per
  * KV group, so a /score of such a model costs this two or three times. The numpy path
  * (redis_walk.held_positions) unpacks the whole matrix, transposes it and packs it
- * again per tier (~90 us for 512 blocks x 64 pods); here each set bit of the matrix is
+ * again per tier; here each set bit of the matrix is
  * moved once into its member's mask, and only members holding something get ints.
  */
 #ifndef KVINDEX_REDIS_PRESENCE_H

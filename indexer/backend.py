@@ -26,16 +26,6 @@ class Tier(enum.IntEnum):
     CPU = 1
     STORAGE = 2
 
-    @classmethod
-    def from_medium(cls, medium: str | None) -> Tier:
-        """vLLM's ``medium`` field (None means GPU); raises ValueError when unknown."""
-        if medium is None:
-            return cls.GPU
-        try:
-            return cls[medium.upper()]
-        except KeyError:
-            raise ValueError(f"unknown medium {medium!r}") from None
-
     @property
     def label(self) -> str:
         return self.name.lower()

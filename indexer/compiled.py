@@ -1,20 +1,16 @@
 """Which implementations run: compiled or pure Python, for the table and for hashing.
 
-``kvindex.indexer._probe`` (indexer/_probe.c) is built by ``pip install`` when a C
-compiler is present and skipped otherwise (setup.py marks it optional). Both paths keep
-the same table invariants and give the same answers; the compiled one is several times
-faster at inserting fresh keys and rebuilding (bench/bench_ingest.py).
-
-``kvindex.indexer._chain`` (indexer/_chain.c) computes vLLM's block-hash chain (the
-pickle or CBOR bytes written directly, SHA-256 from OpenSSL's libcrypto); it is also
-optional (it needs OpenSSL's headers to build) and gives the keys of the pure path in
-indexer/keys.py, several times faster (bench/bench_hash.py).
+``kvindex.indexer._probe`` (indexer/_probe.c: the memory table's probing, update, walk
+and rebuild kernels) and ``kvindex.indexer._chain`` (indexer/_chain.c: vLLM's block-hash
+chain, SHA-256 from OpenSSL's libcrypto) are built by ``pip install`` when a C compiler
+(and, for the chain, OpenSSL's headers) is present, and skipped otherwise (setup.py marks
+them optional). Each gives the same answers as its pure path, which stays the reference
+(bench/README.md has the speed-ups).
 
 ``kvindex --version`` and the startup line say which ones run, which payload reader
 (events/_wire_scan.c or msgspec) and which receive (the compiled drain straight from
-libzmq, or pyzmq). Tests run both paths
-(``tests/test_memory_table_paths.py``, ``tests/test_keys_compiled.py``) by swapping
-:data:`probe` or :data:`chain` for None.
+libzmq, or pyzmq). Tests run both paths (``tests/test_memory_table_paths.py``,
+``tests/test_keys_compiled.py``) by swapping :data:`probe` or :data:`chain` for None.
 """
 
 from __future__ import annotations

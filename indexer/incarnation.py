@@ -9,18 +9,8 @@ a replica meets it, and every replica checks it at each lease round: gone, or an
 token than the one this replica knows, means the index it wrote is lost. (A Redis
 restarted *with* its data keeps the token, so only a real loss is reported.)
 
-After a loss every stream owes its whole history again: its owner re-acquires it as a
-rebuild (:class:`~kvindex.events.gate.Claim` ``rebuild``) and catches up by replay from
-the engine's first buffered batch, or marks it ``incomplete`` where it cannot. The
-rebuild states live in Redis (``<prefix>:{index}:rebuilds``, member -> state and model)
-so that every replica - not only the owner - warns while a stream is rebuilding, and
-stops when its owner reports it ``live``.
-
-A replica that starts after the loss never knew the old token and cannot notice it;
-another replica that did notice records the streams it knows. In Redis Cluster the
-token lives on one node: a node that loses its data alone goes unnoticed here.
-
-Used by :class:`~kvindex.indexer.leases.RedisLeases` on its thread only.
+:class:`IndexIncarnation` (used by :class:`~kvindex.indexer.leases.RedisLeases` on its
+thread only) says what happens after a loss, and what goes unnoticed.
 """
 
 from __future__ import annotations
@@ -55,7 +45,19 @@ class RebuildMark:
 
 
 class IndexIncarnation:
-    """The token this replica knows and the rebuild marks last read (see the module)."""
+    """The token this replica knows and the rebuild marks last read (see the module).
+
+    After a loss every stream owes its whole history again: its owner re-acquires it as a
+    rebuild (:class:`~kvindex.events.gate.Claim` ``rebuild``) and catches up by replay from
+    the engine's first buffered batch, or marks it ``incomplete`` where it cannot. The
+    rebuild states live in Redis (``<prefix>:{index}:rebuilds``, member -> state and model)
+    so that every replica - not only the owner - warns while a stream is rebuilding, and
+    stops when its owner reports it ``live``.
+
+    A replica that starts after the loss never knew the old token and cannot notice it;
+    another replica that did notice records the streams it knows. In Redis Cluster the
+    token lives on one node: a node that loses its data alone goes unnoticed here.
+    """
 
     def __init__(self, keys: KeySpace) -> None:
         self._keys = (keys.incarnation, keys.rebuilds)

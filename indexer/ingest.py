@@ -2,58 +2,8 @@
 
 Turns each delivered batch into backend Changes, all of one delivery chunk applied in
 one ``backend.apply`` call (one round trip on Redis; coalesced vector operations in
-memory). Rules, each one a pitfall other indexers hit:
-
-* BlockStored goes to the tier named by ``medium`` (None = GPU); BlockRemoved removes
-  for exactly that member and tier; AllBlocksCleared clears that member only, in every
-  tier (the event has no medium, and over-reporting a pod's cache is worse than
-  under-reporting it); an engine restart or a removed pod clears the member first.
-* Hybrid models publish one stream of stores and removals per KV-cache group, and the
-  same hash can be evicted from a sliding-window group while the full-attention group
-  still holds it. Once a member's stores name their group's kind
-  (``kv_cache_spec_kind``, vLLM 0.22+), every group is indexed in its own namespace
-  (:mod:`kvindex.indexer.kv_groups`) and the model's group layout is learned for
-  scoring. Until then (older engines), and always in token-key mode, only the primary
-  group is indexed: the lowest-numbered full-attention group, or group 0 when the
-  engine does not say; other groups are counted and skipped.
-* Copies (vLLM 0.33): an engine may hold one hash in several physical blocks (a fully
-  cached, block-aligned prompt recomputes its last block into a new one; n>1
-  sampling, retries, many users sending one canned prompt) and publishes a
-  ``BlockStored`` per copy and a ``BlockRemoved`` per copy evicted, so the index counts
-  copies (``Op.STORE`` adds one, ``Op.REMOVE`` takes one away, never below zero) and
-  a member holds a hash while it has one. Under vLLM's default report mode
-  (``incremental``) that is exact. Requests sent with ``kv_cache_report_mode="full"``
-  also re-announce the blocks their prompt hit as a ``BlockStored`` with no removal to
-  match, built exactly like a real one (vLLM 0.33 ``BlockPool._build_block_stored_event``
-  serves both); what marks it is only that it starts at the root of the chain
-  (``parent_block_hash`` None). The wire cannot tell such an announcement from a real
-  root copy, so the model's ``kv_cache_report_mode`` setting (``ReportMode``) decides:
-  ``incremental`` (the default) counts every store; ``full`` takes a store from the
-  root for an ``Op.ANNOUNCE`` (a block not held gets one copy, a held block nothing),
-  which never over-counts but drops a real root copy's hash at its first eviction.
-  docs/correctness.md ("Copies and report modes") has the cases.
-* Stores and removals marked ``locality="REMOTE"`` (vLLM >= 0.26) are not indexed
-  (counted ``remote_locality``). In vLLM 0.33.0 only the offloading connector's
-  secondary tiers set it (``v1/kv_offload/tiering/fs/manager.py`` and ``obj/manager.py``,
-  ``get_finished_jobs``): network storage shared by every instance with the same
-  ``root_dir``, whose lookup is a file-existence check across instances, which
-  publishes stores but never a ``BlockRemoved``. A hit there is a promotion into the
-  pod's CPU tier (``TieringOffloadingManager.lookup`` -> ``_initiate_promotion``), which
-  is announced as its own CPU ``BlockStored`` once it happens. So a REMOTE entry says
-  nothing that sets this pod apart from the others sharing the store, and could never be
-  removed: indexing it would only over-report, permanently.
-* CPU-offload placeholder stores (no tokens, block size 0) carry the engine's own block
-  hashes (one per offloaded chunk: its last GPU block's), so in engine-key mode they are
-  indexed as is; in token-key mode they are resolved through the engine-hash map, and
-  skipped (counted) when unknown.
-* ``medium`` is GPU, CPU or STORAGE: the only values vLLM 0.33 publishes (its
-  filesystem and object-store offload tiers both publish STORAGE). Others are counted
-  ``unknown_medium``, not guessed into a tier.
-* ``ownership`` (0.29) is not read: the offloading connector publishes one store and one
-  removal per (medium, ownership) residency of a chunk, and copies are counted per
-  (member, hash, tier), so a block two residencies hold stays while either does
-  (tests/test_vllm_offload.py runs vLLM's own tracker). ``origin`` (proposed, NEW or
-  REUSED) is not read either: a reused block is one the index already holds.
+memory). The rules, each one a pitfall other indexers hit, are in
+:class:`Ingestor`'s docstring.
 """
 
 from __future__ import annotations
@@ -90,6 +40,7 @@ log = logging.getLogger(__name__)
 
 #: vLLM's ``Locality.REMOTE`` (``v1/kv_offload/base.py``, 0.26-0.33).
 _REMOTE = "REMOTE"
+#: vLLM's ``medium`` -> tier (None: GPU). The one mapping: an unknown medium is counted.
 _TIERS = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "STORAGE": Tier.STORAGE}
 
 
@@ -105,7 +56,61 @@ class IngestCounts:
 
 
 class Ingestor:
-    """Implements events.BatchSink over an IndexBackend. Called from one thread."""
+    """Implements events.BatchSink over an IndexBackend. Called from one thread.
+
+    Rules, each one a pitfall other indexers hit:
+
+    * BlockStored goes to the tier named by ``medium`` (None = GPU); BlockRemoved removes
+      for exactly that member and tier; AllBlocksCleared clears that member only, in every
+      tier (the event has no medium, and over-reporting a pod's cache is worse than
+      under-reporting it); an engine restart or a removed pod clears the member first.
+    * Hybrid models publish one stream of stores and removals per KV-cache group, and the
+      same hash can be evicted from a sliding-window group while the full-attention group
+      still holds it. Once a member's stores name their group's kind
+      (``kv_cache_spec_kind``, vLLM 0.22+), every group is indexed in its own namespace
+      (:mod:`kvindex.indexer.kv_groups`) and the model's group layout is learned for
+      scoring. Until then (older engines), and always in token-key mode, only the primary
+      group is indexed: the lowest-numbered full-attention group, or group 0 when the
+      engine does not say; other groups are counted and skipped.
+    * Copies (vLLM 0.33): an engine may hold one hash in several physical blocks (a fully
+      cached, block-aligned prompt recomputes its last block into a new one; n>1
+      sampling, retries, many users sending one canned prompt) and publishes a
+      ``BlockStored`` per copy and a ``BlockRemoved`` per copy evicted, so the index counts
+      copies (``Op.STORE`` adds one, ``Op.REMOVE`` takes one away, never below zero) and
+      a member holds a hash while it has one. Under vLLM's default report mode
+      (``incremental``) that is exact. Requests sent with ``kv_cache_report_mode="full"``
+      also re-announce the blocks their prompt hit as a ``BlockStored`` with no removal to
+      match, built exactly like a real one (vLLM 0.33 ``BlockPool._build_block_stored_event``
+      serves both); what marks it is only that it starts at the root of the chain
+      (``parent_block_hash`` None). The wire cannot tell such an announcement from a real
+      root copy, so the model's ``kv_cache_report_mode`` setting (``ReportMode``) decides:
+      ``incremental`` (the default) counts every store; ``full`` takes a store from the
+      root for an ``Op.ANNOUNCE`` (a block not held gets one copy, a held block nothing),
+      which never over-counts but drops a real root copy's hash at its first eviction.
+      docs/correctness.md ("Copies and report modes") has the cases.
+    * Stores and removals marked ``locality="REMOTE"`` (vLLM >= 0.26) are not indexed
+      (counted ``remote_locality``). In vLLM 0.33.0 only the offloading connector's
+      secondary tiers set it (``v1/kv_offload/tiering/fs/manager.py`` and ``obj/manager.py``,
+      ``get_finished_jobs``): network storage shared by every instance with the same
+      ``root_dir``, whose lookup is a file-existence check across instances, which
+      publishes stores but never a ``BlockRemoved``. A hit there is a promotion into the
+      pod's CPU tier (``TieringOffloadingManager.lookup`` -> ``_initiate_promotion``), which
+      is announced as its own CPU ``BlockStored`` once it happens. So a REMOTE entry says
+      nothing that sets this pod apart from the others sharing the store, and could never be
+      removed: indexing it would only over-report, permanently.
+    * CPU-offload placeholder stores (no tokens, block size 0) carry the engine's own block
+      hashes (one per offloaded chunk: its last GPU block's), so in engine-key mode they are
+      indexed as is; in token-key mode they are resolved through the engine-hash map, and
+      skipped (counted) when unknown.
+    * ``medium`` is GPU, CPU or STORAGE: the only values vLLM 0.33 publishes (its
+      filesystem and object-store offload tiers both publish STORAGE). Others are counted
+      ``unknown_medium``, not guessed into a tier.
+    * ``ownership`` (0.29) is not read: the offloading connector publishes one store and one
+      removal per (medium, ownership) residency of a chunk, and copies are counted per
+      (member, hash, tier), so a block two residencies hold stays while either does
+      (tests/test_vllm_offload.py runs vLLM's own tracker). ``origin`` (proposed, NEW or
+      REUSED) is not read either: a reused block is one the index already holds.
+    """
 
     def __init__(
         self,
@@ -199,7 +204,7 @@ class Ingestor:
                 continue
             if stored and group_idx is not None:
                 self._learn_group(member, model, count, run)
-            place = self._place(member, model, group_idx, kind, medium, False, count)
+            place = self._place(member, model, group_idx, kind, medium, count)
             if place is None:
                 continue
             target, tier = place
@@ -232,7 +237,7 @@ class Ingestor:
                     counts.skipped["remote_locality"] += 1
                     continue
                 place = self._place(
-                    member, model, event.group_idx, event.kv_cache_spec_kind, event.medium, True
+                    member, model, event.group_idx, event.kv_cache_spec_kind, event.medium
                 )
                 if place is None:
                     continue
@@ -247,7 +252,7 @@ class Ingestor:
                 if event.locality == _REMOTE:
                     counts.skipped["remote_locality"] += 1
                     continue
-                place = self._place(member, model, event.group_idx, None, event.medium, True)
+                place = self._place(member, model, event.group_idx, None, event.medium)
                 if place is None:
                     continue
                 target, tier = place
@@ -283,7 +288,6 @@ class Ingestor:
         group_idx: int | None,
         kind: str | None,
         medium: str | None,
-        tokens_mode: bool,
         count: int = 1,
     ) -> tuple[str, Tier] | None:
         """The index namespace and tier ``count`` events of this KV-cache group and

@@ -6,27 +6,8 @@ vLLM hashes each *full* block of ``block_size`` tokens as::
 
 and publishes the digest's last 8 bytes as a big-endian uint64. Because kvindex can
 recompute these keys from a prompt, the index stores the engine's own hashes and a
-prompt's chain can be looked up directly. Facts below were checked against vLLM's
-``vllm/utils/hashing.py`` and ``vllm/v1/core/kv_cache_utils.py`` (0.33):
-
-* ``sha256``: SHA-256 of ``pickle.dumps(x, protocol=5)`` (the default since 0.10.2);
-  ``sha256_cbor``: SHA-256 of ``cbor2.dumps(x, canonical=True)``; ``xxhash`` /
-  ``xxhash_cbor``: xxh3_128 of the same serialisations.
-* ``NONE_HASH = H(seed)``. The seed is ``PYTHONHASHSEED`` when set. When unset, since
-  0.29 the sha256 variants use the fixed string ``"vllm-none-hash"`` (every pod agrees)
-  and the xxhash variants a random per-process seed (no two pods agree, nothing to
-  reproduce). Before 0.29 an unset seed was random for every algorithm.
-* ``extra_keys`` is None for a block without extras, else a tuple in the order LoRA,
-  multimodal, cache salt, prompt embeds. Up to 0.30 items are bare (the adapter name on
-  every block, the salt on block 0); from 0.31 they are tagged: ``("lora", name, path)``
-  and ``("cache_salt", salt)``.
-* Multimodal items (vLLM 0.33, ``_gen_mm_extra_hash_keys``): every block a placeholder
-  range overlaps gets ``("mm", identifier, offset - block_start)`` between the LoRA and
-  the salt, so the offset is negative in the blocks after the item's first. Events
-  publish it untagged, as ``(identifier, offset - block_start)``.
-* With lookahead hashing (0.33, ``num_hash_lookahead_tokens`` L > 0) each block's extra
-  keys become ``(E, t_1, ..., t_L)``: E is the usual extra keys (or None) and t are the
-  L tokens after the block, so only blocks followed by L tokens are hashed.
+prompt's chain can be looked up directly. :class:`BlockHasher` lists the facts about
+vLLM's hashing (0.33) this follows.
 """
 
 from __future__ import annotations
@@ -238,23 +219,44 @@ _COMPILED: dict[HashAlgo, tuple[int, Callable[[bytes], bytes] | None]] = {
 class BlockHasher:
     """Computes vLLM block-hash chains for one HashConfig.
 
+    Facts about vLLM, checked against ``vllm/utils/hashing.py`` and
+    ``vllm/v1/core/kv_cache_utils.py`` (0.33):
+
+    * ``sha256``: SHA-256 of ``pickle.dumps(x, protocol=5)`` (the default since 0.10.2);
+      ``sha256_cbor``: SHA-256 of ``cbor2.dumps(x, canonical=True)``; ``xxhash`` /
+      ``xxhash_cbor``: xxh3_128 of the same serialisations.
+    * ``NONE_HASH = H(seed)``. The seed is ``PYTHONHASHSEED`` when set. When unset, since
+      0.29 the sha256 variants use the fixed string ``"vllm-none-hash"`` (every pod agrees)
+      and the xxhash variants a random per-process seed (no two pods agree, nothing to
+      reproduce). Before 0.29 an unset seed was random for every algorithm.
+    * ``extra_keys`` is None for a block without extras, else a tuple in the order LoRA,
+      multimodal, cache salt, prompt embeds. Up to 0.30 items are bare (the adapter name on
+      every block, the salt on block 0); from 0.31 they are tagged: ``("lora", name, path)``
+      and ``("cache_salt", salt)``.
+    * Multimodal items (vLLM 0.33, ``_gen_mm_extra_hash_keys``): every block a placeholder
+      range overlaps gets ``("mm", identifier, offset - block_start)`` between the LoRA and
+      the salt, so the offset is negative in the blocks after the item's first. Events
+      publish it untagged, as ``(identifier, offset - block_start)``.
+    * With lookahead hashing (0.33, ``num_hash_lookahead_tokens`` L > 0) each block's extra
+      keys become ``(E, t_1, ..., t_L)``: E is the usual extra keys (or None) and t are the
+      L tokens after the block, so only blocks followed by L tokens are hashed.
+
     Hashing is the hot path of ``/score``. The compiled chain (indexer/_chain.c, when
     built: :data:`kvindex.indexer.compiled.chain`) writes each block's pickle or CBOR
-    bytes itself and hashes them with OpenSSL, ~0.2 µs a block, about half of it
-    SHA-256's own compressions; blocks it cannot write (tokens past 64 bits, extra keys
+    bytes itself and hashes them with OpenSSL, so SHA-256's own compressions are much
+    of a block's cost; blocks it cannot write (tokens past 64 bits, extra keys
     of other types) are hashed here, one by one, by the pure path, which stays the
     reference, as are blocks that multimodal items overlap (their extra keys differ
     block by block, and the C writer takes one extras tuple for block 0 and one for the
     rest).
 
-    The pure path (pickle + hashlib, ~1-3 µs a block) memoises each block's (digest,
-    published key) per (parent digest, block tokens, extras): prompts that share a
-    system prompt or a chat history re-hash only their new blocks, and a hit costs
-    building the block's token tuple and one dict lookup. The memo is two generations
+    The pure path (pickle + hashlib) memoises each block's (digest, published key) per
+    (parent digest, block tokens, extras): prompts that share a system prompt or a chat
+    history re-hash only their new blocks, and a hit costs building the block's token
+    tuple and one dict lookup. The memo is two generations
     of dicts, swapped when the young one fills, bounding memory at ``2 * memo_size``
-    entries without per-hit LRU bookkeeping. The compiled path has no memo: a hit
-    (~0.5 µs, the tuple and the lookup) costs more than hashing the block again
-    (bench/bench_hash.py).
+    entries without per-hit LRU bookkeeping. The compiled path has no memo: a hit (the
+    tuple and the lookup) costs more than hashing the block again (bench/bench_hash.py).
     """
 
     config: HashConfig

@@ -5,14 +5,8 @@ vLLM's hybrid memory allocator (models with sliding-window or Mamba layers besid
 attention: Gemma 3, gpt-oss, Qwen3-Next, Llama 4 ...) caches every block once per KV
 group. Each group stores and evicts on its own, and two groups hold the same hash for
 the same tokens, so the index keeps one namespace per group: group 0 under the model's
-own name (exactly where a model without groups has always been indexed), group ``g``
+own name (exactly where a model without groups is indexed), group ``g``
 under :func:`group_model`. Stores, removes and clears then work per group unchanged.
-
-The layout (which group is which attention kind, its sliding window and block size)
-comes from ``BlockStored.group_idx`` (vLLM 0.20+) with ``kv_cache_spec_kind`` and
-``kv_cache_spec_sliding_window`` (vLLM 0.22+; in 0.33 ``KVCacheManager.take_events``
-sets them on every BlockStored). Engines that publish no kind leave the model without
-a layout, and it is indexed and scored exactly as before: group 0 only.
 """
 
 from __future__ import annotations
@@ -76,6 +70,12 @@ class KvLayouts:
     defines it; a different announcement later is counted in ``conflicts`` and ignored.
     A group's block size is the largest full block seen (vLLM 0.33 may also publish
     partial Mamba tails, which are smaller).
+
+    The layout (which group is which attention kind, its sliding window and block size)
+    comes from ``BlockStored.group_idx`` (vLLM 0.20+) with ``kv_cache_spec_kind`` and
+    ``kv_cache_spec_sliding_window`` (vLLM 0.22+; in 0.33 ``KVCacheManager.take_events``
+    sets them on every BlockStored). Engines that publish no kind leave the model without
+    a layout, and it is indexed and scored as a model without groups: group 0 only.
     """
 
     def __init__(self) -> None:

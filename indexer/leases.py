@@ -8,20 +8,7 @@ after ``ttl_s`` and a replica that still receives the stream takes it at its nex
 attempt, resuming after the position the previous holder stored - the last seq it
 applied - by asking the engine to replay the rest.
 
-Keys (one hash tag per stream, so both live in one slot of a cluster):
-``<prefix>:stream:{<member>}:lease`` = replica id, ``...:pos`` = last applied seq,
-``...:digest`` = the payload digest (hex) of that batch when known, so the next owner can
-check that the engine still is the incarnation that published it.
-
-When Redis loses the index (:mod:`kvindex.indexer.incarnation`, checked in the same
-round trip as the renewals), every stream this replica owns is re-acquired as a
-rebuild: a new epoch whose claim says the whole history is owed again.
-
-Safety: the holder stops applying once ``0.8 * ttl_s`` has passed since its last
-successful renewal was *sent* (a fence on the local monotonic clock), before anyone else
-can acquire; positions are written only by the lease holder, in the same script that
-extends the lease. All Redis I/O runs on one background thread; the subscriber's calls
-(:meth:`claim`, :meth:`committed`) only read and write memory.
+:class:`RedisLeases` has the keys, the rebuilds after a lost index and the safety rule.
 """
 
 from __future__ import annotations
@@ -85,6 +72,21 @@ class RedisLeases:
     attempts. Call :meth:`start` before use and :meth:`close` at shutdown (it writes
     final positions and releases every lease, so another replica takes over at its next
     round instead of waiting for the TTL).
+
+    Keys (one hash tag per stream, so both live in one slot of a cluster):
+    ``<prefix>:stream:{<member>}:lease`` = replica id, ``...:pos`` = last applied seq,
+    ``...:digest`` = the payload digest (hex) of that batch when known, so the next owner can
+    check that the engine still is the incarnation that published it.
+
+    When Redis loses the index (:mod:`kvindex.indexer.incarnation`, checked in the same
+    round trip as the renewals), every stream this replica owns is re-acquired as a
+    rebuild: a new epoch whose claim says the whole history is owed again.
+
+    Safety: the holder stops applying once ``0.8 * ttl_s`` has passed since its last
+    successful renewal was *sent* (a fence on the local monotonic clock), before anyone else
+    can acquire; positions are written only by the lease holder, in the same script that
+    extends the lease. All Redis I/O runs on one background thread; the subscriber's calls
+    (:meth:`claim`, :meth:`committed`) only read and write memory.
     """
 
     def __init__(

@@ -1,10 +1,9 @@
 """The in-process backend (the embedded default): block keys -> members, per model.
 
-The data structure, a compact numpy hash table per model, is in
-:mod:`kvindex.indexer.memory_table`; this module is the backend around it: running a
-call's changes as vectorised steps (planned in :mod:`kvindex.indexer.memory_plan`),
-interning members to bit positions, the capacity bound, locking, and answering lookups
-(decoded in :mod:`kvindex.indexer.memory_answer`) and stats.
+:class:`MemoryBackend` owns one :class:`~kvindex.indexer.memory_table.BlockTable` per
+model, the member names and their bit positions, the locks, and the capacity bound. It
+runs a call's changes as vectorised steps (planned in :mod:`kvindex.indexer.memory_plan`)
+and answers lookups (decoded in :mod:`kvindex.indexer.memory_answer`) and stats.
 """
 
 from __future__ import annotations
@@ -12,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import heapq
 import secrets
+import sys
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,6 +22,7 @@ from kvindex.events.identity import MAX_MEMBER_CHARS, MAX_MODEL_CHARS
 from kvindex.indexer import compiled
 from kvindex.indexer.backend import (
     TIERS,
+    BackendError,
     Change,
     IndexStats,
     MemberMatch,
@@ -30,12 +31,11 @@ from kvindex.indexer.backend import (
     Tier,
 )
 from kvindex.indexer.memory_answer import longest, member_bits, member_mask
-from kvindex.indexer.memory_ids import _MemberIds
 from kvindex.indexer.memory_plan import NO_KEYS, Clear, Group, plan
-from kvindex.indexer.memory_sharing import _Sharing
 from kvindex.indexer.memory_table import (
     DEAD_FRACTION,
     EVICT_FRACTION,
+    MAX_MEMBERS,
     MIN_CAP,
     REMOVE,
     STAMP_MAX,
@@ -49,26 +49,34 @@ from kvindex.indexer.memory_table import (
     Zeros,
     as_keys,
 )
+from kvindex.indexer.shared_index import Structure, table_ref
 
 if TYPE_CHECKING:
     from kvindex.indexer.shared_index import SharedIndexWriter
 
 
-class MemoryBackend(_MemberIds, _Sharing):
-    """The block index in this process's memory (see the module docstring for layout).
+def _gil_guards_walks() -> bool:
+    """Whether the GIL is on, as the lock-free read rule needs (see MemoryBackend).
+    Builds without ``sys._is_gil_enabled`` (before 3.13) always have it."""
+    gil_enabled = getattr(sys, "_is_gil_enabled", None)
+    return gil_enabled is None or bool(gil_enabled())
+
+
+class MemoryBackend:
+    """The block index in this process's memory.
 
     Batching: ``apply`` gathers the STORE/REMOVE changes of a call, across members, into
     one vectorised update per (model, tier), in steps of about ``CHUNK_KEYS`` keys. That
     keeps every order that matters: per (key, member, tier) the last operation wins,
     which is exactly what applying the changes one by one gives; a CLEAR is a step of
-    its own, so nothing moves across it. 128 events of 32 blocks in one call cost about
-    as much as a dozen applied one per call (numpy's cost is mostly per operation).
+    its own, so nothing moves across it. numpy's cost is mostly per operation, so a big
+    call costs little more than a small one.
 
     Costs: ``lookup`` is one compiled call (``BlockTable.walk``; the numpy path probes
     the chain once, vectorised, and decodes a few change rows); ``clear_member`` and
     ``member_keys`` cost time proportional to that member's blocks (a per-member
-    reverse record, never a scan);
-    ``stats``, ``member_stats`` and ``members`` time proportional to members and models.
+    reverse record, never a scan); ``stats``, ``member_stats`` and ``members`` time
+    proportional to members and models.
 
     Capacity: with ``capacity_blocks`` set, when distinct live (model, key) pairs exceed
     it after a step, the least recently *stored* keys (a store by any member to any tier
@@ -81,33 +89,41 @@ class MemoryBackend(_MemberIds, _Sharing):
     themselves by ``_writer``; the ingest path has one). Two more locks, taken in this
     order when both are:
 
-    * ``_step``: held by the writer while it applies a step (about ``CHUNK_KEYS`` keys,
-      a few hundred µs), and by the readers of counters and records (``stats``,
-      ``member_stats``, ``member_keys``), which so see whole steps.
+    * ``_step``: held by the writer while it applies a step (about ``CHUNK_KEYS``
+      keys), and by the readers of counters and records (``stats``, ``member_stats``,
+      ``member_keys``), which so see whole steps.
     * ``_lock``, the read lock: held by every reader, and by the writer only for
       *structural* changes: installing a rebuilt table, a new member id (which may widen
       the masks), releasing or renumbering ids, dropping an emptied table.
 
-    A compiled ``lookup`` takes the read lock only, so it does not wait for a step: it
-    may see part of one (a key placed but its bit not yet set reads as not held; a
-    block moving tiers may read as held in neither for that instant), as it may see a
-    call's effect step by step. That is sound because a step changes a table in place
-    and only so: it fills empty key slots (keys never move, nor leave a gap between home
-    and slot), sets and clears mask bits, and raises ``max_disp`` after placing keys;
-    anything else (arrays replaced or reshaped, ids renumbered) is structural. The walk
-    holds the GIL and reads each mask word once, so it sees the writer between two of
-    its Python operations, or inside a numpy loop that released the GIL, word by word.
-    The numpy path and ``presence`` read the masks in several passes, so they take both
-    locks and see whole steps. bench/bench_index.py's "during writes" rows measure a
-    lookup beside a writer applying batches back to back. The O(table) work (rebuilding
-    a table that grows or has too many dead slots, choosing keys to evict) runs outside
-    both locks, reading a table no one else changes, and is swapped in with both held.
+    The lock-free read rule: a compiled ``lookup`` takes the read lock only, so it does
+    not wait for a step. It may see part of one (a key placed but its bit not yet set
+    reads as not held; a block moving tiers may read as held in neither for that
+    instant), as it may see a call's effect step by step, and every answer is still one
+    the table gave at some moment, member by member. That holds because
+
+    1. a step changes a table in place and only so: it fills empty key slots (keys never
+       move, nor leave a gap between home and slot), sets and clears mask bits, and
+       raises ``max_disp`` after placing keys; anything else (arrays replaced or
+       reshaped, ids renumbered, tables added or dropped) is structural, under ``_lock``;
+    2. the walk reads each mask word once, and holds the GIL, so it sees the writer
+       between two of its Python operations, or inside a numpy loop that released the
+       GIL, word by word.
+
+    Where the GIL is off (free-threaded CPython), point 2 does not hold: such a backend
+    makes compiled lookups take both locks, as the numpy path always does, and so see
+    whole steps. The numpy path and ``presence`` read the masks in several passes, so
+    they take both locks. ``tests/test_memory_concurrency.py`` checks the rule with
+    readers racing a writer; the shared index (:mod:`kvindex.indexer.shared_index`)
+    relies on point 1 across processes. The O(table) work (rebuilding a table that
+    grows or has too many dead slots, choosing keys to evict) runs outside both locks,
+    reading a table no one else changes, and is swapped in with both held.
 
     Member ids (bit positions) are reused once a member holds nothing (lowest first),
     and when the members left fit in half the mask words, those with high ids move to
     free low ones and every table's masks narrow: the bitmask width, and the memory it
     costs, follow the number of members holding blocks at once, not every member ever
-    seen (thousands of one-block pods that come and go leave nothing behind).
+    seen. Every id change is structural, so it runs with ``_lock`` held.
     """
 
     def __init__(
@@ -123,8 +139,8 @@ class MemoryBackend(_MemberIds, _Sharing):
             raise ValueError("expected_keys must be >= 0 (or None)")
         self._capacity = capacity_blocks
         # A sizing hint: a model's table starts where this many keys need no growth (it
-        # still grows past them). Growing from empty rebuilds the table about
-        # log2(keys / 1024) times, each into fresh memory.
+        # still grows past them). Growing from empty rebuilds the table once per
+        # doubling, each into fresh memory.
         self._initial_cap = BlockTable.cap_for(expected_keys or 0)
         self._seed = secrets.randbits(64) if hash_seed is None else hash_seed & (2**64 - 1)
         self._writer = threading.Lock()  # one writer at a time
@@ -139,6 +155,9 @@ class MemoryBackend(_MemberIds, _Sharing):
         self._evictions = 0
         self._zeros: Zeros = np.zeros  # where tables allocate keys and masks
         self._observer: SharedIndexWriter | None = None  # told of structural changes
+        # The lock-free read rule needs the GIL (class docstring); decided once, since a
+        # GIL that is on at start stays on.
+        self._walks_alone = _gil_guards_walks()
 
     #: Lookups are walks in memory: /score runs them on the event loop (api/offload.py).
     never_waits = True
@@ -292,6 +311,76 @@ class MemoryBackend(_MemberIds, _Sharing):
             self._maintain({mid})
             return dropped
 
+    # -- member ids: name <-> bit position, lowest free id first ----------------------------
+
+    def _intern(self, member: str) -> int:
+        """``member``'s id, given one when it has none (takes the read lock then: a
+        new id may widen every table's masks)."""
+        mid = self._ids.get(member)
+        if mid is not None:
+            return mid
+        with self._structural():
+            if self._free_ids:
+                mid = heapq.heappop(self._free_ids)  # lowest first keeps the masks narrow
+                self._names[mid] = member
+            else:
+                mid = len(self._names)
+                if mid >= MAX_MEMBERS:
+                    raise BackendError(f"more than {MAX_MEMBERS} members hold blocks at once")
+                self._names.append(member)
+                if mid >= 64 * self._width:
+                    self._width += 1
+                    for table in self._tables.values():
+                        table.widen(self._width)
+            self._ids[member] = mid
+        return mid
+
+    def _release(self, mid: int) -> bool:
+        """Free the id of a member that holds nothing (read lock held)."""
+        name = self._names[mid]
+        if name is None:
+            return False
+        for table in self._tables.values():
+            table.forget_member(mid)
+        del self._ids[name]
+        self._names[mid] = None
+        heapq.heappush(self._free_ids, mid)
+        return True
+
+    def _compact_ids(self) -> None:
+        """Narrow the bitmasks when the members left fit in half the words (read lock
+        held). Members with ids past the new width move to free low ids (cost: their
+        blocks); halving, not shrinking by a word, keeps a member count that swings
+        around a word boundary from rebuilding masks back and forth."""
+        names = self._names
+        while names and names[-1] is None:
+            names.pop()
+        words = max(1, -(-len(self._ids) // 64))
+        if 2 * words > self._width:
+            self._free_ids = [i for i in self._free_ids if i < len(names)]
+            heapq.heapify(self._free_ids)
+            return
+        limit = 64 * words
+        free = (i for i in range(limit) if i >= len(names) or names[i] is None)
+        for old in [mid for mid in self._ids.values() if mid >= limit]:
+            new = next(free)
+            for table in self._tables.values():
+                table.move_member(old, new)
+            name = names[old]
+            assert name is not None
+            if new >= len(names):
+                names.extend([None] * (new + 1 - len(names)))
+            names[new], names[old] = name, None
+            self._ids[name] = new
+        del names[limit:]
+        while names and names[-1] is None:
+            names.pop()
+        self._free_ids = [i for i, n in enumerate(names) if n is None]
+        heapq.heapify(self._free_ids)
+        for table in self._tables.values():
+            table.narrow(words)
+        self._width = words
+
     # -- capacity ----------------------------------------------------------------------------
 
     def _live_keys(self) -> int:
@@ -391,6 +480,50 @@ class MemoryBackend(_MemberIds, _Sharing):
                 self._evictions = int(state["evictions"])
             self._maintain(set(ids.values()))
 
+    # -- sharing the tables with other processes (shared_index.py) ------------------------
+
+    def share(self, observer: SharedIndexWriter) -> None:
+        """Keep every table's keys and masks where ``observer.arrays`` allocates them
+        (shared memory), and tell ``observer`` of every structural change from now on
+        (:mod:`kvindex.indexer.shared_index` explains the protocol)."""
+        with self._writer, self._step, self._lock:
+            self._zeros = observer.arrays.zeros
+            for table in self._tables.values():
+                table.use_storage(self._zeros)
+            self._observer = observer
+            observer.begin()
+            observer.end(self)
+
+    @contextlib.contextmanager
+    def _structural(self) -> Iterator[None]:
+        """The read lock, for a structural change (writer only), published to the
+        processes reading the tables from shared memory."""
+        with self._lock:
+            observer = self._observer
+            if observer is None:
+                yield
+                return
+            observer.begin()
+            try:
+                yield
+            finally:
+                observer.end(self)
+
+    def _published(self) -> None:
+        """Tell the readers of a structural change made in place meanwhile (a tier's first
+        masks, allocated by an update): until then they read without that tier."""
+        with self._structural():
+            pass
+
+    def structure(self, name_of: Callable[[np.ndarray], str]) -> Structure:
+        """What a shared-memory reader needs besides the arrays (read lock held)."""
+        return Structure(
+            self._seed,
+            self._width,
+            list(self._names),
+            {model: table_ref(t, name_of) for model, t in self._tables.items()},
+        )
+
     # -- reads -----------------------------------------------------------------------------------
 
     def lookup(
@@ -401,11 +534,11 @@ class MemoryBackend(_MemberIds, _Sharing):
         match (and, with ``members``, members not listed) are left out. Bad keys raise
         ValueError, whatever the model."""
         fast = compiled.probe is not None
-        # The compiled walk reads a list of ints itself (about 2 µs for 512 keys).
+        # The compiled walk reads a list of ints itself, without a conversion.
         chain = keys if fast and type(keys) is list else as_keys(keys)
-        # Compiled, one walk reads each mask word once: it need not wait for a step. The
-        # numpy path reads the masks in several passes, so it waits, for exact counts.
-        with self._lock if fast else self._both():
+        # The lock-free read rule (class docstring): a compiled walk need not wait for a
+        # step; the numpy path reads the masks in several passes, so it waits.
+        with self._lock if fast and self._walks_alone else self._both():
             table = self._tables.get(model)
             allowed = None if members is None else member_bits(self._ids, members)
             if table is not None and len(chain) and allowed != 0:

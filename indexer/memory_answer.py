@@ -2,7 +2,7 @@
 table's longest-prefix answer as ``MemberMatch`` objects, best first.
 
 Pure functions of the backend's member names and ids (taken under its lock). The
-compiled walk (:meth:`~kvindex.indexer.table_query._Queries.walk`) builds the answer
+compiled walk (:meth:`~kvindex.indexer.memory_table.BlockTable.walk`) builds the answer
 itself; the numpy path decodes a :class:`~kvindex.indexer.memory_table.ChainMatch` here
 (:func:`answer`). Both give the same objects in the same order
 (``tests/test_memory_table_paths.py``).

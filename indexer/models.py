@@ -25,7 +25,7 @@ class KeyMode(enum.StrEnum):
     when the engines' hashes cannot be reproduced (xxhash with PYTHONHASHSEED unset, a
     custom hash); it needs token ids in every BlockStored (vLLM >= 0.9 sends them) and
     keeps an engine-hash -> own-key map per pod so removals still resolve, which costs
-    roughly 150 bytes per cached block per pod.
+    memory per cached block per pod (bench/README.md).
     """
 
     ENGINE = "engine"

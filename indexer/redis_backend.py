@@ -1,20 +1,12 @@
 """The Redis backend: one index shared by every kvindex replica, kept across restarts.
 
-Layout (details in :mod:`kvindex.indexer.redis_scripts` and docs/redis.md): per model,
-block keys live in a fixed number of Redis hashes ("buckets"), each field a block key
-and each value a bitmap of the per-model member ids holding it in that tier: one hash
-field per block (~64 bytes) instead of a Redis key per block (~100 bytes), and with many
-buckets each stays small enough for Redis's compact listpack encoding (~19 bytes per
-block, slower lookups). Each member has a reverse record (the keys it came to hold), so
-clearing a pod costs that pod's blocks, never a scan. Every key starts with the prefix
-and carries the model as its hash tag.
-
-Round trips: ``apply`` is one pipeline of script calls per delivery chunk (plus, per
-CLEAR, two per chunk of the member's record: read it, then clear it); ``lookup`` and
-``presence`` are one MULTI/EXEC of HMGETs whatever the prompt length
-(:mod:`kvindex.indexer.redis_read`), the walk done here
-(:mod:`kvindex.indexer.redis_walk`). Every key a script touches is passed in ``KEYS``.
-No ``KEYS`` command and no ``SCAN`` anywhere.
+Layout (details in :class:`~kvindex.indexer.redis_keys.ModelKeys` and docs/redis.md): per
+model, block keys live in a fixed number of Redis hashes ("buckets"), each field a block
+key and each value a bitmap of the per-model member ids holding it in that tier: one hash
+field per block instead of a Redis key per block (bench/README.md has the bytes). Each
+member has a reverse record (the keys it came to hold), so clearing a pod costs that
+pod's blocks, never a scan. Every key starts with the prefix and carries the model as its
+hash tag.
 """
 
 from __future__ import annotations
@@ -48,7 +40,7 @@ from kvindex.indexer.redis_scripts import SCRIPTS
 from kvindex.indexer.redis_walk import held_positions, prefix_matches
 from kvindex.indexer.redis_wire import key_array, pack_keys, unpack_keys
 
-#: Most keys one script call touches: bounds how long one call holds Redis (~2 ms).
+#: Most keys one script call touches: bounds how long one call holds Redis.
 SCRIPT_KEYS = 2048
 #: Reverse-record entries one clear or compaction call reads.
 CLEAR_CHUNK = 4096
@@ -70,6 +62,13 @@ class RedisBackend:
     Writers and readers may be in different processes; each script call is atomic and a
     read is one transaction, so a lookup never sees half of a store. ``buckets`` is used
     for a model's first write only.
+
+    Round trips: ``apply`` is one pipeline of script calls per delivery chunk (plus, per
+    CLEAR, two per chunk of the member's record: read it, then clear it); ``lookup`` and
+    ``presence`` are one MULTI/EXEC of HMGETs whatever the prompt length
+    (:mod:`kvindex.indexer.redis_read`), the walk done here
+    (:mod:`kvindex.indexer.redis_walk`). Every key a script touches is passed in ``KEYS``.
+    No ``KEYS`` command and no ``SCAN`` anywhere.
     """
 
     def __init__(

@@ -7,15 +7,7 @@ redis-py error turned into the backend's own exceptions. Short socket timeouts a
 client-side retries: when Redis is down, ``/score`` must answer 503 in about a second
 so gateways fall back to their default balancing, and ingest retries by replay anyway.
 
-URL options kvindex reads (and removes before redis-py sees the URL):
-
-* ``cluster=yes|no`` - Redis Cluster or a single server; default: ask the server
-  (``INFO cluster``) on first contact.
-* ``buckets=N`` - hash buckets per model, fixed by the model's first write (1..65536,
-  default 16: fastest lookups); later writers use what the model's ``meta`` key says.
-  Above 1,024, buckets stay small enough for Redis's compact listpack encoding: about
-  half the memory per entry, a slower lookup (see docs/redis.md, "Memory").
-* ``timeout=S`` - socket connect and read timeout in seconds (default 1).
+The URL options kvindex reads are listed in :class:`RedisOptions`.
 """
 
 from __future__ import annotations
@@ -80,7 +72,18 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
 
 @dataclass(frozen=True, slots=True)
 class RedisOptions:
-    """What a ``redis://`` URL says, kvindex's own options split off."""
+    """What a ``redis://`` URL says, kvindex's own options split off.
+
+    URL options kvindex reads (and removes before redis-py sees the URL):
+
+    * ``cluster=yes|no`` - Redis Cluster or a single server; default: ask the server
+      (``INFO cluster``) on first contact.
+    * ``buckets=N`` - hash buckets per model, fixed by the model's first write (1..65536,
+      default 16: fastest lookups); later writers use what the model's ``meta`` key says.
+      Above 1,024, buckets stay small enough for Redis's compact listpack encoding: about
+      half the memory per entry, a slower lookup (see docs/redis.md, "Memory").
+    * ``timeout=S`` - socket connect and read timeout in seconds (default 1).
+    """
 
     url: str
     cluster: bool | None = None  # None: probe the server
@@ -274,8 +277,8 @@ class RedisConnection:
         there is no redirect or error in them); otherwise the replies are decoded.
 
         Each thread uses a connection of its own per node, outside redis-py's pool:
-        taking one from the pool and giving it back cost a 512-block lookup ~35 µs of
-        its ~0.25 ms of client CPU (the pool's lock, a readability poll, its metrics)."""
+        taking one from the pool and giving it back is a large share of a lookup's
+        client CPU (the pool's lock, a readability poll, its metrics)."""
         with self.guard(op):
             for attempt in (0, 1):
                 conn, buffer = self._thread_connection(route_key)

@@ -1,19 +1,11 @@
-"""Every Redis key kvindex writes, named in one place (the layout is described in
-:mod:`kvindex.indexer.redis_scripts`).
+"""Every Redis key kvindex writes, named in one place (:class:`ModelKeys` describes the
+layout they form).
 
 Why one object: the backend, the stream leases, the Lua scripts, the benchmarks and
 the tests all need the same names, and a key spelled out in two places is a key that
 will one day be spelled two ways. Every key starts with the prefix; every key of one
 model carries the model as its hash tag (and every key of one stream the stream's
 member), so in Redis Cluster each script's keys live in one slot.
-
-Redis Cluster's rule is that a script names every key it touches in ``KEYS``. The
-scripts never build a key name: the client names every key here and passes it in
-``KEYS`` - the model's fixed keys (:meth:`ModelKeys.script_keys`), the reverse records
-of the members a call writes (:meth:`ModelKeys.log`, by member name, so the client
-knows it without asking Redis for the member's id) and the buckets its block keys fall
-in (:func:`bucket_numbers`, from the bucket count the model's ``meta`` fixed) - and the
-script takes each key from ``KEYS`` by position.
 """
 
 from __future__ import annotations
@@ -67,7 +59,42 @@ def bucket_numbers(keys: np.ndarray, buckets: int) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class ModelKeys:
-    """One model's keys; ``base`` is ``<prefix>:{<model tag>}:``."""
+    """One model's keys; ``base`` is ``<prefix>:{<model tag>}:``.
+
+    Redis Cluster's rule is that a script names every key it touches in ``KEYS``. The
+    scripts never build a key name: the client names every key here and passes it in
+    ``KEYS`` - the model's six fixed keys first (``meta``, ``stats``, ``ids``, ``names``,
+    ``free``, ``copies``: :meth:`script_keys`), then the reverse records of the members a
+    call writes (:meth:`log`, by member name, so the client knows it without asking Redis
+    for the member's id) and the buckets its block keys fall in (:func:`bucket_numbers`,
+    from the bucket count the model's ``meta`` fixed) - and the script takes each key
+    from ``KEYS`` by the position ARGV gives. All share the model's hash tag, so in Redis
+    Cluster they live in one slot (see docs/redis.md).
+
+    Layout 2 (:data:`LAYOUT`), with ``B`` = ``<prefix>:{<model>}:``:
+
+    * ``B meta``   hash: ``buckets`` (fixed when the model is first written), ``layout``,
+      ``next_id``, ``epoch`` (bumped when a member id is given or freed).
+    * ``B b:<n>``  hash, one of ``buckets``: field = block key (8 bytes, big-endian) for
+      GPU, key + ``\\1`` for CPU, key + ``\\2`` for STORAGE; value = bitmap of member ids
+      (bit ``id % 8`` of byte ``id // 8``), trailing zero bytes trimmed, never empty. The
+      bucket is the key's low 16 bits modulo ``buckets``.
+    * ``B ids`` / ``B names``  hashes: member → id and id → member; ids are per model,
+      the smallest free one is reused (``B free``, a sorted set) so bitmaps stay short.
+    * ``B log:<member>``  string: the reverse record, 8-byte keys the member came to hold,
+      in order; entries go stale when it drops a block and are compacted away
+      (``B log:<member>:tmp`` holds a rewrite in progress).
+    * ``B copies``  hash: field = block key + tier byte + member id (decimal), value = the
+      entry's copies past the first (vLLM holds one hash in several physical blocks and
+      publishes a store and a removal per copy); only entries with two or more copies.
+    * ``B stats``  hash: ``k`` distinct keys held by anyone, ``t<tier>`` entries per tier,
+      ``e<tier>:<id>`` a member's entries per tier, ``h:<id>`` distinct keys it holds,
+      ``c`` fields of ``B copies``.
+    * ``<prefix>:models`` set of the models written, ``<prefix>:layout`` the layout.
+
+    A script run on a model written in another layout answers the error ``KVLAYOUT <n>``
+    and changes nothing.
+    """
 
     base: str
 

@@ -1,22 +1,10 @@
 """Reading block bitmaps from Redis for a lookup: one MULTI/EXEC of plain HMGETs.
 
 Why not a Lua script: Redis runs one script at a time, so a replica's lookups per
-second are capped by the script's own time. The walk in Lua cost Redis ~0.9 ms per
-512-block, 64-pod lookup; these reads alone cost it ~0.06 ms and the walk moves into
-the client (:mod:`kvindex.indexer.redis_walk`), which scales with replicas. The reads
-are one transaction, so a lookup still sees every apply whole or not at all.
-
-The answer is handed on as one matrix of bitmaps (:class:`Blocks`): the compiled
-kernels (indexer/_redis_lookup.c) copy each bitmap into it straight from the socket's
-bytes; without them the replies are parsed (hiredis, or redis-py's reader) and the
-matrix built from them here (:func:`rows_of`). The same bytes either way.
-
-What a read needs besides the bitmaps comes in the same transaction: the model's
-``meta`` (bucket count, layout, epoch) and whether it holds CPU or STORAGE entries at
-all (``stats``). The member id -> name map is cached per model (:class:`ModelView`)
-and read again only when ``meta``'s epoch moved (a member was given or lost its id);
-then, as when a model first gained CPU entries, the read is repeated once with the
-missing part, so the answer always comes from one snapshot.
+second would be capped by the script's own time; plain reads cost Redis a fraction of a
+walk in Lua (``bench/bench_redis.py``), and the walk moves into the client
+(:mod:`kvindex.indexer.redis_walk`), which scales with replicas. The reads are one
+transaction, so a lookup still sees every apply whole or not at all.
 """
 
 from __future__ import annotations
@@ -98,7 +86,20 @@ class Blocks:
 
 
 class BlockReader:
-    """Reads blocks of one model at a time; thread-safe (views are replaced whole)."""
+    """Reads blocks of one model at a time; thread-safe (views are replaced whole).
+
+    The answer is handed on as one matrix of bitmaps (:class:`Blocks`): the compiled
+    kernels (indexer/_redis_lookup.c) copy each bitmap into it straight from the socket's
+    bytes; without them the replies are parsed (hiredis, or redis-py's reader) and the
+    matrix built from them here (:func:`rows_of`). The same bytes either way.
+
+    What a read needs besides the bitmaps comes in the same transaction: the model's
+    ``meta`` (bucket count, layout, epoch) and whether it holds CPU or STORAGE entries at
+    all (``stats``). The member id -> name map is cached per model (:class:`ModelView`)
+    and read again only when ``meta``'s epoch moved (a member was given or lost its id);
+    then, as when a model first gained CPU entries, the read is repeated once with the
+    missing part, so the answer always comes from one snapshot.
+    """
 
     def __init__(self, connection: RedisConnection, keyspace: KeySpace) -> None:
         self._connection = connection

@@ -2,8 +2,8 @@
 
 Why not redis-py's pipeline: a 512-block lookup is one ``MULTI``, one ``HMGET`` per
 bucket with hundreds of 8-byte fields, and ``EXEC``. redis-py packs each argument and
-parses each reply in Python, which cost the client ~0.6 ms per lookup (with hiredis;
-1.1 ms without) against ~0.2 ms this way (``bench/bench_redis.py``, "client CPU").
+parses each reply in Python, several times the client CPU of this way
+(``bench/bench_redis.py``, "client CPU").
 Here every block field is a fixed 14-byte RESP record (``$8\\r\\n`` + key + ``\\r\\n``)
 laid out by numpy in one pass, the whole transaction goes out in one ``sendall`` and
 the replies come back through one hiredis reader (redis-py's own reply reader when
@@ -262,7 +262,7 @@ def key_array(keys: Sequence[int] | np.ndarray) -> np.ndarray:
 def pack_keys(keys: Sequence[int] | np.ndarray) -> bytes:
     """Block keys as 8-byte big-endian words (the bucket fields and reverse records);
     ValueError unless each is in [0, 2**64). Lists (what the decoder makes) go through
-    ``array``, not numpy: ~1 µs for a 32-key event instead of ~2.5."""
+    ``array``, not numpy, which costs more for a short list."""
     if isinstance(keys, np.ndarray):
         return key_array(keys).astype(">u8").tobytes()
     try:

@@ -7,11 +7,6 @@ pages until it maps the replacement, and a reader that comes too late gets
 FileNotFoundError and asks again (:mod:`kvindex.indexer.shared_index`). ``SharedMemory``
 cannot be closed while numpy views of it live, and its resource tracker unlinks
 segments behind the writer's back when a reader process exits.
-
-A fresh file reads as zeros. Its pages are reserved when it is made (``posix_fallocate``),
-so a tmpfs too small for the index is an error at that moment, not a SIGBUS at some later
-write; a table's keys and masks are spread by hash, so nearly every page of them is
-written soon anyway.
 """
 
 from __future__ import annotations
@@ -40,7 +35,13 @@ class SharedArrays:
 
     def zeros(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
         """A zero-filled array of ``shape`` and ``dtype`` in a new file; the file is
-        unlinked when the array (and every view of it) is collected."""
+        unlinked when the array (and every view of it) is collected.
+
+        A fresh file reads as zeros. Its pages are reserved when it is made
+        (``posix_fallocate``), so a tmpfs too small for the index is an error at that
+        moment, not a SIGBUS at some later write; a table's keys and masks are spread by
+        hash, so nearly every page of them is written soon anyway.
+        """
         count = math.prod(shape)
         nbytes = max(1, count * np.dtype(dtype).itemsize)
         name = f"a{next(self._counter)}"

@@ -5,31 +5,7 @@ Why: one Python process answers ``/score`` on one core. The answers need the who
 index, and ingesting every event in every process would multiply its CPU and memory,
 so the writer's tables live in shared memory (:mod:`kvindex.indexer.shared_arrays`)
 and readers walk them in place with the same code as the writer's own lookups.
-
-The protocol, and why it is sound:
-
-* A table changes in two ways (:class:`~kvindex.indexer.memory.MemoryBackend`'s
-  docstring): *in place* (keys fill empty slots, mask bits flip), which its own
-  lock-free compiled lookups already read safely, word by word; and *structurally*
-  (arrays replaced or reshaped, member ids given, freed or renumbered, tables added or
-  dropped), which happens under the backend's read lock. A reader elsewhere reads in
-  place changes exactly as an in-process lookup does.
-* Around every structural change the writer moves a generation counter, seqlock style:
-  odd while it changes (:meth:`SharedIndexWriter.begin`), then even once the new
-  structure (array files, member names, seed, width) is written to a file named after
-  that generation (:meth:`SharedIndexWriter.end`).
-* A reader reads the generation, maps that structure when it is new to it, walks, and
-  reads the generation again; when it moved, the walk may have mixed two structures
-  (a member name from before a renumbering, bits from after), so it walks again. An
-  array the writer has dropped stays mapped in the reader until it maps the new
-  structure, so a stale walk reads stale numbers, never freed memory.
-* Within a table a reader probes up to ``MAX_DISPLACEMENT`` slots from home: it does
-  not know the writer's current ``max_disp``, and probing stops at the first empty slot
-  anyway, so a larger bound costs nothing and is never wrong.
-
-Readers give up after :data:`PATIENCE_S` of odd generations or vanished files and raise
-:class:`SharedIndexBusy`; the serving worker then hands the request to the writer's
-process, which answers from its own tables.
+:class:`SharedIndexWriter` states the protocol and why it is sound.
 """
 
 from __future__ import annotations
@@ -48,11 +24,8 @@ import numpy as np
 
 from kvindex.indexer.backend import BackendError, IndexStats, MemberMatch, MemberPresence, Tier
 from kvindex.indexer.memory_answer import longest, member_bits, member_mask
-from kvindex.indexer.memory_table import MAX_DISPLACEMENT, PAD, BlockTable, as_keys
+from kvindex.indexer.memory_table import BlockTable, as_keys
 from kvindex.indexer.shared_arrays import SharedArrays, attach
-from kvindex.indexer.table_layout import _shift_for
-from kvindex.indexer.table_probe import _Probing
-from kvindex.indexer.table_query import _Queries
 
 if TYPE_CHECKING:
     from kvindex.indexer.memory import MemoryBackend
@@ -122,7 +95,33 @@ class SharedIndexWriter:
     """Puts a memory backend's tables in shared memory and publishes their structure.
 
     ``directory`` is a new private directory under ``parent`` (``/dev/shm`` by default,
-    tmpfs on Linux); :meth:`close` removes it with everything in it."""
+    tmpfs on Linux); :meth:`close` removes it with everything in it.
+
+    The protocol, and why it is sound:
+
+    * A table changes in two ways (the lock-free read rule in
+      :class:`~kvindex.indexer.memory.MemoryBackend`'s docstring): *in place* (keys
+      fill empty slots, mask bits flip), which its own lock-free compiled lookups read
+      word by word; and *structurally* (arrays replaced or reshaped, member ids given,
+      freed or renumbered, tables added or dropped), under the backend's read lock. A
+      reader elsewhere reads in place changes exactly as an in-process lookup does.
+    * Around every structural change the writer moves a generation counter, seqlock
+      style: odd while it changes (:meth:`begin`), then even once the new structure
+      (array files, member names, seed, width) is written to a file named after that
+      generation (:meth:`end`).
+    * A reader reads the generation, maps that structure when it is new to it, walks,
+      and reads the generation again; when it moved, the walk may have mixed two
+      structures (a member name from before a renumbering, bits from after), so it
+      walks again. An array the writer has dropped stays mapped in the reader until it
+      maps the new structure, so a stale walk reads stale numbers, never freed memory.
+    * A reader's table (:meth:`BlockTable.reader
+      <kvindex.indexer.memory_table.BlockTable.reader>`) probes up to
+      ``MAX_DISPLACEMENT`` slots from home, not knowing the writer's ``max_disp``.
+
+    Readers give up after :data:`PATIENCE_S` of odd generations or vanished files and
+    raise :class:`SharedIndexBusy`; the serving worker then hands the request to the
+    writer's process, which answers from its own tables.
+    """
 
     def __init__(self, backend: MemoryBackend, parent: str | None = None) -> None:
         self.directory = tempfile.mkdtemp(prefix="kvindex-", dir=parent or _default_parent())
@@ -154,29 +153,12 @@ def _default_parent() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
-class TableView(_Probing, _Queries):
-    """A model's shared table, read-only, with the attributes the lookup code reads."""
-
-    def __init__(
-        self, ref: TableRef, seed: int, width: int, attach: Callable[[ArrayRef], np.ndarray]
-    ) -> None:
-        self.cap = ref.cap
-        self.seed = np.uint64(seed)
-        self.shift = _shift_for(ref.cap)
-        self.max_disp = MAX_DISPLACEMENT  # see the module docstring
-        self.zero_slot = ref.cap + PAD
-        self.zero_used = True  # unused, the reserved slot holds no bits: "not held"
-        self.width = width
-        self.keys = attach(ref.keys)
-        self.masks = [None if m is None else attach(m) for m in ref.masks]
-
-
 class _Mapped(msgspec.Struct):
     generation: int
     names: list[str | None]
     ids: dict[str, int]
     width: int
-    tables: dict[str, TableView]
+    tables: dict[str, BlockTable]  # readers (BlockTable.reader)
 
 
 class SharedIndexReader:
@@ -229,7 +211,13 @@ class SharedIndexReader:
             return array
 
         tables = {
-            model: TableView(ref, structure.seed, structure.width, attached)
+            model: BlockTable.reader(
+                ref.cap,
+                attached(ref.keys),
+                [None if m is None else attached(m) for m in ref.masks],
+                structure.seed,
+                structure.width,
+            )
             for model, ref in structure.tables.items()
         }
         ids = {name: mid for mid, name in enumerate(structure.names) if name is not None}

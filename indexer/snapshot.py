@@ -9,27 +9,7 @@ and, per stream, the last applied seq and payload digest to one file (every
 ``--snapshot-interval`` seconds, and at shutdown before and after the drain), restores
 it at start, and resumes every stream by replay after its snapshot seq.
 
-Three parts:
-
-* :class:`SnapshotGate` is the subscriber's :class:`~kvindex.events.gate.StreamGate`
-  (one replica owns every stream) and wraps its sink. It records each stream's applied
-  position (``committed``), answers the first claim of a restored stream with the
-  snapshot's seq and digest to resume from, and takes **consistent cuts**: a delivery is
-  "in flight" from the moment the sink is called until the subscriber commits its seq
-  (or the call fails), and a cut waits for no delivery to be in flight and holds new
-  ones back while it copies, so the positions saved match the index saved exactly.
-* :class:`IndexImage` turns a cut into one tree (index, ingest state, stream
-  positions) and installs such a tree at start: the snapshot file's content, and what
-  a peer's dump ships to a replica started with ``--peers``.
-* :class:`Snapshotter` writes cuts to the file (periodically, and a final one at
-  shutdown) and restores them at start, never crashing on a bad file: it logs why,
-  starts empty and makes the gate strict (every stream then needs its history from seq
-  0, so none is reported complete that is not).
-
-What operators see (:meth:`SnapshotGate.marks`): a restored stream not heard since the
-restart is ``restored`` (its entries are unverified); a stream the snapshot recorded as
-incomplete (it was ``gapped`` or ``incomplete`` when saved) stays ``incomplete`` until
-its engine clears (AllBlocksCleared) or restarts.
+:class:`Snapshotter`'s docstring names the three parts and what operators see.
 """
 
 from __future__ import annotations
@@ -354,7 +334,6 @@ class SnapshotStats:
     last_bytes: int = 0
     restore: str = "none"  # restored, missing, or a SnapshotError reason
     restore_seconds: float = 0.0
-    restored_streams: int = 0
 
 
 class Snapshotter:
@@ -364,6 +343,28 @@ class Snapshotter:
     incomplete when saved is restored as incomplete. Call :meth:`restore` before the
     subscriber starts, :meth:`start` for periodic snapshots, and :meth:`close` after the
     subscriber stopped (it writes the final snapshot).
+
+    Three parts:
+
+    * :class:`SnapshotGate` is the subscriber's :class:`~kvindex.events.gate.StreamGate`
+      (one replica owns every stream) and wraps its sink. It records each stream's applied
+      position (``committed``), answers the first claim of a restored stream with the
+      snapshot's seq and digest to resume from, and takes **consistent cuts**: a delivery is
+      "in flight" from the moment the sink is called until the subscriber commits its seq
+      (or the call fails), and a cut waits for no delivery to be in flight and holds new
+      ones back while it copies, so the positions saved match the index saved exactly.
+    * :class:`IndexImage` turns a cut into one tree (index, ingest state, stream
+      positions) and installs such a tree at start: the snapshot file's content, and what
+      a peer's dump ships to a replica started with ``--peers``.
+    * :class:`Snapshotter` writes cuts to the file (periodically, and a final one at
+      shutdown) and restores them at start, never crashing on a bad file: it logs why,
+      starts empty and makes the gate strict (every stream then needs its history from seq
+      0, so none is reported complete that is not).
+
+    What operators see (:meth:`SnapshotGate.marks`): a restored stream not heard since the
+    restart is ``restored`` (its entries are unverified); a stream the snapshot recorded as
+    incomplete (it was ``gapped`` or ``incomplete`` when saved) stays ``incomplete`` until
+    its engine clears (AllBlocksCleared) or restarts.
     """
 
     def __init__(
@@ -403,7 +404,6 @@ class Snapshotter:
             return exc.reason
         seconds = time.perf_counter() - started
         self.stats.restore, self.stats.restore_seconds = "restored", seconds
-        self.stats.restored_streams = streams
         stats = self._backend.stats()
         log.info(
             "restored the index from %s in %.2fs: %d keys, %d members, %d streams to resume "

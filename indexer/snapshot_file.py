@@ -3,20 +3,7 @@ replaced atomically.
 
 Why a format of its own rather than ``np.savez`` or pickle: pickle runs code from the
 file, and neither says in one clear line whether a file is ours, from another version,
-cut short or damaged. Layout::
-
-    MAGIC (8 bytes) | format version (u32 BE) | meta length (u64 BE) | meta (msgpack)
-    | each array's raw bytes, in order | xxh3-128 of everything before (16 bytes)
-
-``meta`` holds the tree with each array replaced by ``{"__array__": i}`` and, per
-array, its dtype and shape. Arrays are written straight from their buffers and read
-straight into fresh ones (no second copy in memory); every size is checked against the
-file's length before anything is allocated, so a damaged header cannot make the reader
-allocate wildly. The checksum is verified before the tree is handed back.
-
-Writes go to a temporary file in the same directory, which is fsynced, renamed over
-the target and the directory fsynced: a crash at any point leaves either the old
-snapshot or the new one, never a torn file.
+cut short or damaged. The layout and the atomic write are in :func:`write_snapshot`.
 
 The same bytes travel between replicas (a peer's ``GET /index/dump``):
 :class:`SnapshotBytes` knows its size before the first byte and yields its chunks
@@ -85,7 +72,23 @@ class SnapshotBytes:
 
 def write_snapshot(path: str | Path, tree: dict[str, Any]) -> int:
     """Write ``tree`` (dicts with str keys, lists, scalars, bytes, numpy arrays) to
-    ``path`` atomically; return the file's size in bytes. Raises OSError."""
+    ``path`` atomically; return the file's size in bytes. Raises OSError.
+
+    Layout::
+
+        MAGIC (8 bytes) | format version (u32 BE) | meta length (u64 BE) | meta (msgpack)
+        | each array's raw bytes, in order | xxh3-128 of everything before (16 bytes)
+
+    ``meta`` holds the tree with each array replaced by ``{"__array__": i}`` and, per
+    array, its dtype and shape. Arrays are written straight from their buffers and read
+    straight into fresh ones (no second copy in memory); every size is checked against the
+    file's length before anything is allocated, so a damaged header cannot make the reader
+    allocate wildly. The checksum is verified before the tree is handed back.
+
+    Writes go to a temporary file in the same directory, which is fsynced, renamed over
+    the target and the directory fsynced: a crash at any point leaves either the old
+    snapshot or the new one, never a torn file.
+    """
     path = Path(path)
     encoded = SnapshotBytes(tree)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -1,61 +1,23 @@
-"""Storage of the memory backend's hash table: constants, key conversion, bitmask-row
-helpers and the layout builders shared by the parts of
-:class:`~kvindex.indexer.memory_table.BlockTable`.
+"""Constants and stateless array functions of the memory backend's hash table
+(:class:`~kvindex.indexer.memory_table.BlockTable`, whose docstring explains the layout):
+key conversion, home slots, the numpy probing and insertion loops, laying keys out in
+an empty table, bitmask-row helpers.
 
-The table is assembled in :mod:`kvindex.indexer.memory_table` from one mixin per concern
-(``table_probe``, ``table_update``, ``table_copies``, ``table_members``, ``table_query``,
-``table_state``); this module holds what they share. Why the table looks as it does:
-
-Why numpy and not a dict: a ``dict[int, ...]`` of block keys costs 110+ bytes per block
-(the int objects and the dict slots) before it records a single member, which rules out
-a budget of ~64 bytes per (block, member) entry. Here a block costs one ``uint64`` key
-and one ``uint64`` member bitmask per tier (per 64 members) per slot, at a load factor
-of 0.35-0.7, an optional ``uint32`` "last stored" stamp per slot (only with a capacity
-bound), and a 4-byte reverse-record entry per member holding it: about 26 bytes per
-(block, member) entry at 1M blocks over 16 members (``bench/bench_index.py``).
-
-Layout of one model's table:
-
-* ``keys: uint64[cap + PAD + 1]``, open addressing with linear probing from the home
-  slot ``((key ^ seed) * golden) >> (64 - log2 cap)`` (a multiplicative mix with a
-  per-process random seed, so neither structured nor crafted keys pile up). Probing
-  never wraps around: the ``PAD`` slots past ``cap`` absorb the end of the table, and a
-  key that would land more than ``PAD - WINDOW`` slots from home forces a rebuild. ``0``
-  marks an empty slot; the key ``0`` itself lives in a reserved last slot, so no
-  separate "used" array is needed.
-* ``masks[tier]: uint64[slots, W]``: bit ``m`` is set when member id ``m`` holds the
-  block in that tier; ``W = ceil(member ids / 64)`` grows as members are interned. The
-  CPU and STORAGE arrays are allocated on the first store to that tier (most deployments
-  are GPU-only).
-* ``copies``: a dict, ``(slot, member id, tier)`` code -> extra copies, for the rare
-  entries held in two or more physical blocks (vLLM publishes a ``BlockStored`` and a
-  ``BlockRemoved`` per copy); an entry in one copy is its bit alone, so the common
-  case costs nothing more (about 100 bytes per entry with extra copies).
-* A slot whose masks become all-zero stays occupied as a *dead* slot (no tombstones: a
-  later store of the same key revives it). When dead slots pass a quarter of the table,
-  or the table must grow, it is rebuilt from its live slots in one vectorised pass.
-
-Probing is vectorised and made for numpy's per-call cost (about a microsecond, whatever
-the size): one gather settles the keys sitting in their home slot (about 3 in 4 at load
-0.5); the others read windows of ``WINDOW`` slots at once. Inserts resolve collisions
-between keys of one batch by scatter-then-read-back (the last write to a slot wins it;
-the losers move on).
+Each function that has a compiled twin in ``indexer/_probe.c`` (reached through
+:mod:`kvindex.indexer.compiled`) calls it when it is built and keeps the numpy version
+as the reference the differential tests compare against.
 """
 
 from __future__ import annotations
 
 import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvindex.indexer import compiled
-
-if TYPE_CHECKING:
-    from kvindex.indexer.table_members import _SlotLog
 
 U64s = npt.NDArray[np.uint64]
 Slots = npt.NDArray[np.intp]
@@ -127,8 +89,8 @@ def as_keys(keys: Sequence[int] | np.ndarray) -> U64s:
 
 
 def _sorted_unique(values: np.ndarray) -> Slots:
-    """Sorted distinct values as ``intp`` (np.unique is several times slower). Values
-    at or above 2**63 wrap, which keeps them distinct."""
+    """Sorted distinct values as ``intp`` (a sort and one comparison: np.unique does
+    more). Values at or above 2**63 wrap, which keeps them distinct."""
     s = np.sort(values.astype(np.intp))
     if s.size < 2:
         return s
@@ -150,8 +112,8 @@ def _bit_counts(rows: np.ndarray, width: int) -> npt.NDArray[np.int64]:
 
 
 def _nonzero_rows(rows: np.ndarray) -> Bools:
-    """Whether each row of ``uint64[n, W]`` has a bit set. (numpy reduces along a short
-    last axis slowly, ~30x slower than OR-ing the W columns.)"""
+    """Whether each row of ``uint64[n, W]`` has a bit set (OR-ing the W columns: numpy
+    reduces along a short last axis slowly)."""
     acc = rows[:, 0]
     for w in range(1, rows.shape[1]):
         acc = acc | rows[:, w]
@@ -172,37 +134,10 @@ def _bit_matrix(rows: np.ndarray) -> npt.NDArray[np.uint8]:
     return np.unpackbits(part.view(np.uint8), axis=1, bitorder="little")
 
 
-@dataclass(slots=True)
-class _Layout:
-    """A table's storage, built aside and installed in one step."""
-
-    cap: int
-    keys: U64s
-    masks: list[np.ndarray | None]
-    stamps: npt.NDArray[np.uint32] | None
-    live: int = 0
-    max_disp: int = 0
-    zero_used: bool = False
-    logs: dict[int, _SlotLog] = field(default_factory=dict)
-    copies: dict[int, int] = field(default_factory=dict)
-
-
 #: Allocates a table's keys and masks: ``zeros(shape, dtype)``, zero-filled. ``np.zeros``
 #: by default; :class:`kvindex.indexer.shared_arrays.SharedArrays` puts them in shared
 #: memory, where other processes read them (``kvindex serve --processes``).
 Zeros = Callable[[tuple[int, ...], type], np.ndarray]
-
-
-def _empty_layout(
-    cap: int, width: int, tiers: tuple[bool, ...], stamped: bool, zeros: Zeros = np.zeros
-) -> _Layout:
-    size = cap + PAD + 1  # PAD slots past the home range, then the slot of key 0
-    return _Layout(
-        cap,
-        zeros((size,), np.uint64),
-        [zeros((size, width), np.uint64) if on else None for on in tiers],
-        np.zeros(size, np.uint32) if stamped else None,
-    )
 
 
 def _home(keys: U64s, seed: np.uint64, shift: np.uint64) -> Slots:
@@ -252,6 +187,91 @@ def _layout(keys: U64s, cap: int, seed: np.uint64, into: U64s) -> tuple[Slots, i
     return out, disp
 
 
+def probe_windows(
+    table: U64s,
+    max_disp: int,
+    keys: U64s,
+    home: Slots,
+    slots: Slots,
+    todo: Slots,
+    cursors: Slots | None,
+) -> None:
+    """numpy probing of the keys array ``table``: fill ``slots[todo]`` for non-zero
+    ``keys`` (``home`` their home slots, row for row) by reading windows from home,
+    until each key is found, an empty slot proves it absent, or ``max_disp`` is passed.
+    With ``cursors``, record for each absent key its first empty slot, where inserting
+    it starts (raises TableFull when there is none within ``MAX_DISPLACEMENT``)."""
+    offset = 0
+    # Lookups read up to LOOKUP_WINDOW slots at once: one wide round is cheaper
+    # than a second narrow one. Inserts mostly stop at a near empty slot.
+    width = WINDOW if cursors is not None else min(LOOKUP_WINDOW, max_disp + 1)
+    while todo.size and offset <= max_disp:
+        m = todo.size
+        pos = _WIDE_OFFSETS[:width] + (home + offset)  # (width, m): long axis inner
+        window = table[pos]
+        hits = np.flatnonzero(window == keys)
+        rows = hits % m  # each non-zero key matches at most one slot
+        slots[todo[rows]] = pos.ravel()[hits]
+        if rows.size == m:
+            return
+        empty = window == 0
+        go = ~empty.any(axis=0)
+        go[rows] = False
+        if cursors is not None:  # absent: the first empty slot is where it goes
+            done = ~go
+            done[rows] = False
+            cursors[todo[done]] = home[done] + offset + empty[:, done].argmax(axis=0)
+        todo, home, keys = todo[go], home[go], keys[go]
+        offset += width
+        width = WINDOW
+    while cursors is not None and todo.size:  # absent, past max_disp: find a gap
+        if offset > MAX_DISPLACEMENT:
+            raise TableFull
+        empty = table[_OFFSETS + (home + offset)] == 0
+        done = empty.any(axis=0)
+        cursors[todo[done]] = home[done] + offset + empty[:, done].argmax(axis=0)
+        todo, home = todo[~done], home[~done]
+        offset += WINDOW
+
+
+def insert_absent(table: U64s, keys: U64s, cursor: Slots, home: Slots) -> Slots:
+    """numpy insertion into the keys array ``table``: place non-zero keys known to be
+    absent (repeats allowed), each starting at its ``cursor`` (the first empty slot
+    probing saw; ``home`` its home slot); return their slots.
+
+    Keys probing the same empty slot all write it; the one whose write survived won it
+    (with its repeats), the others continue after it. Raises TableFull past
+    ``MAX_DISPLACEMENT`` (keys already placed are then dead slots).
+    """
+    out = np.empty(keys.size, np.intp)
+    rows = np.arange(keys.size)
+    start = home
+    cand = cursor  # empty when found: the first round needs no probing
+    mine = keys
+    has_free = None
+    if (cand - start).max() > MAX_DISPLACEMENT:
+        raise TableFull
+    while True:
+        take = np.arange(rows.size) if has_free is None else np.flatnonzero(has_free)
+        slots = cand[take]
+        table[slots] = mine[take]  # the last write to a slot wins it
+        won = take[table[slots] == mine[take]]
+        out[rows[won]] = cand[won]
+        if won.size == rows.size:
+            return out
+        cursor = cand + 1 if has_free is None else np.where(has_free, cand + 1, cursor + WINDOW)
+        left = np.ones(rows.size, np.bool_)
+        left[won] = False
+        rows, start, cursor, mine = rows[left], start[left], cursor[left], mine[left]
+        free = table[_OFFSETS + cursor] == 0
+        has_free = free.any(axis=0)
+        cand = cursor + free.argmax(axis=0)
+        if not has_free.all():
+            cand[~has_free] = -1
+        if max((cand - start).max(), (cursor - start).max()) > MAX_DISPLACEMENT:
+            raise TableFull
+
+
 def _move_rows(src: np.ndarray, dst: np.ndarray, src_rows: Slots, dst_rows: Slots) -> None:
     """``dst[dst_rows] = src[src_rows]`` for arrays of one dtype and row shape (one
     compiled pass, without numpy's temporary copy of the gathered rows)."""
@@ -260,3 +280,11 @@ def _move_rows(src: np.ndarray, dst: np.ndarray, src_rows: Slots, dst_rows: Slot
         dst[dst_rows] = src[src_rows]
         return
     probe.move_rows(src, dst, src_rows, dst_rows, src.strides[0])
+
+
+def check_array(array: Any, dtype: type, shape: tuple[int, ...], name: str) -> None:
+    """Raise ValueError unless ``array`` is an ndarray of ``dtype`` and ``shape`` (a
+    snapshot's arrays are checked before a table adopts them)."""
+    if not isinstance(array, np.ndarray) or array.dtype != dtype or array.shape != shape:
+        got = (getattr(array, "dtype", type(array).__name__), getattr(array, "shape", None))
+        raise ValueError(f"table array {name}: expected {np.dtype(dtype)} {shape}, got {got}")

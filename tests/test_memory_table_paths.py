@@ -74,9 +74,7 @@ def facts(backend: MemoryBackend) -> tuple:
     if table is None:
         return ()
     copies = {}
-    for code, n in table.copies.items():
-        slot, mid, tier = code >> (memory_table.MEMBER_BITS + 2), (code >> 2), code & 3
-        mid &= memory_table.MAX_MEMBERS - 1
+    for slot, mid, tier, n in table.copies.entries():
         copies[(int(table.keys[slot]), mid, tier)] = n
     stats = backend.stats()
     return (

@@ -74,8 +74,6 @@ class IndexWork:
         self._closed = False
         self._lock = threading.Lock()  # finished work is counted down on its own thread
         self.in_flight = 0
-        self.timeouts = 0
-        self.refused = 0
 
     async def run(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """``work(*args, **kwargs)``'s result or exception; BackendTimeout (503) past the
@@ -84,7 +82,6 @@ class IndexWork:
             return work(*args, **kwargs)
         with self._lock:
             if self.in_flight >= self.max_in_flight:
-                self.refused += 1
                 raise BackendBusy(
                     f"{self.in_flight} index lookups are waiting on the backend "
                     f"(--backend-max-in-flight {self.max_in_flight}); retry shortly"
@@ -104,8 +101,6 @@ class IndexWork:
                 return await future
         except TimeoutError:
             # still queued: it never runs; running: it finishes on its own
-            with self._lock:
-                self.timeouts += 1
             raise BackendTimeout(
                 f"the index backend did not answer within {self.deadline_s:g} s "
                 "(--backend-deadline)"

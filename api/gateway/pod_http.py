@@ -220,12 +220,6 @@ class PodResponse:
         """Whether the rest of the body is already read (nothing left to wait for)."""
         return self._connection.complete
 
-    @property
-    def sized(self) -> bool:
-        """Whether the answer has a ``Content-Length``: a whole answer the pod writes at
-        once (vLLM's non-streamed ones), not a stream of events."""
-        return any(name == b"content-length" for name, _ in self.headers)
-
     def take_body(self) -> bytes:
         """The body read so far, at once (all of it when :attr:`whole`)."""
         connection = self._connection

@@ -18,64 +18,77 @@ answers (``kvindex --version`` says which runs):
 - ``kvindex.scoring._route_pass`` (scoring/_route_pass.c): ``/route``'s loop over the
   candidate pods (scoring/route_pass.py runs it in Python otherwise).
 
-setuptools reads extension modules from setup.py on every version this project
-supports (its pyproject.toml form is still marked experimental).
+``KVINDEX_PURE_PYTHON=1`` builds none of them: the install a machine without a compiler
+gets, on purpose (.ci/run tests the pure paths in such a venv). setuptools reads
+extension modules from setup.py on every version this project supports (its
+pyproject.toml form is still marked experimental).
 """
+
+import os
 
 from setuptools import Extension, setup
 
-setup(
-    ext_modules=[
-        Extension(
-            "kvindex.indexer._probe",
-            sources=["indexer/_probe.c"],
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
-        Extension(
-            "kvindex.indexer._chain",
-            sources=["indexer/_chain.c"],
-            depends=["indexer/_chain_writer.h", "indexer/_chain_pickle.h", "indexer/_chain_cbor.h"],
-            extra_compile_args=["-O3"],
-            libraries=["crypto"],
-            optional=True,
-        ),
-        Extension(
-            "kvindex.events._wire_scan",
-            sources=["events/_wire_scan.c"],
-            depends=[
-                "events/_wire_scan_read.h",
-                "events/_wire_scan_merge.h",
-                "events/_wire_scan_zmq.h",
-            ],
-            extra_compile_args=["-O3"],
-            libraries=["dl"],  # dlopen/dlsym: libzmq through pyzmq (glibc < 2.34)
-            optional=True,
-        ),
-        Extension(
-            "kvindex.indexer._redis_lookup",
-            sources=["indexer/_redis_lookup.c"],
-            depends=[
-                "indexer/_redis_resp.h",
-                "indexer/_redis_rows.h",
-                "indexer/_redis_io.h",
-                "indexer/_redis_presence.h",
-            ],
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
-        Extension(
-            "kvindex.scoring._route_pass",
-            sources=["scoring/_route_pass.c"],
-            # The loop's doubles must round as Python's do: no fused multiply-add.
-            extra_compile_args=["-O3", "-ffp-contract=off"],
-            optional=True,
-        ),
-        Extension(
-            "kvindex.api._json_tokens",
-            sources=["api/_json_tokens.c"],
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
-    ]
-)
+_PURE = os.environ.get("KVINDEX_PURE_PYTHON", "")
+if _PURE not in ("", "0", "1"):
+    raise SystemExit(f"KVINDEX_PURE_PYTHON={_PURE!r}: use 1 (build no C modules) or 0")
+
+EXTENSIONS = [
+    Extension(
+        "kvindex.indexer._probe",
+        sources=["indexer/_probe.c"],
+        extra_compile_args=["-O3"],
+        optional=True,
+    ),
+    Extension(
+        "kvindex.indexer._chain",
+        sources=["indexer/_chain.c"],
+        depends=["indexer/_chain_writer.h", "indexer/_chain_pickle.h", "indexer/_chain_cbor.h"],
+        extra_compile_args=["-O3"],
+        libraries=["crypto"],
+        optional=True,
+    ),
+    Extension(
+        "kvindex.events._wire_scan",
+        sources=["events/_wire_scan.c"],
+        depends=[
+            "events/_wire_scan_read.h",
+            "events/_wire_scan_merge.h",
+            "events/_wire_scan_zmq.h",
+        ],
+        extra_compile_args=["-O3"],
+        libraries=["dl"],  # dlopen/dlsym: libzmq through pyzmq (glibc < 2.34)
+        optional=True,
+    ),
+    Extension(
+        "kvindex.indexer._redis_lookup",
+        sources=["indexer/_redis_lookup.c"],
+        depends=[
+            "indexer/_redis_resp.h",
+            "indexer/_redis_rows.h",
+            "indexer/_redis_io.h",
+            "indexer/_redis_presence.h",
+        ],
+        extra_compile_args=["-O3"],
+        optional=True,
+    ),
+    Extension(
+        "kvindex.scoring._route_pass",
+        sources=["scoring/_route_pass.c"],
+        # The loop's doubles must round as Python's do: no fused multiply-add.
+        extra_compile_args=["-O3", "-ffp-contract=off"],
+        optional=True,
+    ),
+    Extension(
+        "kvindex.api._json_tokens",
+        sources=["api/_json_tokens.c"],
+        extra_compile_args=["-O3"],
+        optional=True,
+    ),
+]
+
+if _PURE == "1":
+    # A build folder of its own: a compiled build's .so files in build/lib would
+    # otherwise go into this wheel too.
+    setup(ext_modules=[], options={"build": {"build_base": "build/pure"}})
+else:
+    setup(ext_modules=EXTENSIONS)

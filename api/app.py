@@ -1,11 +1,12 @@
-"""The HTTP API gateways and operators use (the contract is in DESIGN.md, "HTTP API").
+"""The HTTP API gateways and operators use (the contract: docs/api.md, generated from this
+app's OpenAPI document).
 
-Bodies are decoded and encoded with msgspec rather than FastAPI's pydantic models: an
-8,192-token ``token_ids`` list validates in microseconds instead of a millisecond, and
-the OpenAPI schema is generated from the same msgspec types. Routes raise kvindex's own
-errors; ``api/errors.py`` turns them into status codes, in one handler. ``/score`` and
-``/route`` are not FastAPI routes: ``api/hot_path.py`` answers them in front of this app
-(and ``kvindex serve`` answers them from its HTTP protocol: ``api/hot_lane.py``).
+Bodies are decoded and encoded with msgspec rather than FastAPI's pydantic models: a long
+``token_ids`` list validates far faster, and the OpenAPI schema is generated from the
+same msgspec types. Routes raise kvindex's own errors; ``api/errors.py`` turns them into
+status codes, in one handler. ``/score`` and ``/route`` are not FastAPI routes:
+``api/hot_path.py`` answers them in front of this app (and ``kvindex serve`` answers them
+from its HTTP protocol: ``api/hot_lane.py``).
 """
 
 from __future__ import annotations

@@ -202,8 +202,8 @@ _GATEWAY_DESTS = [
 ]
 
 
-# Read by other commands, not by serve.
-_OTHER_VARIABLES = frozenset({"KVINDEX_URL"})
+# Read by other commands, or by setup.py when kvindex is built, not by serve.
+_OTHER_VARIABLES = frozenset({"KVINDEX_URL", "KVINDEX_PURE_PYTHON"})
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:

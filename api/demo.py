@@ -1,18 +1,14 @@
 """``kvindex demo``: kvindex and a simulated three-pod vLLM cluster on loopback, answering.
 
-The cluster is three :class:`kvindex.api.demo_pod.DemoPod` s publishing real vLLM KV
-events into the ``kvindex serve --gateway`` this process runs. Every pod has "served"
-the same system prompt followed by a document of its own, so their caches share two
-blocks and differ after them. The demo then asks ``/score``, ``/route`` and the gateway
-about one question on pod B's document, says what they answered, and prints the
-commands that ask the same (the bodies are files of token ids: no tokenizer needed, so
-nothing is downloaded). The gateway is asked with ``/v1/completions`` and a token-id
-prompt (valid OpenAI); a chat request would be routed by load, as kvindex has no
-tokenizer for the demo's model.
-
-Everything binds 127.0.0.1. :class:`Demo` owns the pods, the request files and the
-thread that prepares and checks the cluster; the caller runs the service and closes
-the demo after it.
+Three :class:`kvindex.api.demo_pod.DemoPod` s publish real vLLM KV events into the
+``kvindex serve --gateway`` this process runs. Each has "served" the same system prompt
+followed by a document of its own, so their caches share two blocks and differ after
+them. The demo asks ``/score``, ``/route`` and the gateway about one question on pod B's
+document, says what they answered, and prints the commands that ask the same (bodies of
+token ids: no tokenizer, nothing downloaded; the gateway gets ``/v1/completions`` with a
+token-id prompt, since a chat request would be routed by load alone). Everything binds
+127.0.0.1. :class:`Demo` owns the pods, the request files and the thread that prepares
+and checks the cluster; the caller runs the service and closes the demo after it.
 """
 
 from __future__ import annotations

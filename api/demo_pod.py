@@ -1,19 +1,15 @@
 """A simulated vLLM pod for ``kvindex demo``: vLLM's KV events and a small OpenAI server,
 on loopback, with no GPU and no model.
 
-The events are the real thing: every prompt the pod "computes" is cut into blocks
-hashed as vLLM hashes them (:class:`kvindex.indexer.keys.BlockHasher`, the code the
-conformance suite checks against vLLM), and each block not already cached is published
-as vLLM 0.33 publishes it (:class:`kvindex.events.publisher.EnginePublisher`: topic
-``kv@<pod>@<model>``, seq, msgpack ``BlockStored`` with its parent and token ids). The
-cache only grows (a demo pod never evicts), so a prefix it once computed stays a hit.
-
-The HTTP side is what the gateway and the load scraper need from a vLLM pod:
-``POST /v1/completions`` (token-id prompts are computed and cached; a text prompt, like
-``POST /v1/chat/completions``, is answered without caching: the pod has no tokenizer),
-streamed as vLLM streams (server-sent events) when asked, ``GET /v1/models``,
-``GET /health`` and a ``/metrics`` page with vLLM's scheduler gauges. Answers are
-deterministic: they say which pod served and how much of the prompt it had cached.
+The events are the real thing: each prompt the pod "computes" is hashed into blocks as
+vLLM hashes them (:class:`kvindex.indexer.keys.BlockHasher`), and each block not cached
+yet is published as vLLM 0.33 publishes it (:class:`kvindex.events.publisher.EnginePublisher`).
+The cache only grows, so a prefix once computed stays a hit. The HTTP side is what the
+gateway and the load scraper need from a pod: ``POST /v1/completions`` (token-id prompts
+computed and cached; text prompts and ``/v1/chat/completions`` answered uncached: no
+tokenizer), streamed as vLLM streams when asked, ``GET /v1/models``, ``GET /health`` and
+a ``/metrics`` page with vLLM's scheduler gauges. Answers are deterministic: they say
+which pod served and how much of the prompt it had cached.
 """
 
 from __future__ import annotations

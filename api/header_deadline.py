@@ -1,17 +1,14 @@
 """uvicorn's httptools protocol with a deadline and a size cap on request headers.
 
-uvicorn (0.54) bounds idle keep-alive connections but not a client that connects and
-sends its request line and headers slowly or never: every such connection is held
-forever. :class:`HeaderDeadlineProtocol` closes a connection whose headers are not
-complete ``header_timeout_s`` after it opened (or after the request began), and one
-whose headers grow past ``max_header_bytes`` (with a 431).
-
-The deadline of a request is armed, and the size of its headers so far checked, only
-when its headers did not come whole in the read that began them (at the end of
-``data_received``); headers that did are checked once, when complete. Not per parser
-callback or per request: a keep-alive client under load sends each request in one
-piece, and a timer set and cancelled per request, or a Python override on every header
-callback, was measurable on ``/score`` (~2.6 µs a request for the callbacks alone).
+uvicorn (0.54) bounds idle keep-alive connections, not a client that sends its request line
+and headers slowly or never: every such connection is held forever.
+:class:`HeaderDeadlineProtocol` closes a connection whose headers are not complete
+``header_timeout_s`` after it opened (or after the request began), and one whose
+headers grow past ``max_header_bytes`` (with a 431). The deadline is armed, and the
+size checked, only when a request's headers did not come whole in the read that began
+them; headers that did are checked once, when complete. A keep-alive client under load
+sends each request in one piece, and a timer or a Python override per request would
+cost every ``/score`` (bench/README.md, "api/: the figures behind its design").
 """
 
 from __future__ import annotations

@@ -1,33 +1,16 @@
 """``kvindex serve``'s lane for ``/score``, ``/route`` and ``/route/{id}/done``: answered
 from uvicorn's HTTP protocol callbacks, without the ASGI layer.
 
-Why: with the handlers already free of FastAPI (``api/hot_path.py``), what was left
-between the socket and the answer was ASGI itself: a task per request, its scope, the
-``receive``/``send`` messages, an event, the limits' deadline timer, two socket writes
-per answer. For a ``/score`` by block hashes that was about 40% of the server's CPU per
-request (issue 13; ``bench/README.md`` has the figures). Here the request's body is
-collected in the parser's callbacks and, over the memory backend, answered before the
-callback returns, in one write. Over Redis the index work is awaited on its threads as
-before (:class:`kvindex.api.offload.IndexWork`), in a task of its own.
-
-Only POSTs to those three paths take the lane; every other request (another method on
-them included: its 405 comes from :class:`kvindex.api.hot_path.HotPath`) goes on through
-uvicorn to the ASGI app, unchanged. What the ASGI path gave, the lane keeps:
-
-* the limits of :class:`kvindex.api.limits.RequestLimits`, from the same object, so one
-  in-flight count covers both paths: 429 past ``--max-in-flight``, 413 from a declared
-  Content-Length or as soon as a streamed body passes ``--max-body-bytes``, 408 when the
-  body is not whole within ``--body-timeout`` (these three then close the connection);
-  415 for another Content-Type, before the body is read;
-* the header deadline and size cap of
-  :class:`kvindex.api.header_deadline.HeaderDeadlineProtocol`;
-* uvicorn's answer head (``server``, ``date``), keep-alive and its timeout,
-  ``Connection: close`` and HTTP/1.0, ``Expect: 100-continue``, chunked request bodies
-  (httptools decodes them), graceful shutdown (an awaited answer is one of uvicorn's
-  tasks);
-* pipelining: answers leave in request order. A request that arrives while another on
-  its connection is being answered waits its turn in one queue with the ASGI requests
-  (:meth:`HotLaneProtocol._start_asgi_task`), and reading pauses meanwhile.
+Why: with the handlers free of FastAPI (``api/hot_path.py``), ASGI itself (a task per
+request, its scope and messages, a deadline timer, two writes per answer) was a large
+part of a ``/score``'s CPU (bench/README.md, "api/: the figures behind its design").
+Here the body is collected in the parser's callbacks and, over the memory backend,
+answered before the callback returns, in one write; over Redis the index work is awaited
+in a task (:class:`kvindex.api.offload.IndexWork`). Only POSTs to those paths take the
+lane (another method's 405 comes from :class:`kvindex.api.hot_path.HotPath`). The lane
+keeps what ASGI gave: :class:`kvindex.api.limits.RequestLimits` (one in-flight count for
+both paths), the header deadline, uvicorn's answer head, keep-alive, ``Expect:
+100-continue``, chunked bodies, graceful shutdown, and answers in request order.
 """
 
 from __future__ import annotations
@@ -311,6 +294,8 @@ class HotLaneProtocol(HeaderDeadlineProtocol):
         )
 
     def _queue(self, entry: Any) -> None:
+        """Wait ``entry`` (a lane request or an ASGI cycle) behind the answers pending on
+        this connection, in one queue with uvicorn's, and stop reading meanwhile."""
         if self._turns is None:
             self._turns = deque()
         if self.pipeline:  # ASGI requests uvicorn queued before this one go first

@@ -3,26 +3,13 @@
 (:class:`HotRoutes`), and the ASGI app in front of the FastAPI app that serves every
 other path (:class:`HotPath`).
 
-Why not FastAPI routes: its dispatch (route matching, dependency solving, its middleware
-stack, Starlette's Request and Response) was ~18% of a ``/score`` request's CPU in issue
-13's profile, for bodies msgspec already decodes and validates. Here a request is matched
-in a dict, its body decoded by msgspec, answered by :func:`kvindex.api.score.score_request`
-or :func:`kvindex.api.route.decide_route` (the index work under ``service.index_work``'s
-deadline and cap, as before), and its answer is a status, a JSON body and headers.
-
-:class:`HotRoutes` knows nothing of the transport, so two serve it: :class:`HotPath` over
-ASGI (every ASGI server, the tests' ``TestClient``), and the HTTP lane of
-``api/hot_lane.py``, which ``kvindex serve`` runs inside uvicorn's protocol to skip the
-ASGI layer for these three paths. With an index whose work never waits (the memory
-backend) the handlers run to the end on the caller (:meth:`HotRoutes.answer`), else the
-index work is awaited (:meth:`HotRoutes.answer_async`).
-
-What the FastAPI routes gave is kept: errors in the one shape of ``api/errors.py``,
-counted as its handlers count them (``on_refusal``); a 405 with ``Allow`` for another
-method; a trailing slash accepted (Starlette redirected it to the same handler). The
-limits (:class:`kvindex.api.limits.RequestLimits`) wrap this app and FastAPI's alike, so
-one in-flight count covers every route. The OpenAPI document still describes these
-paths, from the same msgspec types: :func:`kvindex.api.hot_openapi.openapi_paths`.
+Why not FastAPI routes: their dispatch (matching, dependencies, middleware, Starlette's
+Request and Response) costs a visible share of a ``/score``'s CPU (bench/README.md), for
+bodies msgspec already decodes and validates. :class:`HotRoutes` knows no transport:
+:class:`HotPath` serves it over ASGI (any server, the tests' ``TestClient``) and
+``api/hot_lane.py`` inside uvicorn's protocol. What the FastAPI routes gave is kept:
+errors in ``api/errors.py``'s shape and counting, a 405 with ``Allow``, a trailing slash
+accepted, the same limits, and OpenAPI items (:mod:`kvindex.api.hot_openapi`).
 """
 
 from __future__ import annotations
@@ -101,7 +88,9 @@ class Route:
 
 class HotRoutes:
     """The three handlers, matched by path, with errors answered in kvindex's shape and
-    counted by ``on_refusal(path, code)``, as the FastAPI handlers do."""
+    counted by ``on_refusal(path, code)``, as the FastAPI handlers do. When the index work
+    never waits (the memory backend) a request runs to its end on the caller
+    (:meth:`answer`); otherwise it is awaited (:meth:`answer_async`)."""
 
     def __init__(self, service: Service, on_refusal: Callable[[str, str], None]) -> None:
         self.service = service

@@ -1,24 +1,15 @@
 """A JSON ``/score`` or ``/route`` body decoded with its ``token_ids`` (or ``block_hashes``)
 read as native integers.
 
-msgspec makes a Python int of every token id (~90 ns each: ~0.75 ms of an 8,192-token
-request, most of its CPU) and the compiled hash chain then reads them back one by one;
-512 block hashes cost ~20 µs, a range check and the lookup's reading them back. The
-compiled reader (``api/_json_tokens.c``, optional: setup.py) reads the top-level array's
-digits straight into an ``array('I')`` of token ids (the form a binary body arrives in,
-``api/score_inputs.py``) or an ``array('Q')`` of block hashes, and msgspec decodes the
-rest of the body (the array replaced by ``null``, a few dozen bytes) into the request
-type, which validates every other field as before.
-
-msgspec stays the reference: the reader takes only a body whose array msgspec would
-decode to the same values (one JSON object, plain top-level keys, the field once, an
-array of plain non-negative integers up to 2**32 - 1 for token ids and 2**64 - 1 for
-hashes; for hashes also hex strings the schema's pattern takes, without escapes, read
-as their low 64 bits, which is what ``score_inputs.block_keys`` makes of msgspec's
-strings), and when msgspec refuses the rest, the whole body is decoded again by
-msgspec, so every error is msgspec's own for that body. Without the compiled reader
-every body is decoded whole by msgspec: the same answers and errors
-(``tests/test_json_tokens.py`` runs both), the arrays then lists.
+Why: msgspec makes a Python int of every token id, most of a long prompt's CPU, and the
+compiled hash chain then reads them back one by one. The compiled reader
+(``api/_json_tokens.c``, optional) reads the top-level array's digits straight into an
+``array('I')`` of token ids (the binary body's form) or an ``array('Q')`` of hashes, and
+msgspec decodes the rest of the body (the array replaced by ``null``) into the request
+type. msgspec stays the reference: the reader takes only an array msgspec would decode
+to the same values, and when msgspec refuses the rest the whole body is decoded again by
+msgspec, so every error is msgspec's own. Without the compiled reader msgspec decodes
+every body whole: the same answers and errors (``tests/test_json_tokens.py`` runs both).
 """
 
 from __future__ import annotations
@@ -57,7 +48,13 @@ def implementation() -> str:
 def decode_prompt(decoder: msgspec.json.Decoder[R], body: bytes) -> R:
     """``body`` as ``decoder``'s request type, every failure a 400 as
     :func:`kvindex.api.errors.decode_json` gives it; ``token_ids`` an ``array('I')``, or
-    ``block_hashes`` an ``array('Q')``, when the compiled reader took them."""
+    ``block_hashes`` an ``array('Q')``, when the compiled reader took them.
+
+    The reader takes only what msgspec would decode to the same values: one JSON object,
+    plain top-level keys, the field once, an array of plain non-negative integers up to
+    2**32 - 1 (token ids) or 2**64 - 1 (hashes); for hashes also hex strings the schema's
+    pattern takes, without escapes, read as their low 64 bits, as
+    ``score_inputs.block_keys`` reads msgspec's strings."""
     core = reader
     if core is None or type(body) is not bytes:
         return decode_json(decoder, body)

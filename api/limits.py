@@ -1,17 +1,14 @@
 """Request limits enforced before a handler buffers anything: body size, body pace,
 requests in flight.
 
-An ASGI middleware, so the limits hold while the body streams in: a 100 MB body is
-refused after the first chunk past the limit (or at once, from its Content-Length),
-never read whole; a client trickling its body is cut off at a deadline; past
-``max_in_flight`` concurrent requests a new one gets 429 instead of queueing without
-bound. Probes and metrics are exempt from the in-flight cap, so a loaded replica is
-not also declared dead.
-
-``kvindex serve``'s lane for the hot paths (``api/hot_lane.py``) reads bodies outside
-ASGI; it applies the same limits through :meth:`RequestLimits.admission`,
-:meth:`~RequestLimits.body_too_large` and :meth:`~RequestLimits.body_too_slow`, and counts
-its requests in the same ``in_flight``.
+An ASGI middleware, so the limits hold while the body streams in: a body past the limit
+is refused at its first chunk over it (or at once, from its Content-Length), never read
+whole; a client trickling its body is cut off at a deadline; past ``max_in_flight``
+concurrent requests a new one gets 429 instead of queueing without bound. Probes and
+metrics are exempt from the cap, so a loaded replica is not also declared dead. The
+hot lane (``api/hot_lane.py``) reads bodies outside ASGI and applies the same limits
+through :meth:`RequestLimits.admission`, :meth:`~RequestLimits.body_too_large` and
+:meth:`~RequestLimits.body_too_slow`, counted in the same ``in_flight``.
 """
 
 from __future__ import annotations

@@ -95,8 +95,9 @@ class ScoreMetrics:
             registry=registry,
         )
         self._ok = self.requests.labels("ok")
-        # Each model's two children, looked up once: labels() is ~1 µs a call, and this
-        # runs for every answered /score. Only known models are scored, so it is bounded.
+        # Each model's two children, looked up once: labels() takes a lock and builds its
+        # key on every call, and this runs for every answered /score. Only known models
+        # are scored, so it is bounded.
         self._by_model: dict[str, tuple[Counter, Counter]] = {}
 
     def score_done(self, result: ScoreResult, seconds: float, warned: bool = False) -> None:

@@ -1,45 +1,15 @@
 """The index work of ``/score`` and ``/route``, kept off the event loop: a deadline, a cap.
 
-Why: the handlers are coroutines on one event loop. With the Redis backend a lookup is
-a network round trip, and done on the loop it stops everything else: with a Redis that
-accepted connections but never answered, 8 concurrent ``/score`` calls finished one
-after another over 8.2 s and ``/healthz`` took 8.0 s, long enough for a liveness probe
-to kill a healthy replica during a Redis brownout (issue 13).
-
-So the part of a request that can wait on something outside the process (the model
-check, which may read the index's model list; the tokenizer; block hashing; the lookup)
-runs on a small pool of threads, and the handler awaits it:
-
-* **Deadline.** Past ``deadline_s`` the request gets a fast 503 ``backend_timeout``.
-  The thread itself cannot be cancelled: it ends when Redis answers or when the
-  connection's socket timeout (the URL's ``timeout=``, 1 s by default) passes.
-* **Cap.** Work submitted and not yet finished, abandoned work included, is counted;
-  past ``max_in_flight`` a request gets a 503 ``backend_busy`` at once instead of
-  queueing behind a Redis that does not answer.
-
-Threads rather than an async Redis client: the same lookup pipelined over
-``redis.asyncio`` with a connection pool gave no more lookups per second than the
-threads (when Redis ran the lookup as a script on its one thread, the bottleneck), and
-only threads also take the tokenizer, the model list and the hybrid presence query off
-the loop without a second, async copy of the backend.
-
-The threads are a small pool of its own rather than a ``ThreadPoolExecutor`` awaited
-through ``asyncio.wrap_future``: each piece of work is a tuple on a ``SimpleQueue``, and
-the worker hands the result straight to the caller's event loop
-(``call_soon_threadsafe``), without the executor's futures, conditions and chained
-callbacks: 13-16 us of CPU per call of work that does nothing at 16 concurrent callers,
-against 19-22 us (``bench/bench_redis_offload.py``, "hop"). A real lookup costs ~55-70
-us more through either pool than on the loop (the worker's wake-up and its sleep in
-``poll()``, the loop's wake-up, the GIL passed between them); taking that off needs the
-round trip done on the loop itself, with /score's index work split around it.
-
-The memory backend runs inline (``inline=True``): nothing in it can hang, so neither a
-deadline nor a cap has anything to do, and the hop costs latency that issue 13's
-/score target (p50 <= 0.4 ms) cannot spare. ``bench/bench_offload.py`` (512 blocks, 64
-pods; two runs at load average 7.5 and 9 on 2 CPUs): one caller p50 238 / 210 µs
-inline, 553 / 624 µs through the threads; 16 callers 1,380 / 2,120 calls/s inline,
-2,259 / 1,347 through the threads (the compiled probe releases the GIL, so a second
-core can help, but the runs disagree). Only the latency cost is consistent.
+Why: the handlers share one event loop, and with Redis a lookup is a network round trip.
+Done on the loop, a Redis that accepts connections but never answers stalls every request
+and ``/healthz`` with it, long enough for a liveness probe to kill a healthy replica. So
+the part of a request that may wait on something outside the process (the model check,
+the tokenizer, hashing, the lookup) runs on a small pool of threads, and the handler
+awaits it under a deadline (503 ``backend_timeout``; the thread itself ends at the
+connection's socket timeout) and a cap on unfinished work (503 ``backend_busy`` at once).
+Threads, not an async Redis client, because they also take the tokenizer and the model
+list off the loop without an async copy of the backend. The memory backend runs inline:
+nothing in it can hang, and the hop would cost ``/score`` latency (bench/README.md).
 """
 
 from __future__ import annotations
@@ -78,7 +48,12 @@ class BackendBusy(Unavailable):
 
 
 class IndexWork:
-    """Runs a request's index work: inline, or on threads under a deadline and a cap."""
+    """Runs a request's index work: inline, or on threads under a deadline and a cap.
+
+    A pool of its own rather than a ``ThreadPoolExecutor`` behind ``wrap_future``: each
+    item is a tuple on a ``SimpleQueue`` and its result goes straight to the caller's
+    loop (``call_soon_threadsafe``), without the executor's futures and chained callbacks
+    on a path every Redis ``/score`` takes (bench/README.md, "Off the event loop")."""
 
     def __init__(
         self,
@@ -99,8 +74,6 @@ class IndexWork:
         self._closed = False
         self._lock = threading.Lock()  # finished work is counted down on its own thread
         self.in_flight = 0
-        self.timeouts = 0
-        self.refused = 0
 
     async def run(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """``work(*args, **kwargs)``'s result or exception; BackendTimeout (503) past the
@@ -109,7 +82,6 @@ class IndexWork:
             return work(*args, **kwargs)
         with self._lock:
             if self.in_flight >= self.max_in_flight:
-                self.refused += 1
                 raise BackendBusy(
                     f"{self.in_flight} index lookups are waiting on the backend "
                     f"(--backend-max-in-flight {self.max_in_flight}); retry shortly"
@@ -129,8 +101,6 @@ class IndexWork:
                 return await future
         except TimeoutError:
             # still queued: it never runs; running: it finishes on its own
-            with self._lock:
-                self.timeouts += 1
             raise BackendTimeout(
                 f"the index backend did not answer within {self.deadline_s:g} s "
                 "(--backend-deadline)"

@@ -1,23 +1,15 @@
 """``--peers``: a memory replica that starts without a usable snapshot copies a live
 peer's index, then resumes every stream by replay from the copy's positions.
 
-The peer answers ``GET /index/dump`` (an operator endpoint: the admin token) with a
-consistent cut of its index in the snapshot file's format
-(:mod:`kvindex.indexer.snapshot_file`: magic, format version, checksum), so the copy is
-checked exactly as a snapshot file is: a dump of another format version, cut short or
-damaged is refused, and a forged one whose tables do not hold together is refused when
-installed. The dump's stream positions belong to the table content it ships (one cut),
-so resuming each stream after its position, with the payload digest checked by the
-replay, loses nothing that was published between the dump and this replica's start.
-
-Memory: the peer sends its cut from the copied arrays' own buffers, and here the body
-is read straight into the arrays it is installed from (one chunk of the response held
-at a time), so neither side holds the index twice beyond the peer's cut.
-
-When no peer gives a usable copy this replica starts empty, as after a refused snapshot:
-every stream then needs its whole history from its engine's replay, and is marked
-incomplete where the engine no longer buffers it. What happened is logged, counted
-(``kvindex_peer_recovery{result}``) and said in ``/readyz``.
+The peer answers ``GET /index/dump`` (admin token) with one consistent cut of its index
+in the snapshot file's format (:mod:`kvindex.indexer.snapshot_file`), so the copy is
+checked as a snapshot is: another format version, a short or damaged dump, or tables
+that do not hold together are refused. The dump's stream positions belong to the tables
+it ships, so resuming each stream after its position (the replay checks the payload
+digest) loses nothing published between the dump and this start. Neither side holds the
+index twice: the peer sends from its arrays' buffers, and here the body is read straight
+into the arrays it is installed from. Without a usable copy this replica starts empty,
+as after a refused snapshot; what happened is logged, counted and said in ``/readyz``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """A serving worker's way to the primary (``kvindex serve --processes N``): requests it
 does not answer itself, sent over the primary's Unix socket as plain HTTP/1.1.
 
-Why not httpx: over the Unix socket httpx cost ~0.65 ms per request on the machine where
-this was measured (0.83-0.97 ms for a ``/healthz`` against 0.22 ms written and parsed by
-hand), and ``/route`` and the gateway's requests pass through here on every connection
-a worker holds. Here a request is one write on a kept-alive connection and the answer is
-read with httptools, the parser uvicorn itself uses.
-
-:class:`Relay` is also the worker's ASGI app for every path the lane does not take: a
-whole answer (Content-Length) is read and sent in one piece; a streamed one (the
-gateway's server-sent events) is passed on chunk by chunk. The client's disconnect is
-watched from the moment its request is sent on, before the primary has answered too: a
-client that leaves closes the connection to the primary, which is how the primary's
-gateway learns to stop the pod's request.
+Why not httpx: over the Unix socket its cost per request was several times that of a
+request written and parsed by hand (bench/README.md, "api/: the figures behind its
+design"), and ``/route`` and the gateway's requests pass through here. A request is one
+write on a kept-alive connection; the answer is read with httptools. :class:`Relay` is
+also the worker's ASGI app for every path the lane does not take: a sized answer is
+sent in one piece, a streamed one (server-sent events) chunk by chunk. The client is
+watched from the moment its request is sent: a client that leaves closes the connection
+to the primary, which is how the primary's gateway learns to stop the pod's request.
 """
 
 from __future__ import annotations

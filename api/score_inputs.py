@@ -1,21 +1,15 @@
 """The forms a ``/score`` or ``/route`` prompt arrives in, read and checked in one place.
 
 Besides JSON with ``token_ids``, ``prompt`` or ``messages`` (see ``api/app.py``):
-
-- ``block_hashes`` in the JSON body: the engine's own block hashes of the prompt's full
-  blocks. A gateway that already has them (a Dynamo-style router hashing at the edge, a
-  proxy reading vLLM's events) skips tokenizing and hashing; they are looked up as the
-  chain, as they are. An int is the uint64 vLLM publishes; a hex string is either that
-  uint64 (up to 16 digits) or a longer digest whose last 8 bytes vLLM publishes (the
-  rule of ``events/wire.py`` ``hash_to_int``): both are the hex number's low 64 bits.
-- a binary body, ``Content-Type: application/octet-stream``: the token ids as
-  little-endian uint32s, the other fields as query parameters. An 8,192-token prompt is
-  32 KiB read as one array instead of ~50 KB of JSON integers parsed one by one.
-
-A form-urlencoded body (curl's ``-d`` default) is read as JSON; anything else is
-a 415. The size limits are the JSON body's: the body
-(``--max-body-bytes``, in ``api/limits.py``) and the prompt (``--max-prompt-tokens``;
-for hashes, blocks times the model's block size).
+``block_hashes`` in the JSON body, the engine's own hashes of the prompt's full blocks,
+for a gateway that already has them (it skips tokenizing and hashing): an int is the
+uint64 vLLM publishes, a hex string that uint64 or a longer digest, both read as the
+number's low 64 bits (``events/wire.py`` ``hash_to_int``); and a binary body
+(``application/octet-stream``): the token ids as little-endian uint32s, the other
+fields as query parameters, read as one array instead of parsed one integer at a time.
+A form-urlencoded body (curl's ``-d`` default) is read as JSON; anything else is a 415.
+The size limits are the JSON body's: ``--max-body-bytes`` and ``--max-prompt-tokens``
+(for hashes, blocks times the model's block size).
 """
 
 from __future__ import annotations

@@ -1,32 +1,16 @@
 """Run the app under uvicorn with the limits uvicorn itself does not have, and the lane
 for the hot paths.
 
-The protocol uvicorn runs is its httptools one with a header deadline and size cap
-(:mod:`kvindex.api.header_deadline`); the body's pace and size are bounded by
-:class:`kvindex.api.limits.RequestLimits`. ``kvindex serve`` also passes a
-:class:`kvindex.api.hot_lane.HotLane`: ``/score``, ``/route`` and ``/route/{id}/done``
-are then answered by the protocol itself, without ASGI (``api/hot_lane.py`` says why).
-
-The listening socket is bound here, before uvicorn starts, so a port in use is one
-clear error instead of uvicorn's log line and exit.
-
-Before serving, everything alive (modules, classes, the app, the composed service: some
-95,000 objects the garbage collector tracks) is moved out of the collector's sight
-(``gc.freeze``): every full collection otherwise walks them all with the GIL held, and
-every request waits for it. In-process over ``bench_score_cpu.py``'s service a full
-collection took 30-55 ms of CPU, 0.2 ms frozen; in ``kvindex serve`` under 270-290k
-blocks/s of fresh-key ingest, where one comes every 10-30 s, 47-102 ms against 18-43 ms
-frozen (wall clock, load average 10-13). None of what is frozen becomes garbage while
-serving.
-
-The interpreter's switch interval drops from 5 ms to :data:`SWITCH_INTERVAL_S`. Requests
-are answered on the event loop's thread while other threads run Python: the load
-scraper's (httpx, 16 threads, every pod once a second), the event applier. A thread
-that holds the GIL keeps it until it blocks or the interval ends, so a request that
-arrives meanwhile waited up to 5 ms. Beside Dynamo (`bench/compare_peers.py`, 64 pods
-scraped, 3 runs each, 2026-12-02) one client's `/score` by hash had p99 0.32-0.67 ms
-with 5 ms, 0.17-0.26 ms with 0.5 ms, 0.17-0.21 ms with scraping off; in-process ingest
-(`bench_ingest.py`) showed no difference beyond its run-to-run spread.
+uvicorn runs its httptools protocol with a header deadline and size cap
+(:mod:`kvindex.api.header_deadline`); :class:`kvindex.api.limits.RequestLimits` bounds
+the body. ``kvindex serve`` also passes a :class:`kvindex.api.hot_lane.HotLane`, which
+answers ``/score`` and ``/route`` inside the protocol. The socket is bound here, before
+uvicorn starts, so a port in use is one clear error. Before serving, everything alive is
+frozen out of the garbage collector's sight (``gc.freeze``: none of it becomes garbage
+while serving, and a full collection would walk it all with the GIL held while requests
+wait), and the switch interval drops to :data:`SWITCH_INTERVAL_S`, so the loop's thread
+waits less for the GIL held by the load scraper's or the applier's threads
+(bench/README.md, "api/: the figures behind its design").
 """
 
 from __future__ import annotations

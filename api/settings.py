@@ -1,18 +1,15 @@
 """The settings tree: every ``kvindex serve`` setting, its default and its meaning, once.
 
 ``Settings`` has one section per part of the service (``http``, ``log``, ``events``,
-``index``, ``k8s``, ``scoring``) plus the per-model table. Each field's default is
-written here and nowhere else; its ``Meta`` description is the ``--help`` text. The
-command-line flags, the ``KVINDEX_*`` variables and the config file are generated
-from this tree and decoded into it once (:mod:`kvindex.api.settings_load`), so adding
-a setting is adding one field.
-
-Naming: a field's flag is ``--`` + the section's flag prefix + the field name with
-``-`` for ``_`` (``k8s.namespace`` is ``--k8s-namespace``, ``events.zmq_bind`` is
-``--zmq-bind``); its variable is ``KVINDEX_`` + that in upper case. In the config file
-the same field is ``k8s: {namespace: [...]}``. Fields marked ``file_only`` have no flag
-or variable (tables and weights), ``env_only`` ones no flag (the admin token: a flag's
-value is visible in ``/proc/<pid>/cmdline``).
+``index``, ``k8s``, ``scoring``) plus the per-model table; each field's default is written
+here only and its ``Meta`` description is the ``--help`` text. Flags, ``KVINDEX_*``
+variables and the config file are generated from this tree and decoded into it once
+(:mod:`kvindex.api.settings_load`), so adding a setting is adding one field. A field's
+flag is ``--`` + the section's flag prefix + its name with ``-`` for ``_``
+(``k8s.namespace`` is ``--k8s-namespace``), its variable ``KVINDEX_`` + that in upper
+case, its config-file form ``k8s: {namespace: [...]}``. ``file_only`` fields have no flag
+or variable (tables, weights), ``env_only`` ones no flag (the admin token: a flag's value
+is visible in ``/proc/<pid>/cmdline``).
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class HttpSettings(_Section):
-    """The HTTP server and the limits a hostile client meets (issue 14)."""
+    """The HTTP server and the limits a hostile client meets."""
 
     listen: Annotated[
         str,

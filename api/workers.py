@@ -1,29 +1,15 @@
 """``kvindex serve --processes N``: the serving workers beside the process that ingests.
 
-Why: one Python process answers ``/score`` on one core, while the work of a request
-(decode, hash, walk, encode) needs nothing but the index. So the index's tables go to
-shared memory (:mod:`kvindex.indexer.shared_index`) and ``N - 1`` worker processes
-(:mod:`kvindex.api.worker`) listen on the same port (``SO_REUSEPORT``: the kernel
-spreads connections over the processes) and answer ``/score`` from those tables. This
-process, the *primary*, keeps everything else: it ingests, keeps the pods' streams,
-``/route``'s state, the metrics and the operator endpoints; a worker relays every other
-request to it over a Unix socket, and a ``/score`` too whenever its answer depends on
-state only the primary has (speculative entries from ``/route``; a structure that kept
-changing).
-
-What the workers need besides the tables, the primary publishes in the same directory:
-
-* ``settings.json``: this process's settings, so a worker scores exactly as it does;
-* ``facts``: the models it knows, the warnings ``/score`` carries per pod, and the KV
-  group layouts of hybrid models, rewritten when they change (checked every
-  :data:`FACTS_INTERVAL_S`; a worker rereads it when the control file's version moves);
-* the control file's ``SPECULATIVE_UNTIL``: the deadline of the newest speculative entry,
-  written as ``/route`` adds it, so no worker answers without entries it cannot see.
-
-Workers report each answered ``/score`` back over their channel (a socket pair) every
-:data:`kvindex.api.worker.REPORT_INTERVAL_S`, and this process counts them in its own
-metrics: ``/metrics`` is one process's page with every process's requests in it.
-A worker that dies is started again; workers exit when this process goes away.
+Why: one Python process answers ``/score`` on one core, and a ``/score`` needs nothing
+but the index. So the index's tables go to shared memory
+(:mod:`kvindex.indexer.shared_index`) and ``N - 1`` workers (:mod:`kvindex.api.worker`)
+listen on the same port (``SO_REUSEPORT``) and answer ``/score`` from them. This
+process, the *primary*, keeps everything else (ingest, streams, ``/route``'s state,
+metrics, operator endpoints); a worker relays every other request to it over a Unix
+socket, and a ``/score`` too whenever the answer depends on state only the primary has.
+Workers report their answered ``/score`` calls back, so ``/metrics`` is one page with
+every process's requests in it. A worker that dies is started again; workers exit when
+the primary goes away.
 """
 
 from __future__ import annotations
@@ -101,7 +87,15 @@ class _Worker:
 
 class ServingWorkers:
     """The primary's side: shares ``service``'s index, starts ``count - 1`` workers on
-    ``listen`` (HOST:PORT) and keeps them running until :meth:`stop`."""
+    ``listen`` (HOST:PORT) and keeps them running until :meth:`stop`.
+
+    Besides the tables, it publishes in the shared directory what a worker needs to
+    answer as this process would: ``settings.json`` (its settings); ``facts`` (the known
+    models, the warnings ``/score`` carries per pod, hybrid models' KV group layouts),
+    rewritten when they change, checked every :data:`FACTS_INTERVAL_S`, reread by a
+    worker when the control file's version moves; and the control file's
+    ``SPECULATIVE_UNTIL``, the newest speculative entry's deadline, written as ``/route``
+    adds it, so no worker answers without entries it cannot see."""
 
     def __init__(self, service: Service, count: int, listen: str) -> None:
         if not isinstance(service.backend, MemoryBackend):

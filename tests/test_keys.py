@@ -3,10 +3,12 @@
 The vectors below were computed once with vLLM 0.33.0's own ``vllm/utils/hashing.py``
 hash functions (the wheel from PyPI, loaded standalone) chained exactly as its
 ``hash_block_tokens`` does, for tokens 1..48 and block size 16. The first two are the
-reference values published in DESIGN.md.
+reference values docs/correctness.md publishes ("Block keys").
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -109,11 +111,14 @@ def test_keys_match_vllm(algo: str, seed: str | None, case: tuple, expected: lis
     assert hasher.keys(TOKENS, extras) == expected
 
 
-def test_design_reference_values() -> None:
+def test_the_documented_reference_values() -> None:
     tokens = list(range(1, 33))
     assert BlockHasher(HashConfig()).keys(tokens) == [1403909460543360175, 1643945449041937783]
     cbor = BlockHasher(HashConfig(algo=HashAlgo.SHA256_CBOR))
     assert cbor.keys(tokens) == [8866452693264111234, 807986237951177663]
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "correctness.md").read_text("utf-8")
+    assert "| `sha256` | 1403909460543360175 | 1643945449041937783 |" in docs
+    assert "| `sha256_cbor` | 8866452693264111234 | 807986237951177663 |" in docs
 
 
 def test_memo_does_not_change_results() -> None:

@@ -15,6 +15,8 @@ import tomllib
 import venv
 from pathlib import Path
 
+import pytest
+
 from kvindex.api.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,3 +140,22 @@ def test_the_public_api_modules_pass_mypy_strict(tmp_path: Path) -> None:
         env={**os.environ, "MYPYPATH": str(tmp_path / "src")},
     )  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_build_runs_the_paths_its_run_is_for() -> None:
+    """Under ``CI=true`` the README's venv runs every compiled part: a build that lost
+    one (no compiler, no OpenSSL headers) would pass with its differential tests skipped.
+    .ci/run's second venv, built with ``KVINDEX_PURE_PYTHON=1`` and run with
+    ``KVTEST_PURE_PYTHON=1``, runs none of them."""
+    from kvindex.api import cli
+    from kvindex.api.version import implementations
+    from kvindex.indexer.redis_compiled import implementation as redis_lookup
+
+    assert cli.unknown_variables({"KVINDEX_PURE_PYTHON": "1"}) == []  # setup.py reads it
+    pure = os.environ.get("KVTEST_PURE_PYTHON") == "1"
+    if not pure and os.environ.get("CI") != "true":
+        pytest.skip("a developer's build may lack a compiler: checked under CI=true")
+    parts = [*implementations().split(", "), f"{redis_lookup()} redis lookup"]
+    compiled = [part for part in parts if part.startswith("compiled ")]
+    assert len(parts) == 7
+    assert compiled == ([] if pure else parts), implementations()

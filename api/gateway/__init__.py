@@ -1,16 +1,14 @@
 """``kvindex gateway``: an OpenAI-compatible front door that routes each request with
 ``/route`` and forwards it, unchanged, to the chosen vLLM pod.
 
-One module per job: :mod:`.bodies` reads the OpenAI request and tokenizes it as vLLM
-will; :mod:`.routes` asks for a decision (in-process, or over HTTP with the client);
-:mod:`.upstream` connects to the chosen pod, trying another when the connection fails
-before any byte was sent, and relays the answer chunk by chunk; :mod:`.app` is the
-work per endpoint (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``), and :mod:`.asgi` serves them, alone or in front of kvindex's own app;
-:mod:`.pod_http` is the small HTTP/1.1 client the pods are spoken to with; :mod:`.pd`
-carries a request split over a prefill and a decode pod; :mod:`.client_watch` stops a
-request whose client left; :mod:`.headers` says which headers cross, :mod:`.errors`
-what an error looks like; :mod:`.metrics` counts what happened to each request.
+One module per job: :mod:`.bodies` reads and tokenizes the OpenAI request as vLLM will;
+:mod:`.routes` asks for a decision (in-process or over HTTP); :mod:`.upstream` connects
+to the chosen pod (another when connecting fails) and relays the answer; :mod:`.app` is
+the work per endpoint and :mod:`.asgi` serves it; :mod:`.pod_http` is the HTTP/1.1
+client to the pods; :mod:`.pd` splits a request over a prefill and a decode pod;
+:mod:`.client_watch` stops a request whose client left; :mod:`.headers`,
+:mod:`.errors` and :mod:`.metrics` say which headers cross, what errors look like and
+what is counted.
 """
 
 from kvindex.api.gateway.app import Gateway

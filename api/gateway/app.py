@@ -2,17 +2,13 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are read for routing (model,
 prompt, expected output), routed, and forwarded byte for byte to the chosen pod; the
-answer's body comes back unchanged (streamed or not), with the pod's allowlisted headers
-and ``x-kvindex-pod`` and ``x-kvindex-route-reason`` added (and ``x-kvindex-failed-pods``
-when pods were skipped because connecting failed); a pod's error status comes back with
-an OpenAI error the gateway writes (:mod:`.errors`). A client that leaves at any point
-stops the pod's request (:mod:`.client_watch`). ``GET /v1/models`` merges what the known pods serve;
-``GET /health`` is 200 while the index answers. The gateway's own refusals use the
-OpenAI error shape (``{"error": {"message", "type", "param", "code"}}``) that OpenAI
-clients parse, with kvindex's stable code as ``type``.
-
-:mod:`.asgi` puts these in front of ``kvindex serve``'s app (``--gateway``, decisions
-in-process) or serves them alone (``kvindex gateway --index URL``).
+answer comes back unchanged (streamed or not) with the pod's allowlisted headers plus
+``x-kvindex-pod``, ``x-kvindex-route-reason`` and, when connecting to pods failed,
+``x-kvindex-failed-pods``. ``GET /v1/models`` merges what the known pods serve;
+``GET /health`` is 200 while the index answers. Errors, the gateway's own and the pods'
+retold, are in OpenAI's shape (:mod:`.errors`); a client that leaves stops the pod's
+request (:mod:`.client_watch`). :mod:`.asgi` serves these in front of ``kvindex serve``'s
+app (``--gateway``) or alone (``kvindex gateway --index URL``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """The gateway as a plain ASGI app, in front of kvindex's own app or on its own.
 
-Plain ASGI rather than FastAPI routes because the gateway's budget is 1 ms per request
-and FastAPI's route machinery (dependency solving, its middleware stack) costs a large
-part of that on the benchmark machine, for endpoints whose bodies are not ours to
-validate anyway (the pod does). The four paths are matched in a dict. Every other
-``/v1`` path is the gateway's too: an OpenAI client sent it, so its 404 (or 405) is in
-OpenAI's error shape and names what is served, in both modes. Everything else goes to
-the inner app (``kvindex serve --gateway``: /score, /route, /metrics ...), or is a 404
-in the OpenAI error shape when the gateway runs alone (which then answers
-``GET /metrics`` and ``GET /openapi.json`` itself).
-
-The gateway's requests get their own :class:`kvindex.api.limits.RequestLimits` (body size
-and pace, and an in-flight cap of their own), so long streamed answers never use up the
-slots ``/route`` and ``/score`` are answered from.
+Plain ASGI rather than FastAPI routes: the gateway's latency budget is small, FastAPI's
+route machinery takes a large part of it, and the bodies are not ours to validate (the
+pod does). The four paths are matched in a dict. Every other ``/v1`` path is the
+gateway's too (an OpenAI client sent it): its 404 or 405 is in OpenAI's error shape and
+names what is served. Everything else goes to the inner app (``kvindex serve
+--gateway``), or is an OpenAI-shaped 404 when the gateway runs alone (which then answers
+``GET /metrics`` and ``GET /openapi.json`` itself). The gateway's requests get
+:class:`kvindex.api.limits.RequestLimits` of their own, so long streamed answers never
+use up the slots ``/route`` and ``/score`` are answered from.
 """
 
 from __future__ import annotations

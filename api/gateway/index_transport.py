@@ -2,12 +2,12 @@
 
 The gateway asks the index twice per request (``/route``, then ``/route/{id}/done``)
 through :class:`kvindex.api.client.AsyncClient`, whose timeouts, retries and types it
-wants; but httpx's own async connection stack costs ~2 ms per loopback exchange on the
-benchmark machine against ~0.75 ms for httpx over this transport (``bench/README.md``,
-"Gateway"). So the client keeps its API and its requests travel over the gateway's
-kept-alive HTTP/1.1 connections (:mod:`kvindex.api.gateway.pod_http`); failures come
-back as the httpx errors the client already handles. Plain ``http://`` only (an
-``https://`` index keeps httpx's own transport).
+wants, but httpx's own async connection stack costs more per loopback exchange than
+the gateway can spare (bench/README.md, "api/: the figures behind its design"). So the
+client keeps its API and its requests travel over the gateway's kept-alive HTTP/1.1
+connections (:mod:`kvindex.api.gateway.pod_http`); failures come back as the httpx
+errors the client already handles. Plain ``http://`` only (an ``https://`` index keeps
+httpx's own transport).
 """
 
 from __future__ import annotations

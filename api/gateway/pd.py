@@ -1,31 +1,16 @@
 """Disaggregated prefill: how a request ``/route`` split over a prefill and a decode pod
-reaches them. Two ways are deployed in practice, and they must not be mixed (the prompt
-would be prefilled twice):
+reaches them, in one of two modes that must not be mixed (the prompt would be
+prefilled twice).
 
-``kv-transfer`` (the default; vLLM's own disaggregated-serving proxies, NixlConnector):
-  the gateway runs the prefill leg itself. It sends the request to the prefill pod with
-  ``max_tokens: 1`` (``max_completion_tokens: 1`` when the body has it), ``stream:
-  false``, no ``stream_options``, ``min_tokens`` or ``min_completion_tokens``, and
-  ``kv_transfer_params: {"do_remote_decode": true, "do_remote_prefill": false,
-  "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
-  "remote_port": null}``. vLLM answers with ``kv_transfer_params`` naming where the KV
-  blocks wait (engine id, block ids, host, port); the gateway then sends the client's
-  body to the decode pod with those ``kv_transfer_params`` added, and the decode pod
-  pulls the blocks instead of computing them. Both legs carry the same
-  ``x-request-id``. (Checked against vLLM's ``toy_proxy_server.py`` for the NIXL
-  integration tests and llm-d's routing sidecar ``nixlv2`` connector.)
-
-``sidecar`` (llm-d): every decode pod runs llm-d's routing sidecar on the port the
-  gateway dials. The gateway sends the request unchanged to the decode pod with
-  ``x-prefiller-host-port: <prefill pod>``; the sidecar runs the prefill leg as above
-  and forwards to its local vLLM. Without the header the sidecar serves locally.
-
-P/D is an optimisation, never a reason to fail a request: when the prefill leg fails
-(the pod is unreachable, answers an error, or names no ``kv_transfer_params``), the
-decode pod gets the client's body unchanged and prefills the prompt itself. When the
-decode pod is the one that fails, after a successful prefill, the retry on another
-decode pod reuses this leg's ``kv_transfer_params`` if the request never reached the
-first one (:mod:`.upstream` says when that is safe), instead of prefilling again.
+``kv-transfer`` (the default; vLLM's NixlConnector proxies): the gateway runs the prefill
+leg itself (:func:`prefill_body`: one token, not streamed), and sends the client's body
+to the decode pod with the ``kv_transfer_params`` the prefill pod answered, which say
+where the KV blocks wait; both legs carry the same ``x-request-id``. (Checked against
+vLLM's ``toy_proxy_server.py`` and llm-d's routing sidecar ``nixlv2`` connector.)
+``sidecar`` (llm-d): the request goes unchanged to the decode pod's routing sidecar with
+``x-prefiller-host-port: <prefill pod>``, and the sidecar runs the prefill leg. P/D never
+fails a request: when the prefill leg fails, the decode pod gets the client's body
+unchanged and prefills itself.
 """
 
 from __future__ import annotations
@@ -87,7 +72,9 @@ class DecodeLeg:
 
 
 def prefill_body(request: dict[str, Any]) -> bytes:
-    """The prefill leg's body: one token, not streamed, asking the pod to keep the KV."""
+    """The prefill leg's body: one token (``max_tokens``, and ``max_completion_tokens``
+    when the body has it), not streamed, without the fields a prefill-only request
+    refuses, asking the pod to keep the KV for a remote decode (``kv_transfer_params``)."""
     leg = {k: v for k, v in request.items() if k not in _NOT_FOR_PREFILL}
     leg["kv_transfer_params"] = _PREFILL_PARAMS
     leg["stream"] = False
@@ -115,7 +102,9 @@ async def prepare_decode(
 ) -> DecodeLeg:
     """The decode leg of a P/D request (running the prefill leg first in ``kv-transfer``
     mode, with ``prefill_extra`` headers added to it: its data-parallel rank). Never
-    raises for the prefill pod's failures; see the module docstring."""
+    raises for the prefill pod's failures (unreachable, an error status, no
+    ``kv_transfer_params``): the leg's outcome is then FAILED and the decode pod gets the
+    client's body unchanged."""
     if mode is PdMode.SIDECAR:
         prefiller = (PREFILLER_HEADER, prefill_pod.encode("latin-1"))
         return DecodeLeg(prefill_pod, body, [*headers, prefiller], PrefillOutcome.SIDECAR)

@@ -1,30 +1,15 @@
 """HTTP/1.1 to the pods: kept-alive connections per pod, parsed as bytes arrive.
 
-Why not httpx, which the rest of kvindex uses: on the gateway's path every request pays
-its client twice (once for the pod, once more when routing over HTTP), and httpx's async
-stack (httpcore over anyio) costs about 2.7 ms per request on the 2-core benchmark
-machine against 0.3 ms for the whole exchange over plain asyncio streams
-(``bench/bench_gateway.py``), which alone is more than the gateway's budget of 1 ms.
-The pods speak one protocol (vLLM's OpenAI server: HTTP/1.1, ``Content-Length`` or
-chunked bodies), so a small client is enough.
-
-Each connection is an :class:`asyncio.Protocol` feeding httptools (the C parser uvicorn
-uses, already installed with it) in ``data_received``: no stream buffer between the
-socket and the parser, and the waiting request is woken once per piece that matters
-(the head, then body pieces), not once per read. One write per request (head and body
-together). The read timeout is one deadline per connection, moved forward as bytes
-arrive and checked by a single timer that re-arms itself, instead of a timer made and
-cancelled around every read.
-
-Contract: :meth:`PodConnections.send` returns once the status line and headers are in,
-or raises :class:`PodUnreachable` when the pod never answered (refused, timed out
-while connecting, closed without a status line), the only case in which the request
-may go to another pod. A kept-alive connection the pod closed while idle is retried
-once on a fresh connection before that verdict. The body is then read with
-:meth:`PodResponse.iter_body` (decoded from chunked framing, otherwise unchanged) or,
-once it is all in (:attr:`PodResponse.whole`), taken with :meth:`PodResponse.take_body`;
-:meth:`PodResponse.close` returns a finished connection to the pool or closes an
-unfinished one, which is how the pod learns the client went away.
+Why not httpx, which the rest of kvindex uses: every gateway request pays its client at
+least once, and httpx's async stack (httpcore over anyio) alone costs more than the
+gateway's latency budget (bench/README.md, "api/: the figures behind its design"). The
+pods speak one protocol (vLLM's OpenAI server: HTTP/1.1, sized or chunked bodies), so a
+small client is enough: each connection is an :class:`asyncio.Protocol` feeding
+httptools (uvicorn's parser) in ``data_received``, wakes its request once per piece that
+matters (the head, then body pieces), writes each request once, and keeps one read
+deadline per connection checked by a timer that re-arms itself. Contract:
+:meth:`PodConnections.send` (when a request may go elsewhere), then
+:class:`PodResponse` (the body, and returning the connection).
 """
 
 from __future__ import annotations
@@ -206,7 +191,10 @@ class _Connection(asyncio.Protocol):
 
 class PodResponse:
     """A pod's answer: ``status`` and ``headers`` (lower-case names) read, the body not
-    necessarily."""
+    necessarily. The body is read with :meth:`iter_body` (chunked framing decoded,
+    otherwise unchanged) or, once :attr:`whole`, taken with :meth:`take_body`;
+    :meth:`close` returns a finished connection to the pool or closes an unfinished one,
+    which is how the pod learns the client went away."""
 
     __slots__ = ("_closed", "_connection", "_pod", "_pool", "headers", "status")
 
@@ -231,12 +219,6 @@ class PodResponse:
     def whole(self) -> bool:
         """Whether the rest of the body is already read (nothing left to wait for)."""
         return self._connection.complete
-
-    @property
-    def sized(self) -> bool:
-        """Whether the answer has a ``Content-Length``: a whole answer the pod writes at
-        once (vLLM's non-streamed ones), not a stream of events."""
-        return any(name == b"content-length" for name, _ in self.headers)
 
     def take_body(self) -> bytes:
         """The body read so far, at once (all of it when :attr:`whole`)."""
@@ -298,7 +280,11 @@ class PodConnections:
         """``method`` ``body`` to ``http://{pod}{path}`` with ``headers`` (lower-case
         names, no host or content-length); returns once the answer's headers are in.
         ``first_byte_timeout_s``: a pod silent that long before its status line is
-        PodUnreachable (``timed_out``: the request may go elsewhere), not PodBroken."""
+        PodUnreachable (``timed_out``: the request may go elsewhere), not PodBroken.
+
+        PodUnreachable (refused, timed out while connecting, closed without a status line)
+        is the only case in which the request may go to another pod; a kept-alive
+        connection the pod closed while idle is retried once on a fresh one first."""
         target = (path.encode("latin-1"), pod.encode("latin-1"))
         parts = [method, b" ", target[0], b" HTTP/1.1\r\nhost: ", target[1]]
         parts += (b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n")

@@ -1,39 +1,15 @@
 """The pod side of a proxied request: connect to the chosen pod (another one when that
 fails before any byte reached the client), then relay its answer chunk by chunk.
 
-Retry rule: a request is sent to another pod only while nothing of the answer exists
-yet: the connection was refused, timed out while connecting, the pod closed it
-without answering, or a streamed answer's status line did not come within the
-first-byte timeout. Each such failure is reported against the pod (ejecting it from
-routing for a while: :mod:`kvindex.scoring.outlier`), as is the way every relayed
-answer ended (a 5xx, one that broke off, or a good one). The next pod is asked of
-``/route`` again, among the first decision's candidates minus the pods that failed,
-under the same route id (released first, with the failure), so the route is never
-counted twice. Once the pod's status line has arrived the answer is the pod's, errors
-included.
-
-Under P/D (``kv-transfer``), a decode pod that failed after the prefill leg succeeded
-does not cost a second prefill when the request certainly never reached it (no
-connection: :attr:`PodUnreachable.delivered` is False): the retry asks ``/route`` for a
-decode pod only (``role: decode``) and sends it the same ``kv_transfer_params``. They
-name the prefill engine and its request, not a decode pod (vLLM 0.33: engine id,
-request id, block ids, host and port of the prefill pod's side channel), and the
-prefill pod holds the blocks until a decode pod has read them or its lease lapses
-(``kv_lease_duration``, 30 s by default, renewed while a decode pod waits; before the
-lease, ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s). A decode pod that may have read the
-request before it closed may also have read those blocks, after which the prefill pod
-frees them, so that retry prefills again.
-
-The relay is a plain ASGI response: the pod's status, its allowlisted headers
-(:mod:`.headers`, plus ``x-kvindex-pod``), and its body bytes as they arrive (not
-decompressed; each network read sent on as one chunk), so server-sent events reach the
-client one event at a time. An error status is relayed with an OpenAI error the gateway
-writes instead of the pod's body (:mod:`.errors`). From the moment the request body is
-read until the answer's last byte, the client is watched (:mod:`.client_watch`): a
-client that disconnects, whether before the pod answered, mid-stream or during a sized
-answer, stops the request at once and closes the pod connection, which is how vLLM
-learns to abort it. Whatever ends the response (the last byte, an error, a disconnect),
-the route is released exactly once, synchronously, so no cancellation can skip it.
+A request goes to another pod only while nothing of the answer exists yet
+(:func:`open_upstream` says when); once the pod's status line has arrived the answer is
+the pod's, errors included. Every failure and every relayed answer's ending is reported
+against the pod, which may set it aside for a while (:mod:`kvindex.scoring.outlier`).
+The relay (:class:`RelayedResponse`) sends the pod's status, its allowlisted headers and
+its body bytes as they arrive, so server-sent events reach the client one at a time; the
+client is watched throughout (:mod:`.client_watch`), and a client that leaves closes the
+pod connection, which is how vLLM learns to abort the request. Whatever ends the
+response, the route is released exactly once, synchronously, so no cancellation skips it.
 """
 
 from __future__ import annotations
@@ -102,7 +78,21 @@ async def open_upstream(
     """Route ``request`` and open the chosen pod's answer (status and headers read, body
     not yet); under P/D the prefill leg comes first (:mod:`.pd`). Raises RouteRefused,
     or PodsUnreachable once ``attempts`` pods (or every candidate) failed; either way no
-    route is left open."""
+    route is left open.
+
+    Another pod is tried only when this one never answered: the connection was refused
+    or timed out, the pod closed it without answering, or a streamed answer's status line
+    missed the first-byte timeout. The next pod is asked of ``/route`` again, among the
+    first decision's candidates less the failed pods, under the same route id (released
+    first, with the failure), so the route is never counted twice.
+
+    Under P/D (``kv-transfer``) a decode pod that certainly never received the request
+    (:attr:`PodUnreachable.delivered` False) costs no second prefill: the retry asks for a
+    decode pod only (``role: decode``) with the same ``kv_transfer_params``, which name
+    the prefill engine and request, not a decode pod (vLLM 0.33), and the prefill pod
+    holds the blocks until one reads them or its lease lapses (``kv_lease_duration``,
+    30 s by default). A decode pod that may have read the request may have read the
+    blocks too, after which the prefill pod frees them, so that retry prefills again."""
     try:
         decision = await routes.route(request)
     except asyncio.CancelledError:  # the client left: a decision may have been entered

@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # kvindex service image. Build: docker build -t kvindex:0.1.0 .
 # The build stage builds kvindex's wheel (with its compiled table kernels,
-# indexer/_probe.c, and hash chain, indexer/_chain.c) and every dependency's wheel on the
+# indexer/memory/_probe.c, and hash chain, indexer/_chain.c) and every dependency's wheel on the
 # full Python image, which has a C compiler and libssl-dev (buildpack-deps); the final
 # stage installs them offline on the slim image of the same Python and Debian release,
 # whose libssl3 (Python's ssl module needs it) the hash chain links against, so no

@@ -1,7 +1,7 @@
 """kvindex's HTTP API as typed Python calls, sync (:class:`Client`) and async
 (:class:`AsyncClient`).
 
-The request and answer types are the server's own (:mod:`kvindex.api.schemas`), so a
+The request and answer types are the server's own (:mod:`kvindex.api.http.schemas`), so a
 client and a server of the same version cannot disagree on a field. The client adds a
 timeout on every call; bounded retries with backoff and jitter for failures another
 attempt can cure (no connection, a timeout, 502/503/504, 429 ``too_many_requests``),
@@ -27,7 +27,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from kvindex.api.schemas import (
+from kvindex.api.http.schemas import (
     ErrorBody,
     RouteDone,
     RouteRequest,

@@ -286,4 +286,4 @@ def _kvindex_command() -> str:
     program = sys.argv[0]
     if Path(program).name == "kvindex":
         return shlex.quote(program)
-    return f"{shlex.quote(sys.executable)} -m kvindex.api.cli"
+    return f"{shlex.quote(sys.executable)} -m kvindex.api.serve.cli"

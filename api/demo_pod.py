@@ -3,7 +3,7 @@ on loopback, with no GPU and no model.
 
 The events are the real thing: each prompt the pod "computes" is hashed into blocks as
 vLLM hashes them (:class:`kvindex.indexer.keys.BlockHasher`), and each block not cached
-yet is published as vLLM 0.33 publishes it (:class:`kvindex.events.publisher.EnginePublisher`).
+yet is published as vLLM 0.33 publishes it (:class:`kvindex.events.wire.publisher.EnginePublisher`).
 The cache only grows, so a prefix once computed stays a hit. The HTTP side is what the
 gateway and the load scraper need from a pod: ``POST /v1/completions`` (token-id prompts
 computed and cached; text prompts and ``/v1/chat/completions`` answered uncached: no
@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 
 #: vLLM 0.33 labels every event with its tier; a GPU pool's is "GPU".

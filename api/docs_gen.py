@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 
-from kvindex.api.errors import _STATUS, DESCRIPTIONS
-from kvindex.api.settings_load import LEAVES, Leaf
+from kvindex.api.http.errors import _STATUS, DESCRIPTIONS
+from kvindex.api.serve.settings_sources import LEAVES, Leaf
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 COMMAND = "python -m kvindex.api.docs_gen"
@@ -163,7 +163,7 @@ def _default(leaf: Leaf) -> str:
 
 def configuration_page() -> str:
     """One row per setting of the tree: flag, variable, file key, default, meaning."""
-    out = [HEADER.format(command=COMMAND, source="the settings tree (`api/settings.py`)")]
+    out = [HEADER.format(command=COMMAND, source="the settings tree (`api/serve/settings.py`)")]
     out += [
         "# Configuration reference",
         "",
@@ -199,9 +199,9 @@ def openapi_document() -> dict[str, Any]:
     # Imported here: the configuration page, and --help, need none of the app.
     from fastapi.testclient import TestClient
 
-    from kvindex.api.app import create_http
-    from kvindex.api.service import Service
-    from kvindex.api.settings_load import from_flags
+    from kvindex.api.http.app import create_http
+    from kvindex.api.serve.service import Service
+    from kvindex.api.serve.settings_sources import from_flags
 
     service = Service(from_flags(gateway_enabled=True))
     try:

@@ -21,8 +21,8 @@ from types import TracebackType
 
 import httpx
 
-from kvindex.events.endpoints import from_source
-from kvindex.events.publisher import EnginePublisher
+from kvindex.events.wire.endpoints import from_source
+from kvindex.events.wire.publisher import EnginePublisher
 
 
 def free_port() -> int:
@@ -35,7 +35,7 @@ def free_port() -> int:
 class ServeProcess:
     """One ``kvindex serve`` listening on ``127.0.0.1:<port>`` (``url``).
 
-    ``flags`` follow ``--listen``; ``command`` replaces ``python -m kvindex.api.cli serve``
+    ``flags`` follow ``--listen``; ``command`` replaces ``python -m kvindex.api.serve.cli serve``
     (e.g. an installed ``kvindex`` entry point, or a container's exact command line, with
     ``listen_flag=False`` when the listen address comes from ``KVINDEX_LISTEN``).
     """
@@ -52,7 +52,7 @@ class ServeProcess:
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = list(command or [sys.executable, "-m", "kvindex.api.cli", "serve"])
+        argv = list(command or [sys.executable, "-m", "kvindex.api.serve.cli", "serve"])
         if listen_flag:
             argv += ["--listen", f"127.0.0.1:{self.port}"]
         argv += flags

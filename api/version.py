@@ -6,9 +6,11 @@ is the commit that sets it, tagged ``v<version>`` (CHANGELOG.md says how)."""
 
 from __future__ import annotations
 
-from kvindex.api.json_tokens import implementation as token_reader
-from kvindex.indexer.compiled import describe
-from kvindex.scoring.route_pass import implementation as route_loop
+from kvindex.api.http.json_tokens import implementation as token_reader
+from kvindex.events.ingest.drain import implementation as receive
+from kvindex.events.wire.scanned import implementation as payloads
+from kvindex.indexer import compiled
+from kvindex.scoring.route.one_pass import implementation as route_loop
 
 __version__ = "0.1.0"
 VERSION = __version__
@@ -16,8 +18,13 @@ VERSION = __version__
 
 def implementations() -> str:
     """Which implementations this process runs, as ``kvindex --version`` and the startup
-    line say it: the memory table, the hashing and the KV-event payload reader
-    (:func:`kvindex.indexer.compiled.describe`), how a JSON body's token ids are read
-    (:func:`kvindex.api.json_tokens.implementation`) and /route's candidate loop
-    (:func:`kvindex.scoring.route_pass.implementation`)."""
-    return f"{describe()}, {token_reader()} token_ids, {route_loop()} route loop"
+    line say it: the memory table and the hashing (:mod:`kvindex.indexer.compiled`), the
+    KV-event payload reader and receive (:mod:`kvindex.events.wire.scanned`,
+    :mod:`kvindex.events.ingest.drain`), how a JSON body's token ids are read
+    (:mod:`kvindex.api.http.json_tokens`) and /route's candidate loop
+    (:mod:`kvindex.scoring.route.one_pass`)."""
+    return (
+        f"{compiled.implementation()} table, {compiled.hashing()} hashing, "
+        f"{payloads()} payloads, {receive()} receive, "
+        f"{token_reader()} token_ids, {route_loop()} route loop"
+    )

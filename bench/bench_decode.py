@@ -6,9 +6,9 @@ BlockStored events of 32 blocks of 16 tokens, with token ids, as vLLM sends them
 in the array layout (vLLM <= 0.23) and the map layout (vLLM >= 0.24). Also shown: the
 receiver's envelope peek (rank and ts, events skipped) and a decode whose first layout
 guess is wrong (what a stream pays once, when its engine is upgraded), and the compiled
-scanner (``events/_wire_scan.c``: hashes as one uint64 buffer, token ids skipped),
+scanner (``events/wire/_wire_scan.c``: hashes as one uint64 buffer, token ids skipped),
 which is what the receiver runs when it is built. Last, an SGLang 0.5.23 batch (map
-events, signed int64 hashes, ``session_id``) through ``events/sglang.py``'s decoder,
+events, signed int64 hashes, ``session_id``) through ``events/wire/sglang.py``'s decoder,
 which every batch of a model with SGLang pods takes (decode and normalisation to vLLM's
 structs; no compiled scanner).
 
@@ -24,9 +24,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvindex.events import BatchDecoder, BlockStored, Layout, scanned, wire_format
-from kvindex.events.sglang import SglangBatchDecoder
-from kvindex.events.wire import EnvelopeDecoder
+from kvindex.events.wire import scanned
+from kvindex.events.wire.layouts import wire_format
+from kvindex.events.wire.sglang import SglangBatchDecoder
+from kvindex.events.wire.vllm import BatchDecoder, BlockStored, EnvelopeDecoder, Layout
 
 BLOCKS_PER_EVENT = 32
 BLOCK_SIZE = 16

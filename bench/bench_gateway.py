@@ -114,12 +114,13 @@ def _serve_hop(argv: list[str]) -> int:
 
     from prometheus_client import CollectorRegistry
 
-    from kvindex.api.gateway import Gateway, GatewayApp
+    from kvindex.api.gateway.app import Gateway
+    from kvindex.api.gateway.asgi import GatewayApp
     from kvindex.api.gateway.routes import RouteSource
-    from kvindex.api.schemas import RouteRequest, RouteResponse
-    from kvindex.api.server import bind, serve
-    from kvindex.api.settings import Settings
-    from kvindex.scoring.tokenize import TokenizerRegistry
+    from kvindex.api.http.schemas import RouteRequest, RouteResponse
+    from kvindex.api.http.server import bind, serve
+    from kvindex.api.serve.settings import Settings
+    from kvindex.scoring.prompt.tokenize import TokenizerRegistry
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--serve-hop", action="store_true")
@@ -188,8 +189,8 @@ def _wait_up(url: str, timeout_s: float = 20.0) -> None:
 
 
 def _publish(endpoint: str, pod: str, prompt: list[int]) -> None:
-    from kvindex.events.publisher import EnginePublisher
-    from kvindex.events.wire import BlockStored
+    from kvindex.events.wire.publisher import EnginePublisher
+    from kvindex.events.wire.vllm import BlockStored
     from kvindex.indexer.keys import BlockHasher, HashConfig
 
     keys = BlockHasher(HashConfig(block_size=BLOCK)).keys(prompt)
@@ -356,7 +357,14 @@ def main() -> int:
             # Both pods known to the index (pod B by a block of its own) and scraped.
             _publish(endpoint, pod_ids[1], list(range(50, 50 + BLOCK)))
         if args.remote:
-            command = [sys.executable, "-m", "kvindex.api.cli", "gateway", "--index", server.url]
+            command = [
+                sys.executable,
+                "-m",
+                "kvindex.api.serve.cli",
+                "gateway",
+                "--index",
+                server.url,
+            ]
             remote = ServeProcess("--log-level", "warning", command=command, env={**os.environ})
             stack.callback(remote.stop)
             remote.wait_ready(30.0, path="/health")

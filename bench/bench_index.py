@@ -1,4 +1,4 @@
-"""Benchmark of the in-memory block index (indexer/memory.py). Prints figures; asserts
+"""Benchmark of the in-memory block index (indexer/memory/backend.py). Prints figures; asserts
 nothing.
 
     python bench/bench_index.py            # full sizes (about a minute)
@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvindex.indexer.backend import Change, Op, Tier
-from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.shared_index import SharedIndexReader, SharedIndexWriter
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.memory.shared_index import SharedIndexReader, SharedIndexWriter
 
 MODEL = "bench-model"
 TIERED = "bench-model-tiered"

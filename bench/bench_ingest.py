@@ -23,14 +23,14 @@ import time
 import numpy as np
 
 from kvindex.api.testing import free_port
-from kvindex.events import scanned
-from kvindex.events.config import SubscriberConfig
-from kvindex.events.layouts import wire_format
-from kvindex.events.subscriber import Subscriber
-from kvindex.events.wire import BlockStored
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.wire import scanned
+from kvindex.events.wire.layouts import wire_format
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import ModelCatalog
 from kvindex.indexer.verify import HashVerifier
 

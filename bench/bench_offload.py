@@ -1,10 +1,10 @@
-"""What a thread hop costs /score over the memory backend (api/offload.py). Prints figures.
+"""What a thread hop costs /score over the memory backend (api/http/offload.py). Prints figures.
 
     python bench/bench_offload.py            # about ten seconds
     python bench/bench_offload.py --quick
 
 The index work of one /score (``Scorer.score_keys``: a 512-block chain across 64 pods,
-the bench_index profile) run through :class:`kvindex.api.offload.IndexWork` from an
+the bench_index profile) run through :class:`kvindex.api.http.offload.IndexWork` from an
 asyncio loop, inline (as the memory backend does) and on its 8 threads (as the Redis
 backend does), side by side in interleaved rounds: one caller (latency) and 16
 concurrent callers (throughput). The memory backend's lookup holds the GIL, so threads
@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 
-from kvindex.api.offload import IndexWork
+from kvindex.api.http.offload import IndexWork
 from kvindex.indexer.backend import Change, Op, Tier
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import ModelCatalog
 from kvindex.scoring.scorer import Scorer
 

@@ -1,4 +1,4 @@
-"""Benchmark of the Redis backend (indexer/redis_backend.py): figures, and issue 13's target.
+"""Benchmark of the Redis backend (indexer/redis/backend.py): figures, and issue 13's target.
 
     python bench/bench_redis.py                  # a private redis-server on a free port
     python bench/bench_redis.py --quick          # small sizes, a few seconds
@@ -14,12 +14,12 @@ The figures, each with the workload it was measured on:
   after, divided by the entries added, for two sharing profiles;
 * lookup in-process for a 512-block chain (an 8,192-token prompt) across 64 pods: the
   backend's reads (one MULTI/EXEC of HMGETs, the walk in the client), compiled
-  (indexer/_redis_lookup.c), with hiredis and numpy, and without hiredis, against
+  (indexer/redis/_redis_lookup.c), with hiredis and numpy, and without hiredis, against
   redis-py pipelines of one HGET per block; per lookup the latency, the
   client's CPU, Redis's busy time (``INFO commandstats``) and Redis's CPU (``INFO cpu``);
 * how to keep lookups off the event loop (issue 13, ``bench/bench_redis_offload.py``):
   16 concurrent callers on one asyncio loop, the CPU of the hop to a thread and back
-  (api/offload.py's IndexWork against a ThreadPoolExecutor), and the lookup run inline
+  (api/http/offload.py's IndexWork against a ThreadPoolExecutor), and the lookup run inline
   or through either;
 * ``/score`` over HTTP and issue 13's Redis target (``bench/bench_redis_http.py``):
   requests/s with 16 clients and p50 with one, ``token_ids`` and ``block_hashes``
@@ -71,8 +71,8 @@ except ModuleNotFoundError:  # imported as bench.bench_redis
 from kvindex.api.testing import free_port
 from kvindex.indexer.backend import Change, MemberMatch, Op, Tier
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from kvindex.indexer.redis_backend import RedisBackend, pack_keys
-from kvindex.indexer.redis_conn import RedisConnection, RedisOptions
+from kvindex.indexer.redis.backend import RedisBackend, pack_keys
+from kvindex.indexer.redis.connection import RedisConnection, RedisOptions
 
 MODEL = "bench/model"
 EVENT_BLOCKS = 32  # blocks per BlockStored (one scheduler step of a busy pod)

@@ -26,7 +26,7 @@ import redis
 
 from kvindex.api.testing import ServeProcess
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from kvindex.indexer.redis_conn import RedisOptions
+from kvindex.indexer.redis.connection import RedisOptions
 
 MODEL = "bench/model"
 PROMPT_TOKENS = 8192

@@ -5,7 +5,7 @@ round so a change in the machine's load hits each alike:
 
 * **hop**: the CPU one call costs the process (``time.process_time``, every thread) for
   work that does nothing: the price of leaving the loop and coming back. IndexWork
-  (api/offload.py: a SimpleQueue and ``call_soon_threadsafe``) against what it replaced,
+  (api/http/offload.py: a SimpleQueue and ``call_soon_threadsafe``) against what it replaced,
   a ``ThreadPoolExecutor`` awaited through ``asyncio.wrap_future``;
 * **lookups**: the 512-block lookup itself, inline on the loop (what a hung Redis would
   stall), through IndexWork, and through the executor: lookups/s and CPU per lookup.
@@ -20,9 +20,9 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvindex.api.offload import THREADS, IndexWork
+from kvindex.api.http.offload import THREADS, IndexWork
 from kvindex.indexer.backend import MemberMatch
-from kvindex.indexer.redis_backend import RedisBackend
+from kvindex.indexer.redis.backend import RedisBackend
 
 CALLERS, ROUNDS = 16, 5
 MODEL = "bench/model"

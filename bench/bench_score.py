@@ -116,9 +116,9 @@ def _hosts() -> list[str]:
 
 
 def _fill(zmq_endpoint: str, url: str, prompt: list[int]) -> None:
-    from kvindex.events.endpoints import from_source
-    from kvindex.events.publisher import EnginePublisher
-    from kvindex.events.wire import BlockStored
+    from kvindex.events.wire.endpoints import from_source
+    from kvindex.events.wire.publisher import EnginePublisher
+    from kvindex.events.wire.vllm import BlockStored
     from kvindex.indexer.keys import BlockHasher, HashConfig
 
     keys = BlockHasher(HashConfig(block_size=BLOCK)).keys(prompt)

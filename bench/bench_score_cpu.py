@@ -11,7 +11,7 @@ directly rather than over ZMQ, and no server runs. Each request is answered thre
 on uvloop as ``kvindex serve`` runs:
 
 * ``lane``: the request's bytes fed to ``kvindex serve``'s own protocol (uvicorn's
-  httptools protocol with the lane of ``api/hot_lane.py``) over an in-memory transport:
+  httptools protocol with the lane of ``api/http/hot_lane.py``) over an in-memory transport:
   what the server's event loop does per request, less the socket calls;
 * ``uvicorn+ASGI``: the same bytes to uvicorn's protocol without the lane (as before the
   lane: the hot paths answered by the ASGI app, through an ASGI task);
@@ -49,11 +49,11 @@ import uvicorn
 import uvloop
 from uvicorn.server import ServerState
 
-from kvindex.api.app import Http, create_http
-from kvindex.api.header_deadline import header_deadline_protocol
-from kvindex.api.hot_lane import lane_protocol
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import Http, create_http
+from kvindex.api.http.header_deadline import header_deadline_protocol
+from kvindex.api.http.hot_lane import lane_protocol
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.indexer.backend import Change, Op, Tier
 from kvindex.indexer.compiled import implementation
 from kvindex.indexer.keys import BlockHasher, HashConfig

@@ -7,7 +7,7 @@ same machine. Four arms, each with all 16 clients from one generator process:
 
 * ``kvindex, 1 process``: ``kvindex serve``;
 * ``kvindex --processes 2``: the primary and one serving worker over the shared index
-  (``api/workers.py``), the kernel spreading the 16 connections over both;
+  (``api/serve/worker_pool.py``), the kernel spreading the 16 connections over both;
 * ``2 replicas (bound)``: two complete ``kvindex serve`` replicas, each its own index
   from the same events, 8 clients each: what serving workers could win at most (a
   worker does a replica's work per query, plus reading a table another process writes);

@@ -28,13 +28,13 @@ import httpx
 import numpy as np
 
 from kvindex.api.testing import ServeProcess, free_port
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.backend import Change, Op, Tier
 from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.memory.snapshot import SnapshotGate, Snapshotter
 from kvindex.indexer.models import ModelCatalog
-from kvindex.indexer.snapshot import SnapshotGate, Snapshotter
 
 MODEL = "bench/model"
 EVENTS_PER_BATCH = 8

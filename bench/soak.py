@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvindex.api.testing import ServeProcess, free_port
-from kvindex.events.endpoints import from_source
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvindex.events.wire.endpoints import from_source
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 
 MODEL = "soak/model"

@@ -368,7 +368,7 @@ static inline int fast_fits(Py_ssize_t parent_len, Py_ssize_t size, Py_ssize_t l
 static inline unsigned char *ints_at(unsigned char *p, const Tokens *t, Py_ssize_t from,
                                      Py_ssize_t n) {
     if (t->items == NULL && t->itemsize == 4 && !t->is_signed) {
-        /* uint32 token ids (a binary body, or JSON ids read by api/_json_tokens.c):
+        /* uint32 token ids (a binary body, or JSON ids read by api/http/_json_tokens.c):
          * read straight, no per-token dispatch on the source's kind */
         const unsigned char *src = (const unsigned char *)t->raw + 4 * from;
         for (Py_ssize_t i = 0; i < n; i++) {

@@ -1,15 +1,15 @@
 """Which implementations run: compiled or pure Python, for the table and for hashing.
 
-``kvindex.indexer._probe`` (indexer/_probe.c: the memory table's probing, update, walk
+``kvindex.indexer.memory._probe`` (indexer/memory/_probe.c: the memory table's probing, update, walk
 and rebuild kernels) and ``kvindex.indexer._chain`` (indexer/_chain.c: vLLM's block-hash
 chain, SHA-256 from OpenSSL's libcrypto) are built by ``pip install`` when a C compiler
 (and, for the chain, OpenSSL's headers) is present, and skipped otherwise (setup.py marks
 them optional). Each gives the same answers as its pure path, which stays the reference
 (bench/README.md has the speed-ups).
 
-``kvindex --version`` and the startup line say which ones run, which payload reader
-(events/_wire_scan.c or msgspec) and which receive (the compiled drain straight from
-libzmq, or pyzmq). Tests run both paths (``tests/test_memory_table_paths.py``,
+``kvindex --version`` and the startup line say which ones run
+(:func:`kvindex.api.version.implementations`). Tests run both paths
+(``tests/test_memory_table_paths.py``,
 ``tests/test_keys_compiled.py``) by swapping :data:`probe` or :data:`chain` for None.
 """
 
@@ -17,11 +17,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from kvindex.events.drain import implementation as receive
-from kvindex.events.scanned import implementation as payloads
-
 try:
-    from kvindex.indexer import _probe as _compiled
+    from kvindex.indexer.memory import _probe as _compiled
 except ImportError:  # built without a compiler: the numpy path runs
     _compiled = None
 try:
@@ -43,13 +40,3 @@ def implementation() -> str:
 def hashing() -> str:
     """``"compiled"`` or ``"python"``: the block-hash path this process runs."""
     return "compiled" if chain is not None else "python"
-
-
-def describe() -> str:
-    """The table, the hashing, the KV-event payload reader
-    (:func:`kvindex.events.scanned.implementation`) and how messages are received
-    (:func:`kvindex.events.drain.implementation`), as ``--version`` and the startup line
-    print them."""
-    return (
-        f"{implementation()} table, {hashing()} hashing, {payloads()} payloads, {receive()} receive"
-    )

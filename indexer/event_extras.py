@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import MmFeature
 
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from kvindex.events.identity import StreamId
-from kvindex.events.runs import CLEARED, STORED, event_at, runs_of
-from kvindex.events.sink import Delivery
-from kvindex.events.wire import (
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.runs import CLEARED, STORED, event_at, runs_of
+from kvindex.events.wire.vllm import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -175,7 +175,7 @@ class Ingestor:
             self.layouts.learn(str(model), int(idx), str(kind), window, int(block_size))
 
     def _changes_for(self, delivery: Delivery, changes: ChangeList) -> None:
-        """The batch's changes, a run of like events at a time (:mod:`kvindex.events.runs`):
+        """The batch's changes, a run of like events at a time (:mod:`kvindex.events.wire.runs`):
         its hashes go to the backend as one ``uint64`` buffer, never as Python ints."""
         member = delivery.stream.member
         model = delivery.model

@@ -37,7 +37,7 @@ class Engine(enum.StrEnum):
 
     ``vllm``: hashes kvindex reproduces (``key_mode: engine`` works). ``sglang``: signed,
     opaque hashes (a SHA-256 page chain kvindex does not recompute) and its own event
-    layouts (:mod:`kvindex.events.sglang`). ``trtllm``: TensorRT-LLM's streaming events,
+    layouts (:mod:`kvindex.events.wire.sglang`). ``trtllm``: TensorRT-LLM's streaming events,
     vLLM's format (decoded as vLLM's) with hashes of its own block manager. Any engine but
     vLLM needs ``key_mode: tokens``, which is what lets pods of different engines share
     one model's keys.

@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from kvindex.events.identity import member_pod
-from kvindex.events.status import StreamStatus
+from kvindex.events.ingest.status import StreamStatus
+from kvindex.events.wire.identity import member_pod
 from kvindex.indexer.backend import IndexBackend, MemberStats, Tier
 from kvindex.indexer.verify import CheckState, HashVerifier
 
@@ -336,7 +336,7 @@ class PodDirectory:
         step (catching up, being verified, gapped, incomplete, resyncing) or of a mark (a
         restored snapshot not heard since), or :data:`HASH_MISMATCH` when its block
         hashes do not match. What a doubt costs the pod is the router's rule
-        (``kvindex.scoring.doubt``). ``pods`` None: every pod."""
+        (``kvindex.scoring.route.doubt``). ``pods`` None: every pod."""
         wanted = None if pods is None else set(pods)
         doubts: dict[str, tuple[str, str]] = {}
         marks = self._marks()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvindex.events.wire import BlockStored, DecodeError, hash_to_int, tokens_of
+from kvindex.events.wire.vllm import BlockStored, DecodeError, hash_to_int, tokens_of
 from kvindex.indexer.event_extras import read_event_extras
 from kvindex.indexer.keys import (
     BlockExtras,

@@ -30,7 +30,7 @@ from kvindex.scoring.load_metrics import (
     parse_start_time,
     totals,
 )
-from kvindex.scoring.outlier import Outcome, OutlierDetector
+from kvindex.scoring.route.outlier import Outcome, OutlierDetector
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ _MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any vLLM metrics page: a bound, n
 
 class PodLoad(msgspec.Struct, frozen=True, gc=False):
     """A pod's load as of its last good scrape (kvindex's own in-flight routes are the
-    ledger's: :class:`kvindex.scoring.inflight.InFlightLedger`)."""
+    ledger's: :class:`kvindex.scoring.route.inflight.InFlightLedger`)."""
 
     pod: str
     running: int

@@ -55,7 +55,7 @@ class PodScore(msgspec.Struct, gc=False):
     score: Annotated[
         float, msgspec.Meta(description="The matched blocks weighted by tier (tier_weights).")
     ]
-    # (:mod:`kvindex.scoring.speculative`)
+    # (:mod:`kvindex.scoring.route.speculative`)
     speculative_blocks: Annotated[
         int,
         msgspec.Meta(

@@ -36,8 +36,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from bench.sim.pool import BlockPool
-from kvindex.api.server import bind
-from kvindex.events.publisher import EnginePublisher
+from kvindex.api.http.server import bind
+from kvindex.events.wire.publisher import EnginePublisher
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from tests.test_load import DP1_IDLE, with_values
 

@@ -28,7 +28,7 @@ import threading
 import time
 
 from bench.sim.pool import BlockPool
-from kvindex.events.publisher import EnginePublisher
+from kvindex.events.wire.publisher import EnginePublisher
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from tests.test_load import DP1_IDLE, with_values
 

@@ -1,4 +1,4 @@
-"""``kvindex serve``'s HTTP server (uvicorn with the lane of ``api/hot_lane.py``) in a
+"""``kvindex serve``'s HTTP server (uvicorn with the lane of ``api/http/hot_lane.py``) in a
 thread of the test process, and a raw HTTP/1.1 client for it: the lane tests send bytes
 the way clients do (pipelined, chunked, HTTP/1.0, ``Expect``) and read answers as bytes.
 """
@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvindex.api.app import create_http
-from kvindex.api.server import bind, server
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
-from kvindex.events.testing import wait_until
+from kvindex.api.http.app import create_http
+from kvindex.api.http.server import bind, server
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
+from kvindex.events.ingest.testing import wait_until
 
 
 @dataclass

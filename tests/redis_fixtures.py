@@ -24,7 +24,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from kvindex.api.testing import free_port
-from kvindex.indexer.redis_backend import RedisBackend
+from kvindex.indexer.redis.backend import RedisBackend
 
 REDIS_URL = os.environ.get("KVTEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 _STARTUP_S = 10.0

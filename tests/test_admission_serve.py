@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from kvindex.api.testing import ServeProcess, eventually, free_port, publisher_into
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 
 pytestmark = pytest.mark.slow

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from kvindex.api.app import create_app
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import free_port
-from kvindex.events.endpoints import from_source
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.testing import wait_until
-from kvindex.events.wire import BlockStored
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire.endpoints import from_source
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 
 TOKENS = list(range(1, 16 * 64 + 1))
@@ -244,9 +244,9 @@ def test_readyz_reports_a_stopped_subscriber() -> None:
 
 
 def test_stream_queue_flag_and_environment() -> None:
-    from kvindex.api.cli import _settings_from, build_parser
-    from kvindex.api.config import ConfigError
-    from kvindex.events import SubscriberConfig
+    from kvindex.api.serve.cli import _settings_from, build_parser
+    from kvindex.api.serve.settings_derived import ConfigError
+    from kvindex.events.ingest.config import SubscriberConfig
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--stream-queue", "100"])

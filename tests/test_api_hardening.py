@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from kvindex.api.app import create_app
-from kvindex.api.config import ConfigError, admin_token
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_derived import ConfigError, admin_token
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import ServeProcess
-from kvindex.events.identity import IdentityError, normalize_pod
+from kvindex.events.wire.identity import IdentityError, normalize_pod
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from kvindex.indexer.backend import (
     Op,
     Tier,
 )
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from tests.redis_fixtures import cluster_backend_factory, redis_backend_factory
 
 BackendFactory = Callable[[pytest.FixtureRequest], IndexBackend]

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from kvindex.scoring.chat_template import ChatTemplateError
-from kvindex.scoring.conversation import (
+from kvindex.scoring.prompt.chat_template import ChatTemplateError
+from kvindex.scoring.prompt.conversation import (
     conversation,
     detect_content_format,
     vllm_tools,
 )
-from kvindex.scoring.tokenize import ChatOptions, ModelTokenizer
+from kvindex.scoring.prompt.tokenize import ChatOptions, ModelTokenizer
 from tests.chat_models import FAMILIES, model_directory
 from tests.support.reference import transformers
 

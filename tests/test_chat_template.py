@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.scoring.chat_template import (
+from kvindex.scoring.prompt.chat_template import (
     ChatTemplateError,
     Untokenizable,
     load_chat_templates,

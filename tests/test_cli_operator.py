@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from kvindex.api import cli
-from kvindex.api.app import create_app
-from kvindex.api.config import ConfigError
-from kvindex.api.health import BackendHealthLog
-from kvindex.api.service import Service
-from kvindex.api.settings import SECTIONS
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.serve import cli
+from kvindex.api.serve.health import BackendHealthLog
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings import SECTIONS
+from kvindex.api.serve.settings_derived import ConfigError
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import ServeProcess, free_port
 from kvindex.api.version import VERSION, implementations
-from kvindex.indexer.redis_backend import RedisBackend
+from kvindex.indexer.redis.backend import RedisBackend
 from tests.redis_fixtures import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     """``kvindex ARGS`` as a child process; bounded (a server that started is a failure)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVINDEX_")}
     return subprocess.run(
-        [sys.executable, "-m", "kvindex.api.cli", *args],
+        [sys.executable, "-m", "kvindex.api.serve.cli", *args],
         env={**clean, **(env or {})},
         capture_output=True,
         text=True,
@@ -201,7 +201,7 @@ def test_redis_outage_is_logged_once_at_start_and_once_at_end(
     server = RedisServer(tmp_path / "redis", appendonly=False)
     backend = RedisBackend.from_url(server.url, prefix="kvtest-health")
     health = BackendHealthLog(backend)
-    caplog.set_level(logging.WARNING, logger="kvindex.api.health")
+    caplog.set_level(logging.WARNING, logger="kvindex.api.serve.health")
     try:
         health.start()  # nothing listens yet: said once at startup
         health.stop()

@@ -23,11 +23,11 @@ from kvindex.api.client import (
     Retries,
     Unreachable,
 )
-from kvindex.api.schemas import RouteRequest, RouteResponse
+from kvindex.api.http.schemas import RouteRequest, RouteResponse
 from kvindex.api.testing import ServeProcess, free_port
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.testing import wait_until
-from kvindex.events.wire import BlockStored
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 
 MODEL = "acme/client-7b"
@@ -174,7 +174,16 @@ def test_retries_are_validated() -> None:
 
 def test_the_cli_scores_through_the_client(served: str) -> None:
     tokens = ",".join(map(str, TOKENS))
-    argv = [sys.executable, "-m", "kvindex.api.cli", "score", "--url", served, "--model", MODEL]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvindex.api.serve.cli",
+        "score",
+        "--url",
+        served,
+        "--model",
+        MODEL,
+    ]
     shown = subprocess.run(
         [*argv, "--tokens", tokens, "--pod", POD_A, "--json"],
         capture_output=True, text=True, timeout=60,

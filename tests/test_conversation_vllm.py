@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvindex.scoring.chat_template import ChatTemplateError, load_chat_templates
-from kvindex.scoring.conversation import conversation, detect_content_format
+from kvindex.scoring.prompt.chat_template import ChatTemplateError, load_chat_templates
+from kvindex.scoring.prompt.conversation import conversation, detect_content_format
 from tests.chat_models import FAMILIES, FIXTURES
 from tests.support.vllm import vllm_python
 

@@ -34,7 +34,9 @@ class Demo:
     """``kvindex demo --port PORT`` as a child process, its stdout read line by line."""
 
     def __init__(self, port: int) -> None:
-        command = [str(KVINDEX)] if KVINDEX.exists() else [sys.executable, "-m", "kvindex.api.cli"]
+        command = (
+            [str(KVINDEX)] if KVINDEX.exists() else [sys.executable, "-m", "kvindex.api.serve.cli"]
+        )
         # Alone, as on a new user's machine: no KVINDEX_* setting of this one's.
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVINDEX_")}
         self.started = time.monotonic()

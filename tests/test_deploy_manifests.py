@@ -22,13 +22,13 @@ from typing import Any
 import httpx
 import pytest
 
-from kvindex.api.cli import build_parser
-from kvindex.api.settings_load import from_flags
+from kvindex.api.serve.cli import build_parser
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import ServeProcess, free_port
-from kvindex.events.identity import parse_topic
-from kvindex.events.k8s_pods import DiscoveryConfig, PodFacts, plan_pod
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockRemoved, BlockStored
+from kvindex.events.discovery.pods import DiscoveryConfig, PodFacts, plan_pod
+from kvindex.events.wire.identity import parse_topic
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockRemoved, BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from tests.support.lazy import LazyModule
 
@@ -285,7 +285,7 @@ def test_every_kvindex_env_var_is_a_serve_flag() -> None:
     flags.add("KVINDEX_ADMIN_TOKEN")  # environment only: a flag would show in cmdline
     used = set(env_of(container())).union(*(patched_env(o) for o in ("bind", "redis", "gateway")))
     unknown = used - flags
-    # The discovery flags are added to the CLI alongside events/discovery.py.
+    # The discovery flags are added to the CLI alongside events/discovery/kubernetes.py.
     if unknown and all(name.startswith("KVINDEX_K8S_") for name in unknown):
         pytest.skip(f"the CLI does not have the discovery flags yet: {sorted(unknown)}")
     assert not unknown, f"env vars kvindex serve does not read: {sorted(unknown)}"
@@ -683,8 +683,8 @@ def redis_only_series() -> dict[str, set[str]]:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvindex.api.service import Service
-    from kvindex.api.settings_load import from_flags
+    from kvindex.api.serve.service import Service
+    from kvindex.api.serve.settings_sources import from_flags
     from tests.redis_fixtures import REDIS_URL
 
     service = Service(from_flags(backend=REDIS_URL, redis_prefix="kvtest-manifests"))

@@ -223,7 +223,7 @@ def test_the_image_can_tokenize_and_the_manifests_name_its_tokenizers(stages) ->
 def test_the_tokenizer_stage_fetches_each_models_files_from_the_hub(stages, tmp_path) -> None:
     """The download stage's RUN, verbatim but for the Hub's address: a loopback server
     laid out as the Hub's ``<model>/resolve/<revision>/<file>``."""
-    from kvindex.scoring.tokenize import TokenizerRegistry
+    from kvindex.scoring.prompt.tokenize import TokenizerRegistry
     from tests.test_api import make_tokenizer
 
     if not shutil.which("curl"):

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from kvindex.api import docs_gen
-from kvindex.api.cli import build_parser
-from kvindex.api.settings_load import decode_settings
+from kvindex.api.serve.cli import build_parser
+from kvindex.api.serve.settings_sources import decode_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

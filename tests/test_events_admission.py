@@ -13,16 +13,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvindex.events import (
-    AllBlocksCleared,
-    BlockStored,
-    EnginePublisher,
-    StreamId,
-    Subscriber,
-    SubscriberConfig,
-    make_topic,
-)
-from kvindex.events.admission import (
+from kvindex.events.discovery.known_pods import KnownPods
+from kvindex.events.ingest.admission import (
     MODEL_CAP,
     SENDER_MISMATCH,
     SENDER_STREAM_CAP,
@@ -35,9 +27,13 @@ from kvindex.events.admission import (
     sender_problem,
     stream_cap_problem,
 )
-from kvindex.events.endpoints import from_source
-from kvindex.events.known_pods import KnownPods
-from kvindex.events.testing import RecordingSink, wait_until
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink, wait_until
+from kvindex.events.wire.endpoints import from_source
+from kvindex.events.wire.identity import StreamId, make_topic
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import AllBlocksCleared, BlockStored
 
 NOBODY = Allowlist()
 

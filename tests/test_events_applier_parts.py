@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from kvindex.events.identity import StreamId
-from kvindex.events.inbox import Lane
-from kvindex.events.ratelog import RateLimitedLog
-from kvindex.events.resync import PendingResets
-from kvindex.events.status import ReasonCounts
-from kvindex.events.stream import Stream
-from kvindex.events.stream_table import StreamTable
-from kvindex.events.testing import RecordingSink
+from kvindex.events.ingest.inbox import Lane
+from kvindex.events.ingest.ratelog import RateLimitedLog
+from kvindex.events.ingest.sink_resets import PendingResets
+from kvindex.events.ingest.status import ReasonCounts
+from kvindex.events.ingest.stream import Stream
+from kvindex.events.ingest.stream_table import StreamTable
+from kvindex.events.ingest.testing import RecordingSink
+from kvindex.events.wire.identity import StreamId
 
 A, B = StreamId("10.0.0.1:8000"), StreamId("10.0.0.2:8000")
 

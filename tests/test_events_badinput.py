@@ -15,21 +15,21 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvindex.events import (
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.door import Arrival, Door, Source
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink, wait_until
+from kvindex.events.wire.endpoints import PodEndpoint
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import (
+    MAX_HASHES_PER_EVENT,
     AllBlocksCleared,
     BatchDecoder,
     BlockRemoved,
     BlockStored,
     DecodeError,
-    EnginePublisher,
     Layout,
-    PodEndpoint,
-    Subscriber,
-    SubscriberConfig,
 )
-from kvindex.events.door import Arrival, Door, Source
-from kvindex.events.testing import RecordingSink, wait_until
-from kvindex.events.wire import MAX_HASHES_PER_EVENT
 
 POD = "127.0.0.1:8000"
 FIELDS = [

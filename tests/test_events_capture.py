@@ -8,18 +8,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvindex.events import (
-    BlockStored,
-    CaptureError,
-    EnginePublisher,
-    Subscriber,
-    SubscriberConfig,
-    make_topic,
-    read_capture,
-    record,
-    replay_capture,
-)
-from kvindex.events.testing import RecordingSink
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink
+from kvindex.events.wire.capture import CaptureError, read_capture, record, replay_capture
+from kvindex.events.wire.identity import make_topic
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 
 POD = "127.0.0.1:8000"
 

@@ -7,8 +7,8 @@ import logging
 import msgspec
 import pytest
 
-from kvindex.events import SubscriberConfig
-from kvindex.events.ratelog import RateLimitedLog
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.ratelog import RateLimitedLog
 
 
 def test_config_defaults_and_decoding() -> None:

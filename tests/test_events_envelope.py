@@ -13,30 +13,27 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvindex.events import (
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink
+from kvindex.events.wire.identity import StreamId, make_topic
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import (
     AllBlocksCleared,
     BatchDecoder,
     BlockRemoved,
     BlockStored,
-    EnginePublisher,
-    Layout,
-    StreamId,
-    Subscriber,
-    SubscriberConfig,
-    make_topic,
-)
-from kvindex.events.sink import Delivery
-from kvindex.events.testing import RecordingSink
-from kvindex.events.wire import (
     DecodeError,
     EnvelopeDecoder,
     EventBatch,
+    Layout,
     NestedTooDeep,
     envelope_is_map,
     tokens_of,
 )
 from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import ModelCatalog
 from kvindex.scoring.scorer import Scorer
 

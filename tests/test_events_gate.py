@@ -9,11 +9,15 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvindex.events import EnginePublisher, PodEndpoint, StreamId, Subscriber, SubscriberConfig
-from kvindex.events.gate import NOT_OWNED, UNKNOWN, Claim, Ownership
-from kvindex.events.recovery import payload_digest
-from kvindex.events.testing import RecordingSink, wait_until
-from kvindex.events.wire import BlockStored
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.gate import NOT_OWNED, UNKNOWN, Claim, Ownership
+from kvindex.events.ingest.recovery import payload_digest
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink, wait_until
+from kvindex.events.wire.endpoints import PodEndpoint
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 
 POD = "127.0.0.1:8000"
 LOOPBACK = "tcp://127.0.0.1:0"

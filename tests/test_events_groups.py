@@ -2,7 +2,7 @@
 them one by one.
 
 Three places join messages: the receiver's compiled drain reads a sender's consecutive
-messages off the socket as one group (``events/_wire_scan_zmq.h``), the applier delivers
+messages off the socket as one group (``events/wire/_wire_scan_zmq.h``), the applier delivers
 a stream's in-order messages of one turn as one delivery (``ScannedBatch.merge``), and
 the inbox counts a group as its messages. Each is checked against the one-by-one
 reference: the merged scan against msgspec's decode of every payload in turn, the drain's
@@ -23,31 +23,32 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.events import (
-    RELEASES,
+from kvindex.events.ingest import drain as drain_module
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.door import Arrival
+from kvindex.events.ingest.inbox import Inbox
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.ingest.status import ReasonCounts
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink, wait_until
+from kvindex.events.wire import scanned as scanned_module
+from kvindex.events.wire.endpoints import PodEndpoint
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.layouts import RELEASES
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.runs import runs_of
+from kvindex.events.wire.scanned import ScannedBatch, scan
+from kvindex.events.wire.vllm import (
     AllBlocksCleared,
     BatchDecoder,
     BlockRemoved,
     BlockStored,
-    Delivery,
-    EnginePublisher,
-    PodEndpoint,
-    Subscriber,
-    SubscriberConfig,
+    DecodedBatch,
+    EventBatch,
 )
-from kvindex.events import drain as drain_module
-from kvindex.events import scanned as scanned_module
-from kvindex.events.door import Arrival
-from kvindex.events.identity import StreamId
-from kvindex.events.inbox import Inbox
-from kvindex.events.runs import runs_of
-from kvindex.events.scanned import ScannedBatch, scan
-from kvindex.events.status import ReasonCounts
-from kvindex.events.testing import RecordingSink, wait_until
-from kvindex.events.wire import DecodedBatch, EventBatch
 
 COMPILED = scanned_module.scanner is not None
-needs_scanner = pytest.mark.skipif(not COMPILED, reason="events/_wire_scan.c is not built")
+needs_scanner = pytest.mark.skipif(not COMPILED, reason="events/wire/_wire_scan.c is not built")
 needs_drain = pytest.mark.skipif(
     drain_module.drain() is None, reason="the compiled drain is not bound to libzmq"
 )
@@ -341,7 +342,7 @@ def test_a_flooding_stream_is_cut_at_its_share_of_the_memory_budget() -> None:
 
 
 def test_the_default_budget_follows_the_memory_the_process_may_use() -> None:
-    from kvindex.events.heap import memory_limit
+    from kvindex.events.ingest.heap import memory_limit
 
     limit = memory_limit()
     assert 0 < limit <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,12 +1,12 @@
 """Memory a burst used goes back to the system once the applier has been idle a moment,
-not between the batches of a burst (events/heap.py; the inbox's default budget, from
+not between the batches of a burst (events/ingest/heap.py; the inbox's default budget, from
 the same module's memory_limit, is checked in test_events_groups.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvindex.events import heap
+from kvindex.events.ingest import heap
 
 
 class Clock:

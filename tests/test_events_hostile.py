@@ -14,18 +14,15 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from kvindex.events import (
-    AllBlocksCleared,
-    BlockStored,
-    EnginePublisher,
-    PodEndpoint,
-    StreamStatus,
-    Subscriber,
-    SubscriberConfig,
-    make_topic,
-)
-from kvindex.events.replay import END_SEQ
-from kvindex.events.testing import RecordingSink, wait_until
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.replay_client import END_SEQ
+from kvindex.events.ingest.status import StreamStatus
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink, wait_until
+from kvindex.events.wire.endpoints import PodEndpoint
+from kvindex.events.wire.identity import make_topic
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import AllBlocksCleared, BlockStored
 
 LOOPBACK = "tcp://127.0.0.1:0"
 POD = "127.0.0.1:8000"

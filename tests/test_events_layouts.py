@@ -5,20 +5,22 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvindex.events import (
+from kvindex.events.wire.layouts import (
     RELEASES,
+    EngineBlockRemoved,
+    EngineBlockStored,
+    parse_version,
+    wire_format,
+)
+from kvindex.events.wire.vllm import (
     AllBlocksCleared,
     BatchDecoder,
     BlockRemoved,
     BlockStored,
-    EngineBlockRemoved,
-    EngineBlockStored,
     Layout,
     hash_to_int,
-    wire_format,
+    tokens_of,
 )
-from kvindex.events.layouts import parse_version
-from kvindex.events.wire import tokens_of
 
 VERSIONS = ["0.9", "0.10.2", "0.14", "0.17", "0.20", "0.22", "0.24", "0.26", "0.29", "0.33"]
 

@@ -6,14 +6,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvindex.events import (
-    BatchDecoder,
-    BlockStored,
-    EnginePublisher,
-    is_bind_endpoint,
-    offset_endpoint_port,
-)
-from kvindex.events.replay import END_SEQ
+from kvindex.events.ingest.replay_client import END_SEQ
+from kvindex.events.wire.endpoints import is_bind_endpoint, offset_endpoint_port
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BatchDecoder, BlockStored
 
 TIMEOUT_MS = 5000
 

@@ -14,9 +14,13 @@ import time
 import zmq
 
 from kvindex.api.testing import free_port
-from kvindex.events import EnginePublisher, PodEndpoint, StreamId, Subscriber, SubscriberConfig
-from kvindex.events.testing import RecordingSink
-from kvindex.events.wire import BlockStored
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink
+from kvindex.events.wire.endpoints import PodEndpoint
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 
 POD = "127.0.0.1:8000"
 

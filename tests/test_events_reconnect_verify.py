@@ -15,16 +15,13 @@ from __future__ import annotations
 import zmq
 
 from kvindex.api.testing import free_port
-from kvindex.events import (
-    BlockStored,
-    EnginePublisher,
-    PodEndpoint,
-    StreamId,
-    Subscriber,
-    SubscriberConfig,
-    make_topic,
-)
-from kvindex.events.testing import RecordingSink, wait_until
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink, wait_until
+from kvindex.events.wire.endpoints import PodEndpoint
+from kvindex.events.wire.identity import StreamId, make_topic
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 
 POD = "127.0.0.1:8000"
 STREAM = StreamId(POD)

@@ -1,5 +1,5 @@
-"""Recovery decisions (events/recovery.py, events/ownership.py, and the stream table's
-eviction choices in events/stream_table.py), without sockets."""
+"""Recovery decisions (events/ingest/recovery.py, events/ingest/ownership.py, and the stream table's
+eviction choices in events/ingest/stream_table.py), without sockets."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 
-from kvindex.events.gate import NOT_OWNED, UNKNOWN, Claim, Ownership
-from kvindex.events.ownership import Step, ownership_step, plan_takeover
-from kvindex.events.recovery import (
+from kvindex.events.ingest.gate import NOT_OWNED, UNKNOWN, Claim, Ownership
+from kvindex.events.ingest.ownership import Step, ownership_step, plan_takeover
+from kvindex.events.ingest.recovery import (
     Anchor,
     AnchorCheck,
     ReplayRequest,
     check_replay,
     payload_digest,
 )
-from kvindex.events.stream import JobKind
-from kvindex.events.stream_table import eviction_victim, idle_victims
+from kvindex.events.ingest.stream import JobKind
+from kvindex.events.ingest.stream_table import eviction_victim, idle_victims
 
 
 def batch(n: int) -> bytes:

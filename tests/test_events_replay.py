@@ -8,8 +8,9 @@ import pytest
 import zmq
 
 from kvindex.api.testing import free_port
-from kvindex.events import BlockStored, EnginePublisher, fetch_replay
-from kvindex.events.replay import END_SEQ
+from kvindex.events.ingest.replay_client import END_SEQ, fetch_replay
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 
 
 @pytest.mark.parametrize("version", ["0.22", "0.25", "0.26", "0.33"])

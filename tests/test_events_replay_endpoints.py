@@ -5,20 +5,23 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from kvindex.api.config import ConfigError
-from kvindex.api.service_parts import parse_connect, replay_endpoints
-from kvindex.api.settings_load import from_flags
-from kvindex.events import BlockStored, EnginePublisher, StreamId, Subscriber, SubscriberConfig
-from kvindex.events.identity import make_topic
-from kvindex.events.known_pods import KnownPods
-from kvindex.events.replay_endpoints import (
+from kvindex.api.serve.service_parts import parse_connect, replay_endpoints
+from kvindex.api.serve.settings_derived import ConfigError
+from kvindex.api.serve.settings_sources import from_flags
+from kvindex.events.discovery.known_pods import KnownPods
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.replay_endpoints import (
     ReplayEndpointError,
     ReplayEndpoints,
     parse_pod_replay_endpoint,
     split_connect_spec,
     stream_replay_endpoint,
 )
-from kvindex.events.testing import RecordingSink
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink
+from kvindex.events.wire.identity import StreamId, make_topic
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 
 
 def test_the_rule_in_order() -> None:

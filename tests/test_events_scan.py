@@ -1,9 +1,9 @@
 """The compiled payload scanner gives exactly what msgspec's decoder gives, or nothing.
 
-``events/_wire_scan.c`` must take every batch vLLM 0.9-0.33 sends (the captured real
+``events/wire/_wire_scan.c`` must take every batch vLLM 0.9-0.33 sends (the captured real
 payloads, and generated ones in every release's layout), and for each give the same
 timestamp, rank, events, runs and hashes as the msgspec path
-(:class:`~kvindex.events.wire.BatchDecoder` and :func:`~kvindex.events.runs.runs_of`).
+(:class:`~kvindex.events.wire.vllm.BatchDecoder` and :func:`~kvindex.events.wire.runs.runs_of`).
 For anything else it must return None, never something msgspec would not have decoded
 whole: hypothesis mutates valid payloads and builds odd ones to check that. End to end,
 ingest through a real subscriber gives the same index with the scanner and without.
@@ -24,33 +24,33 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvindex.events import (
-    RELEASES,
+from kvindex.events.ingest import drain as drain_module
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire import scanned as scanned_module
+from kvindex.events.wire.layouts import RELEASES, EngineBlockRemoved, EngineBlockStored
+from kvindex.events.wire.runs import Run, runs_of
+from kvindex.events.wire.scanned import ScannedBatch, scan
+from kvindex.events.wire.vllm import (
+    BATCH_TYPES,
+    MAX_DP_RANK,
+    MAX_HASHES_PER_EVENT,
     AllBlocksCleared,
     BatchDecoder,
     BlockRemoved,
     BlockStored,
-    EngineBlockRemoved,
-    EngineBlockStored,
     Layout,
-    Subscriber,
-    SubscriberConfig,
 )
-from kvindex.events import drain as drain_module
-from kvindex.events import scanned as scanned_module
-from kvindex.events.runs import Run, runs_of
-from kvindex.events.scanned import ScannedBatch, scan
-from kvindex.events.testing import wait_until
-from kvindex.events.wire import BATCH_TYPES, MAX_DP_RANK, MAX_HASHES_PER_EVENT
 from kvindex.indexer.backend import Tier
 from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import ModelCatalog
 from kvindex.indexer.verify import HashVerifier
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 COMPILED = scanned_module.scanner is not None
-needs_scanner = pytest.mark.skipif(not COMPILED, reason="events/_wire_scan.c is not built")
+needs_scanner = pytest.mark.skipif(not COMPILED, reason="events/wire/_wire_scan.c is not built")
 
 
 def reference(payload: bytes):

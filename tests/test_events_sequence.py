@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvindex.events.sequence import (
+from kvindex.events.ingest.sequence import (
     MAX_PLAUSIBLE_GAP,
     Action,
     SequenceTracker,

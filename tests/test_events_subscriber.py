@@ -10,21 +10,16 @@ import pytest
 import zmq
 
 from kvindex.api.testing import free_port
-from kvindex.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Delivery,
-    EngineBlockStored,
-    EnginePublisher,
-    PodEndpoint,
-    StreamId,
-    StreamStatus,
-    Subscriber,
-    SubscriberConfig,
-    make_topic,
-)
-from kvindex.events.testing import RecordingSink, wait_until
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.ingest.status import StreamStatus
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink, wait_until
+from kvindex.events.wire.endpoints import PodEndpoint
+from kvindex.events.wire.identity import StreamId, make_topic
+from kvindex.events.wire.layouts import EngineBlockStored
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored
 
 VERSIONS = ["0.9", "0.10.2", "0.14", "0.17", "0.20", "0.22", "0.24", "0.26", "0.29", "0.33"]
 LOOPBACK = "tcp://127.0.0.1:0"

@@ -16,8 +16,10 @@ import sys
 
 DROP_WITHOUT_STOP = """
 import gc
-from kvindex.events import PodEndpoint, Subscriber, SubscriberConfig
-from kvindex.events.testing import RecordingSink
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.wire.endpoints import PodEndpoint
+from kvindex.events.ingest.testing import RecordingSink
 
 for _ in range(3):
     sub = Subscriber(RecordingSink(), SubscriberConfig())

@@ -220,7 +220,7 @@ def test_a_dead_pod_is_skipped_before_any_byte(cluster) -> None:
 
         def in_route_view() -> bool:
             # A request that names no pods chooses among the known pods, which /route
-            # re-reads at most every 0.5 s (api/route_view.py); asked with an unrelated
+            # re-reads at most every 0.5 s (api/http/route_view.py); asked with an unrelated
             # prompt so that no speculative entry lands on this one.
             route = cluster.index.route(model=MODEL, token_ids=[7] * 16, request_id="v")
             cluster.index.done("v")
@@ -319,7 +319,14 @@ def test_metrics_count_outcomes_retries_upstream_errors_and_added_time(cluster) 
 
 
 def test_a_separate_gateway_routes_over_http(cluster) -> None:
-    command = [sys.executable, "-m", "kvindex.api.cli", "gateway", "--index", cluster.server.url]
+    command = [
+        sys.executable,
+        "-m",
+        "kvindex.api.serve.cli",
+        "gateway",
+        "--index",
+        cluster.server.url,
+    ]
     with ServeProcess(
         "--model-config", str(cluster.config), command=command, env={**os.environ}
     ) as gateway:

@@ -10,10 +10,10 @@ import pytest
 
 from kvindex.api.gateway.bodies import Endpoint, RouteRequests, lora_adapters, read_body
 from kvindex.api.gateway.upstream import _rank_header
-from kvindex.api.schemas import MAX_OUTPUT_TOKENS, RouteCandidate, RouteResponse
-from kvindex.api.settings import Settings
+from kvindex.api.http.schemas import MAX_OUTPUT_TOKENS, RouteCandidate, RouteResponse
+from kvindex.api.serve.settings import Settings
 from kvindex.events.errors import ClientError
-from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
+from kvindex.scoring.prompt.tokenize import ChatOptions, TokenizerRegistry
 from tests.chat_models import model_directory
 
 MESSAGES = [{"role": "user", "content": "Hello! What is a KV cache?"}]

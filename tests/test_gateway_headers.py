@@ -5,7 +5,7 @@ allowlist (``--gateway-relay-headers``)."""
 from __future__ import annotations
 
 from kvindex.api.gateway.headers import RelayedHeaders, forward_headers
-from kvindex.api.settings import DEFAULT_RELAY_HEADERS
+from kvindex.api.serve.settings import DEFAULT_RELAY_HEADERS
 
 
 def test_a_request_keeps_its_own_headers_and_loses_the_connections() -> None:

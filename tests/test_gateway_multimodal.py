@@ -90,7 +90,14 @@ def test_a_chat_with_an_image_is_served_with_its_body_untouched(cluster) -> None
 def test_audio_and_unknown_parts_are_served_through_a_separate_gateway(cluster) -> None:
     """Over HTTP to the index (``kvindex gateway --index URL``): the gateway sends /route
     the messages with the media cut out, and /route decides by load."""
-    command = [sys.executable, "-m", "kvindex.api.cli", "gateway", "--index", cluster.server.url]
+    command = [
+        sys.executable,
+        "-m",
+        "kvindex.api.serve.cli",
+        "gateway",
+        "--index",
+        cluster.server.url,
+    ]
     with ServeProcess(
         "--model-config", str(cluster.config), command=command, env={**os.environ}
     ) as gateway:

@@ -189,7 +189,14 @@ def test_a_prefill_pod_without_kv_transfer_leaves_the_prefill_to_the_decode_pod(
 
 
 def test_sidecar_mode_names_the_prefill_pod_to_the_decode_pods_sidecar(cluster) -> None:
-    command = [sys.executable, "-m", "kvindex.api.cli", "gateway", "--index", cluster.server.url]
+    command = [
+        sys.executable,
+        "-m",
+        "kvindex.api.serve.cli",
+        "gateway",
+        "--index",
+        cluster.server.url,
+    ]
     with ServeProcess(
         "--gateway-pd-mode", "sidecar", command=command, env={**os.environ}
     ) as gateway:

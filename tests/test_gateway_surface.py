@@ -45,7 +45,7 @@ def gateway(request: pytest.FixtureRequest, index: ServeProcess) -> Iterator[str
         yield index.url
         return
     if request.param == "gateway --index":
-        command = [sys.executable, "-m", "kvindex.api.cli", "gateway", "--index", index.url]
+        command = [sys.executable, "-m", "kvindex.api.serve.cli", "gateway", "--index", index.url]
         with ServeProcess(command=command, env={**os.environ}) as alone:
             alone.wait_ready(30.0, path="/health")
             yield alone.url

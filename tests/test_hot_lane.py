@@ -1,4 +1,4 @@
-"""``kvindex serve``'s lane (api/hot_lane.py): /score, /route and /route/{id}/done answered
+"""``kvindex serve``'s lane (api/http/hot_lane.py): /score, /route and /route/{id}/done answered
 from the HTTP protocol, without ASGI, over the memory backend (answered inline).
 
 Driven over real loopback sockets with raw bytes: what the lane must keep of the ASGI
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 
-from kvindex.events.testing import wait_until
+from kvindex.events.ingest.testing import wait_until
 from kvindex.indexer.backend import Change, Op, Tier
 from tests.lane_server import (
     Answer,

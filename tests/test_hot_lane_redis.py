@@ -1,4 +1,4 @@
-"""The lane (api/hot_lane.py) over the Redis backend: the index work is awaited on its
+"""The lane (api/http/hot_lane.py) over the Redis backend: the index work is awaited on its
 threads (``--backend-deadline``, ``--backend-max-in-flight``), so a lane answer is a task
 of its own and pipelined answers must still leave in request order. Real Redis: the
 shared server, and a hung one (a loopback server that never answers), as in
@@ -13,9 +13,9 @@ import uuid
 import pytest
 
 from kvindex.api.testing import free_port
-from kvindex.events.testing import wait_until
+from kvindex.events.ingest.testing import wait_until
 from kvindex.indexer.backend import Change, Op, Tier
-from kvindex.indexer.redis_backend import RedisBackend
+from kvindex.indexer.redis.backend import RedisBackend
 from tests.lane_server import closed_by_server, get, post, read_answer, serving
 from tests.redis_fixtures import REDIS_URL, delete_prefix, shared_redis
 from tests.test_redis_event_loop import HungServer

@@ -1,4 +1,4 @@
-"""The OpenAPI entry of ``POST /route`` (api/hot_openapi.py) describes the cost model, and
+"""The OpenAPI entry of ``POST /route`` (api/http/hot_openapi.py) describes the cost model, and
 its example is one /route could answer: it decodes into the request and answer types,
 and every candidate's cost terms are what the cost model gives for its inputs."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import msgspec
 from fastapi.testclient import TestClient
 
-from kvindex.api.app import create_app
-from kvindex.api.hot_openapi import ROUTE_REQUEST_EXAMPLE, ROUTE_RESPONSE_EXAMPLE
-from kvindex.api.schemas import RouteRequest, RouteResponse
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
-from kvindex.scoring.route_cost import CostWeights, PodInputs, pod_costs
+from kvindex.api.http.app import create_app
+from kvindex.api.http.hot_openapi import ROUTE_REQUEST_EXAMPLE, ROUTE_RESPONSE_EXAMPLE
+from kvindex.api.http.schemas import RouteRequest, RouteResponse
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
+from kvindex.scoring.route.cost import CostWeights, PodInputs, pod_costs
 
 
 def test_the_route_operation_has_the_cost_model_and_an_example() -> None:

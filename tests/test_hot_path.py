@@ -1,4 +1,4 @@
-"""The ASGI hot path for /score and /route (api/hot_path.py): what FastAPI's routes did
+"""The ASGI hot path for /score and /route (api/http/hot_path.py): what FastAPI's routes did
 for these paths still holds, and what a raw ASGI app must do itself (bodies in several
 chunks, a client gone mid-body) is done.
 
@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from kvindex.api.app import create_app
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
 
 
 @pytest.fixture

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.events.identity import StreamId
-from kvindex.events.sink import Delivery
-from kvindex.events.wire import BlockRemoved, BlockStored, EventBatch
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.vllm import BlockRemoved, BlockStored, EventBatch
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from kvindex.indexer.kv_groups import GroupSpec, KvLayouts, group_model
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.memory.snapshot_file import read_snapshot, write_snapshot
 from kvindex.indexer.models import ModelCatalog
-from kvindex.indexer.snapshot_file import read_snapshot, write_snapshot
 from kvindex.scoring import hybrid
 from kvindex.scoring.scorer import Scorer
 

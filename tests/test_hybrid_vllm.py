@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.events.identity import StreamId
-from kvindex.events.sink import Delivery
-from kvindex.events.wire import BatchDecoder
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.vllm import BatchDecoder
 from kvindex.indexer.backend import Change, Op, Tier
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import HashConfig
 from kvindex.indexer.kv_groups import group_model
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import ModelCatalog, ModelKeying
 from kvindex.scoring.scorer import Scorer
 from tests.support.vllm import vllm_python

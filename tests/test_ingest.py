@@ -5,11 +5,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvindex.api.config import ConfigError, build_catalog
-from kvindex.api.settings_load import from_flags
-from kvindex.events.identity import StreamId
-from kvindex.events.sink import Delivery
-from kvindex.events.wire import (
+from kvindex.api.serve.settings_derived import ConfigError, build_catalog
+from kvindex.api.serve.settings_sources import from_flags
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.vllm import (
     AllBlocksCleared,
     BatchDecoder,
     BlockRemoved,
@@ -20,7 +20,7 @@ from kvindex.indexer.backend import Tier
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import BlockHasher, HashAlgo, HashConfig
 from kvindex.indexer.kv_groups import GroupSpec
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import KeyMode, ModelCatalog, ModelKeying
 from kvindex.indexer.verify import CheckState, HashVerifier
 from kvindex.scoring.scorer import Scorer

@@ -1,11 +1,11 @@
 """Ingest a run of like events at a time gives what one event at a time gives.
 
-The ingestor takes a batch as runs of alike events (:mod:`kvindex.events.runs`) and
+The ingestor takes a batch as runs of alike events (:mod:`kvindex.events.wire.runs`) and
 decides once per run where its events go; counters, the learned KV-group layouts (and
 their conflicts) and the sampled hash check must still count every event. Here each
 batch is ingested whole (long runs) and as one delivery per event (runs of one), and
 everything the two leave behind must be equal; and the scanner's batches (the same
-payload read by ``events/_wire_scan.c``) must leave the same as msgspec's.
+payload read by ``events/wire/_wire_scan.c``) must leave the same as msgspec's.
 """
 
 from __future__ import annotations
@@ -13,15 +13,21 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.events import RELEASES, AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored
-from kvindex.events.identity import StreamId
-from kvindex.events.scanned import ScannedBatch, scan
-from kvindex.events.sink import Delivery
-from kvindex.events.wire import EventBatch
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.layouts import RELEASES
+from kvindex.events.wire.scanned import ScannedBatch, scan
+from kvindex.events.wire.vllm import (
+    AllBlocksCleared,
+    BatchDecoder,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
 from kvindex.indexer.backend import Tier
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import ModelCatalog, ModelKeying, ReportMode
 from kvindex.indexer.verify import HashVerifier
 

@@ -1,7 +1,7 @@
 """A JSON body's token ids and block hashes read by the compiled reader give exactly what
 msgspec gives.
 
-``api/_json_tokens.c`` reads a ``/score`` or ``/route`` body's top-level ``token_ids``
+``api/http/_json_tokens.c`` reads a ``/score`` or ``/route`` body's top-level ``token_ids``
 (or ``block_hashes``) array into uint32s (uint64s) and msgspec decodes the rest. Every
 body must come out as the pure msgspec decode of the whole body makes it: the same
 request (the array as an ``array('I')`` / ``array('Q')`` of the same integers), or the
@@ -27,23 +27,23 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvindex.api import json_tokens
-from kvindex.api.app import create_app
-from kvindex.api.json_tokens import decode_prompt
-from kvindex.api.schemas import RouteRequest, ScoreRequest
-from kvindex.api.score_inputs import block_keys
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http import json_tokens
+from kvindex.api.http.app import create_app
+from kvindex.api.http.json_tokens import decode_prompt
+from kvindex.api.http.schemas import RouteRequest, ScoreRequest
+from kvindex.api.http.score_inputs import block_keys
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import free_port
-from kvindex.events import BlockStored
-from kvindex.events.endpoints import from_source
 from kvindex.events.errors import KvindexError
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.testing import wait_until
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire.endpoints import from_source
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 
 COMPILED = json_tokens.reader is not None
-needs_reader = pytest.mark.skipif(not COMPILED, reason="api/_json_tokens.c is not built")
+needs_reader = pytest.mark.skipif(not COMPILED, reason="api/http/_json_tokens.c is not built")
 DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (ScoreRequest, RouteRequest)}
 U32, U64 = 2**32 - 1, 2**64 - 1
 FIELDS_READ = ("token_ids", "block_hashes")

@@ -17,10 +17,9 @@ import msgspec
 import pytest
 
 from kvindex.api.testing import eventually
-from kvindex.events import BlockStored, EnginePublisher, PodEndpoint, StreamId, Subscriber
-from kvindex.events.config import SubscriberConfig
-from kvindex.events.discovery import KubernetesDiscovery
-from kvindex.events.k8s_pods import (
+from kvindex.events.discovery.known_pods import KnownPods
+from kvindex.events.discovery.kubernetes import KubernetesDiscovery
+from kvindex.events.discovery.pods import (
     DiscoveryConfig,
     DiscoveryMode,
     PodConfigError,
@@ -28,8 +27,13 @@ from kvindex.events.k8s_pods import (
     plan_pod,
     pod_role,
 )
-from kvindex.events.known_pods import KnownPods
-from kvindex.events.testing import RecordingSink
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import RecordingSink
+from kvindex.events.wire.endpoints import PodEndpoint
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from tests.k8s_fake_api import FakeKubeAPI, make_pod
 from tests.support.lazy import LazyModule
 

@@ -24,6 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvindex.api.version import implementations
 from kvindex.indexer import compiled
 from kvindex.indexer.keys import (
     _COMPILED,
@@ -304,7 +305,7 @@ def test_bad_arguments_are_errors_not_crashes() -> None:
     with pytest.raises(ZeroDivisionError):
         chain(0, lambda data: 1 / 0, [1], 1, 0, 0, 1, parent, None, None, 0, False)
     assert compiled.chain.serialise(0, [1, 2], 1, 0, 0, parent, object(), True) is None
-    assert compiled.hashing() == "compiled" and "compiled hashing" in compiled.describe()
+    assert compiled.hashing() == "compiled" and "compiled hashing" in implementations()
 
 
 INTS = st.one_of(

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.events.testing import wait_until
-from kvindex.scoring.inflight import InFlight, InFlightLedger
+from kvindex.events.ingest.testing import wait_until
 from kvindex.scoring.load import LoadView, PodLoad, Unknown
 from kvindex.scoring.load_metrics import (
     MAX_REQUESTS,
@@ -27,6 +26,7 @@ from kvindex.scoring.load_metrics import (
     parse_engine_loads,
     parse_start_time,
 )
+from kvindex.scoring.route.inflight import InFlight, InFlightLedger
 
 METRICS = Path(__file__).parent / "fixtures" / "metrics"
 DP2 = (METRICS / "vllm-0.33-dp2-busy.txt").read_text()

@@ -9,10 +9,11 @@ import threading
 import numpy as np
 import pytest
 
-from kvindex.indexer import compiled, memory_table
+from kvindex.indexer import compiled
 from kvindex.indexer.backend import BackendError, Change, MemberMatch, Op, Tier
-from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.memory_table import CHUNK_KEYS, MIN_CAP, PAD
+from kvindex.indexer.memory import table as memory_table
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.memory.table import CHUNK_KEYS, MIN_CAP, PAD
 
 M = "model-a"
 A, B = "127.10.0.1:8000", "127.10.0.2:8000"

@@ -22,7 +22,7 @@ import pytest
 
 from kvindex.indexer import compiled
 from kvindex.indexer.backend import Change, MemberMatch, Op, Tier
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 
 M = "model-a"
 CHAIN = 96
@@ -128,7 +128,7 @@ def race(backend: MemoryBackend) -> int:
     return sum(lookups)
 
 
-@pytest.mark.skipif(compiled.probe is None, reason="kvindex.indexer._probe was not built")
+@pytest.mark.skipif(compiled.probe is None, reason="kvindex.indexer.memory._probe was not built")
 def test_lock_free_compiled_lookups_see_only_moments_the_table_had() -> None:
     backend = MemoryBackend(hash_seed=3)
     assert backend._walks_alone  # this build has a GIL: the walks take the read lock only
@@ -140,7 +140,7 @@ def test_locked_numpy_lookups_see_only_whole_steps(monkeypatch: pytest.MonkeyPat
     assert race(MemoryBackend(hash_seed=3)) > 0
 
 
-@pytest.mark.skipif(compiled.probe is None, reason="kvindex.indexer._probe was not built")
+@pytest.mark.skipif(compiled.probe is None, reason="kvindex.indexer.memory._probe was not built")
 def test_without_the_gil_compiled_lookups_wait_for_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from kvindex.indexer.backend import Change, Op, Tier
-from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.memory_table import MIN_CAP, BlockTable
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.memory.table import MIN_CAP, BlockTable
 
 
 def _fill(backend: MemoryBackend, keys: np.ndarray) -> None:
@@ -43,8 +43,8 @@ def test_the_hint_is_checked() -> None:
 
 
 def test_the_expected_blocks_flag_sizes_the_memory_index() -> None:
-    from kvindex.api import cli
-    from kvindex.api.service_parts import make_backend
+    from kvindex.api.serve import cli
+    from kvindex.api.serve.service_parts import make_backend
 
     def backend_for(argv: list[str]) -> MemoryBackend:
         args = cli.build_parser().parse_args(["serve", *argv])

@@ -1,4 +1,4 @@
-"""The compiled probing kernels (indexer/_probe.c) against the pure-numpy path.
+"""The compiled probing kernels (indexer/memory/_probe.c) against the pure-numpy path.
 
 Both paths must keep the table's invariants (every key within ``max_disp`` slots after
 its home slot, no empty slot in between) and give the same answers for the same
@@ -15,13 +15,14 @@ import random
 import numpy as np
 import pytest
 
-from kvindex.indexer import compiled, memory_table
+from kvindex.indexer import compiled
 from kvindex.indexer.backend import Change, Op, Tier
-from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.table_layout import MAX_DISPLACEMENT, PAD, _shift_for
+from kvindex.indexer.memory import table as memory_table
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.memory.table_layout import MAX_DISPLACEMENT, PAD, _shift_for
 
 pytestmark = pytest.mark.skipif(
-    compiled.probe is None, reason="kvindex.indexer._probe was not built (no C compiler)"
+    compiled.probe is None, reason="kvindex.indexer.memory._probe was not built (no C compiler)"
 )
 
 M = "model-a"

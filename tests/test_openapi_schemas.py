@@ -10,10 +10,10 @@ from typing import Any
 import msgspec
 from fastapi.testclient import TestClient
 
-from kvindex.api.app import create_app
-from kvindex.api.schemas_pods import Health, PodBlocks, PodList, PodReport, Readiness
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.http.schemas_pods import Health, PodBlocks, PodList, PodReport, Readiness
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
 from tests.test_api import KEYS, POD_A, publish, setup  # noqa: F401  (setup: a fixture)
 
 METHODS = ("get", "post", "put", "delete", "patch")

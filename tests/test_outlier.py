@@ -1,5 +1,5 @@
 """Faulty pods stop drawing traffic (issue 27): the ejection rules of
-scoring/outlier.py as pure functions, the detector's percentage bound and probes, the
+scoring/route/outlier.py as pure functions, the detector's percentage bound and probes, the
 router's preference for pods not ejected, and the cost of a pod whose load is unknown
 (never lighter than the busiest known candidate's). The same rules through a running
 ``kvindex serve --gateway`` with faulty pods: tests/test_gateway_faulty.py."""
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvindex.scoring.outlier import (
+from kvindex.scoring.route.cost import CostWeights, PodInputs, pod_costs
+from kvindex.scoring.route.decision import Reason, Router
+from kvindex.scoring.route.outlier import (
     HEALTHY,
     MAX_EJECTION_S,
     EjectionPolicy,
@@ -17,8 +19,6 @@ from kvindex.scoring.outlier import (
     judge,
     standing,
 )
-from kvindex.scoring.route_cost import CostWeights, PodInputs, pod_costs
-from kvindex.scoring.router import Reason, Router
 
 POLICY = EjectionPolicy(eject_after=2, base_s=10.0, max_percent=50.0)
 

@@ -132,7 +132,7 @@ def test_the_public_api_modules_pass_mypy_strict(tmp_path: Path) -> None:
     """The client and the types it answers with, checked as source: what a user's
     editor or type checker sees of them is what they declare."""
     _linked(tmp_path / "src")
-    modules = ("kvindex.api.client", "kvindex.api.schemas", "kvindex.scoring.scorer")
+    modules = ("kvindex.api.client", "kvindex.api.http.schemas", "kvindex.scoring.scorer")
     checked = subprocess.run(
         [_mypy(), "--strict", "--no-incremental", "--follow-imports=silent",
          *(arg for module in modules for arg in ("-m", module))],
@@ -147,9 +147,9 @@ def test_the_build_runs_the_paths_its_run_is_for() -> None:
     one (no compiler, no OpenSSL headers) would pass with its differential tests skipped.
     .ci/run's second venv, built with ``KVINDEX_PURE_PYTHON=1`` and run with
     ``KVTEST_PURE_PYTHON=1``, runs none of them."""
-    from kvindex.api import cli
+    from kvindex.api.serve import cli
     from kvindex.api.version import implementations
-    from kvindex.indexer.redis_compiled import implementation as redis_lookup
+    from kvindex.indexer.redis.compiled import implementation as redis_lookup
 
     assert cli.unknown_variables({"KVINDEX_PURE_PYTHON": "1"}) == []  # setup.py reads it
     pure = os.environ.get("KVTEST_PURE_PYTHON") == "1"

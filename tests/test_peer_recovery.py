@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvindex.api.peers import DUMP_PATH, DUMP_SIZE_HEADER
+from kvindex.api.serve.peers import DUMP_PATH, DUMP_SIZE_HEADER
 from kvindex.api.testing import ServeProcess, eventually, free_port
-from kvindex.indexer.snapshot_file import SnapshotBytes, read_snapshot_from
+from kvindex.indexer.memory.snapshot_file import SnapshotBytes, read_snapshot_from
 from tests.support.engine import MODEL, Engine
 
 pytestmark = pytest.mark.slow

@@ -10,19 +10,19 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from kvindex.api.app import create_app
-from kvindex.api.cli import _settings_from, build_parser
-from kvindex.api.config import ConfigError
-from kvindex.api.peers import DUMP_PATH, DUMP_SIZE_HEADER, parse_peers
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.serve.cli import _settings_from, build_parser
+from kvindex.api.serve.peers import DUMP_PATH, DUMP_SIZE_HEADER, parse_peers
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_derived import ConfigError
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import free_port
-from kvindex.events import EnginePublisher
-from kvindex.events.endpoints import from_source
-from kvindex.events.testing import wait_until
-from kvindex.events.wire import BlockStored
-from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.snapshot_file import read_snapshot_from
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire.endpoints import from_source
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.memory.snapshot_file import read_snapshot_from
 
 POD = "127.0.0.1:8000"
 TOKEN = "s3cret"

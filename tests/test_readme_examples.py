@@ -29,12 +29,12 @@ from typing import Any
 import httpx
 import pytest
 
-from kvindex.api.cli import format_score_table
+from kvindex.api.serve.cli import format_score_table
 from kvindex.api.testing import ServeProcess, free_port
-from kvindex.events.endpoints import from_source
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.testing import wait_until
-from kvindex.events.wire import BlockStored
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire.endpoints import from_source
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 
 ROOT = Path(__file__).resolve().parents[1]

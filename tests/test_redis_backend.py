@@ -10,9 +10,9 @@ import pytest
 
 from kvindex.api.testing import free_port
 from kvindex.indexer.backend import BackendUnavailable, Change, MemberMatch, Op, Tier
-from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.redis_backend import CLEAR_CHUNK, RedisBackend
-from kvindex.indexer.redis_keys import model_tag
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.redis.backend import CLEAR_CHUNK, RedisBackend
+from kvindex.indexer.redis.keys import model_tag
 from tests.redis_fixtures import RedisClusterProcess, RedisServer, delete_prefix
 
 M = "acme/model-7b"

@@ -1,4 +1,4 @@
-"""The compiled Redis lookup (indexer/_redis_lookup.c) against the pure path it replaces.
+"""The compiled Redis lookup (indexer/redis/_redis_lookup.c) against the pure path it replaces.
 
 Each kernel is held to its pure counterpart on the same input: ``pack_reads`` to
 redis_wire.pack_reads (the same bytes), ``frame``/``decode`` to hiredis's reader,
@@ -27,16 +27,18 @@ from kvindex.indexer.backend import (
     Op,
     Tier,
 )
-from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.redis_backend import RedisBackend
-from kvindex.indexer.redis_compiled import kernels
-from kvindex.indexer.redis_conn import RedisConnection, RedisOptions
-from kvindex.indexer.redis_read import Blocks, ModelView, rows_of
-from kvindex.indexer.redis_walk import held_positions, prefix_matches
-from kvindex.indexer.redis_wire import EXEC, MULTI, ReadBuffer, pack_reads, read_answer
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.redis.backend import RedisBackend
+from kvindex.indexer.redis.compiled import kernels
+from kvindex.indexer.redis.connection import RedisConnection, RedisOptions
+from kvindex.indexer.redis.read import Blocks, ModelView, rows_of
+from kvindex.indexer.redis.walk import held_positions, prefix_matches
+from kvindex.indexer.redis.wire import EXEC, MULTI, ReadBuffer, pack_reads, read_answer
 from tests.redis_fixtures import RedisServer
 
-pytestmark = pytest.mark.skipif(kernels is None, reason="indexer/_redis_lookup.c is not built")
+pytestmark = pytest.mark.skipif(
+    kernels is None, reason="indexer/redis/_redis_lookup.c is not built"
+)
 
 M = "acme/model-7b"
 PATHS = {

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvindex.api.testing import eventually
-from kvindex.events.publisher import EnginePublisher
+from kvindex.events.wire.publisher import EnginePublisher
 from tests.redis_fixtures import RedisServer
 from tests.test_redis_replicas import MODEL, POD, Replica, pod_publisher, stored  # noqa: F401
 

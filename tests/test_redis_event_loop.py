@@ -23,17 +23,17 @@ import pytest
 import redis
 import uvicorn
 
-from kvindex.api.app import create_app
 from kvindex.api.gateway.routes import LocalRoutes
-from kvindex.api.index_figures import IndexFigures, LatestFigures
-from kvindex.api.offload import BackendBusy, BackendTimeout, IndexWork
-from kvindex.api.schemas import RouteRequest
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.http.offload import BackendBusy, BackendTimeout, IndexWork
+from kvindex.api.http.schemas import RouteRequest
+from kvindex.api.serve.index_figures import IndexFigures, LatestFigures
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import free_port
-from kvindex.events.testing import wait_until
+from kvindex.events.ingest.testing import wait_until
 from kvindex.indexer.backend import Change, IndexStats, Op, Tier
-from kvindex.indexer.redis_backend import RedisBackend
+from kvindex.indexer.redis.backend import RedisBackend
 from tests.redis_fixtures import REDIS_URL, delete_prefix, shared_redis
 
 M = "acme/model-7b"

@@ -20,10 +20,10 @@ import pytest
 import redis
 
 from kvindex.indexer.backend import Change, Op, Tier
-from kvindex.indexer.leases import RedisLeases
-from kvindex.indexer.redis_backend import CLEAR_CHUNK, RedisBackend
-from kvindex.indexer.redis_keys import KeySpace
-from kvindex.indexer.redis_scripts import SCRIPTS
+from kvindex.indexer.redis.backend import CLEAR_CHUNK, RedisBackend
+from kvindex.indexer.redis.keys import KeySpace
+from kvindex.indexer.redis.leases import RedisLeases
+from kvindex.indexer.redis.scripts import SCRIPTS
 from tests.redis_fixtures import RedisServer
 
 M, OTHER = "acme/model-7b", "a{b}"

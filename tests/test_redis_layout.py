@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from kvindex.indexer.backend import BackendUnavailable, Change, Op, Tier
-from kvindex.indexer.redis_backend import RedisBackend
-from kvindex.indexer.redis_keys import LAYOUT, KeySpace, RedisLayoutError
+from kvindex.indexer.redis.backend import RedisBackend
+from kvindex.indexer.redis.keys import LAYOUT, KeySpace, RedisLayoutError
 from tests.redis_fixtures import RedisServer
 
 M = "acme/model-7b"

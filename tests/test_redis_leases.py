@@ -1,4 +1,4 @@
-"""Stream leases in Redis (indexer/leases.py), with the lease rounds driven by the test
+"""Stream leases in Redis (indexer/redis/leases.py), with the lease rounds driven by the test
 (``tick``) instead of the background thread, so every step is deterministic."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvindex.events.gate import Ownership
-from kvindex.events.identity import StreamId
-from kvindex.indexer.leases import RedisLeases
-from kvindex.indexer.redis_backend import RedisBackend
+from kvindex.events.ingest.gate import Ownership
+from kvindex.events.wire.identity import StreamId
+from kvindex.indexer.redis.backend import RedisBackend
+from kvindex.indexer.redis.leases import RedisLeases
 from tests.redis_fixtures import REDIS_URL, delete_prefix, shared_redis
 
 STREAM = StreamId("127.10.0.1:8000")

@@ -1,4 +1,4 @@
-"""The Redis read path (indexer/redis_read.py): what a replica caches between lookups is
+"""The Redis read path (indexer/redis/read.py): what a replica caches between lookups is
 checked against Redis by every lookup, so another replica's writes never make it answer
 wrongly. Two backends on one prefix are two replicas. Real Redis; no mocks."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from kvindex.indexer.backend import Change, MemberMatch, Op, Tier
-from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.redis_backend import RedisBackend
-from kvindex.indexer.redis_conn import RedisConnection, RedisOptions
-from kvindex.indexer.redis_read import IndexLost
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.redis.backend import RedisBackend
+from kvindex.indexer.redis.connection import RedisConnection, RedisOptions
+from kvindex.indexer.redis.read import IndexLost
 from tests.redis_fixtures import RedisServer
 
 M = "acme/model-7b"

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.api.testing import ServeProcess, eventually, free_port, publisher_into
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from kvindex.scoring.load_metrics import parse_engine_loads
 from tests.redis_fixtures import RedisServer

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from kvindex.scoring.route_cost import CostWeights, PodInputs, pod_cost, usable_blocks
-from kvindex.scoring.router import Admission, Reason, Router
+from kvindex.scoring.route.cost import CostWeights, PodInputs, pod_cost, usable_blocks
+from kvindex.scoring.route.decision import Admission, Reason, Router
 
 BS = 16
 W = CostWeights()

@@ -1,6 +1,6 @@
 """Issue 27, item 1: doubt is per pod. A pod whose index entries are in doubt (its events
 late, its stream incomplete, its hashes wrong) costs that pod alone its prefix credit,
-by :mod:`kvindex.scoring.doubt`'s rule; the other pods' prefixes still decide.
+by :mod:`kvindex.scoring.route.doubt`'s rule; the other pods' prefixes still decide.
 
 End to end: a real ``kvindex serve``, three pods publishing KV events over real ZMQ on
 loopback (bind mode) and serving vLLM 0.33 ``/metrics`` pages over real HTTP. Pod c is
@@ -20,12 +20,12 @@ import httpx
 import pytest
 
 from kvindex.api.testing import ServeProcess, eventually, free_port, publisher_into
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.status import StreamStatus
-from kvindex.events.wire import BlockStored
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.events.ingest.status import StreamStatus
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.pods import HASH_MISMATCH, PodDirectory
-from kvindex.scoring.doubt import LAGGING, NO_CREDIT, credits_prefix, discredit
+from kvindex.scoring.route.doubt import LAGGING, NO_CREDIT, credits_prefix, discredit
 from tests.test_load import MetricsServer
 from tests.test_route import HASHER, MODEL, Cluster, page
 

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from kvindex.api.app import create_app
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import eventually
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from tests.test_load import DP1_IDLE, DP2, MetricsServer, with_values
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvindex.scoring.event_lag import EventLag
-from kvindex.scoring.inflight import InFlight
 from kvindex.scoring.load import PodLoad, Unknown
 from kvindex.scoring.load_metrics import EngineLoad
-from kvindex.scoring.pd import Role, decide_pd, disaggregated, parse_role
-from kvindex.scoring.route_cost import PodInputs
-from kvindex.scoring.router import Admission, Reason, Router
+from kvindex.scoring.route.cost import PodInputs
+from kvindex.scoring.route.decision import Admission, Reason, Router
+from kvindex.scoring.route.event_lag import EventLag
+from kvindex.scoring.route.inflight import InFlight
+from kvindex.scoring.route.pd import Role, decide_pd, disaggregated, parse_role
+from kvindex.scoring.route.speculative import SpeculativeIndex, annotate
+from kvindex.scoring.route.targets import build_targets, member_rank
 from kvindex.scoring.scorer import PodScore, ScoreResult
-from kvindex.scoring.speculative import SpeculativeIndex, annotate
-from kvindex.scoring.targets import build_targets, member_rank
 from tests.test_load import FakeClock
 
 BS = 16

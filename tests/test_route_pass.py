@@ -1,4 +1,4 @@
-"""The one-pass /route decision (scoring/route_pass.py) against the general path
+"""The one-pass /route decision (scoring/route/one_pass.py) against the general path
 (routing targets, Router.decide, then the answer rows), over random fleets.
 
 Both paths must choose the same pod for the same reason and give the same rows, float
@@ -9,9 +9,9 @@ stale), KV usage past the admission limit, long queues, tier-weighted matches,
 speculative blocks, in-flight routes, tiny prompts, load-only fallbacks and least-bad
 routing, and pods that restarted unheard (their server started after the last batch
 the index applied from them: the one-pass loop leaves their entries out, the general
-path is given them already left out, as ``scoring/routing.py`` does). Fleets with
+path is given them already left out, as ``scoring/route/routing.py`` does). Fleets with
 data-parallel ranks must be left to the general path. The candidate loop runs both
-compiled (``scoring/_route_pass.c``) and in Python.
+compiled (``scoring/route/_route_pass.c``) and in Python.
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ import random
 import msgspec
 import pytest
 
-from kvindex.api.schemas import RouteCandidate
-from kvindex.scoring import route_pass
-from kvindex.scoring.event_lag import Lag
-from kvindex.scoring.inflight import InFlight
+from kvindex.api.http.schemas import RouteCandidate
 from kvindex.scoring.load import PodLoad, Unknown
 from kvindex.scoring.load_metrics import EngineLoad
-from kvindex.scoring.route_cost import CostWeights
-from kvindex.scoring.route_pass import one_pass
-from kvindex.scoring.router import Admission, Reason, Router
-from kvindex.scoring.routing import target_rows
+from kvindex.scoring.route import one_pass as route_pass
+from kvindex.scoring.route.cost import CostWeights
+from kvindex.scoring.route.decision import Admission, Reason, Router
+from kvindex.scoring.route.event_lag import Lag
+from kvindex.scoring.route.inflight import InFlight
+from kvindex.scoring.route.one_pass import one_pass
+from kvindex.scoring.route.routing import target_rows
+from kvindex.scoring.route.targets import build_targets
 from kvindex.scoring.scorer import PodScore
-from kvindex.scoring.targets import build_targets
 
 BS = 16
 
@@ -46,7 +46,7 @@ def loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     if request.param == "python":
         monkeypatch.setattr(route_pass, "compiled", None)
     elif route_pass.compiled is None:
-        pytest.skip("scoring/_route_pass.c was not built (no C compiler)")
+        pytest.skip("scoring/route/_route_pass.c was not built (no C compiler)")
     return request.param
 
 
@@ -91,7 +91,7 @@ def fleet(rng: random.Random, pods: list[str], prompt_blocks: int):
 
 def unheard(loads, heard, matches, speculative) -> set[str]:
     """The pods that restarted unheard, left out of ``matches`` and ``speculative`` as
-    ``scoring/routing.py`` leaves them out before the general path."""
+    ``scoring/route/routing.py`` leaves them out before the general path."""
     out = set()
     for pod, load in loads.items():
         lag = heard.get(pod)
@@ -109,7 +109,7 @@ def general(
     router: Router, pods, loads, matches, speculative, in_flight, tokens, fallback, future,
     excluded=frozenset(),
 ):  # fmt: skip
-    """What the general path (scoring/routing.py) decides and answers (no P/D, no role)."""
+    """What the general path (scoring/route/routing.py) decides and answers (no P/D, no role)."""
     targets = build_targets(pods, matches, speculative, loads, in_flight)
     decision = router.decide(
         [t.inputs for t in targets],
@@ -145,7 +145,7 @@ def test_one_pass_decides_and_answers_as_the_general_path(seed: int, loop: str) 
             matches, speculative, in_flight = {}, {}, {}
         fallback = rng.choice([None, None, None, Reason.FALLBACK_BACKEND_DOWN])
         future = rng.choice([0.0, 0.0, 1.0, 733.25, 13_500.0])  # later turns' prefill
-        # pods ejected after failures (scoring/outlier.py): all, some or none
+        # pods ejected after failures (scoring/route/outlier.py): all, some or none
         excluded = set(rng.sample(pods, rng.choice([0, 0, 1, len(pods)])))
         done = one_pass(
             fast, pods, dict(matches), dict(speculative), loads, in_flight, tokens, BS,
@@ -228,7 +228,7 @@ def test_extreme_counts_neither_overflow_nor_split_the_compiled_and_python_loops
     OverflowError (a 500 for every /route naming the pod). Both loops clamp a count to
     0..COUNT_MAX, so neither raises and both still give the same rows."""
     if route_pass.compiled is None:
-        pytest.skip("scoring/_route_pass.c was not built (no C compiler)")
+        pytest.skip("scoring/route/_route_pass.c was not built (no C compiler)")
     rng = random.Random(seed)
     admission = Admission(max_kv_usage=0.95, max_waiting=rng.choice([0, 10]))
     compiled_router = Router(CostWeights(), admission, seed=seed, least_bad=True)

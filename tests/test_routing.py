@@ -1,4 +1,4 @@
-"""The /route decision and its state without HTTP (scoring/routing.py): a decision enters
+"""The /route decision and its state without HTTP (scoring/route/routing.py): a decision enters
 its route in the ledger and its prompt's blocks as speculative entries, a route's first
 token and end release them, a failed answer reaches the pod's record, and the counts
 /metrics exports follow the decisions."""
@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvindex.scoring.event_lag import EventLag
-from kvindex.scoring.inflight import InFlightLedger
 from kvindex.scoring.load import PodLoad, Unknown
-from kvindex.scoring.outlier import EjectionPolicy, Outcome, OutlierDetector
-from kvindex.scoring.pd import Role
-from kvindex.scoring.router import Admission, Reason, Router
-from kvindex.scoring.routing import IndexView, NoRoom, Routing
+from kvindex.scoring.route.decision import Admission, Reason, Router
+from kvindex.scoring.route.event_lag import EventLag
+from kvindex.scoring.route.inflight import InFlightLedger
+from kvindex.scoring.route.outlier import EjectionPolicy, Outcome, OutlierDetector
+from kvindex.scoring.route.pd import Role
+from kvindex.scoring.route.routing import IndexView, NoRoom, Routing
+from kvindex.scoring.route.speculative import SpeculativeIndex
 from kvindex.scoring.scorer import PodScore
-from kvindex.scoring.speculative import SpeculativeIndex
 
 BS = 16
 

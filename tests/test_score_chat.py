@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from kvindex.api.app import create_app
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import free_port
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.testing import wait_until
-from kvindex.events.wire import BlockStored
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 from tests.chat_models import model_directory
 from tests.support.reference import transformers

@@ -20,16 +20,15 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from kvindex.api.app import create_app
 from kvindex.api.client import ApiError, Client, Retries
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import free_port
-from kvindex.events import BatchDecoder, BlockStored
-from kvindex.events.endpoints import from_source
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.testing import wait_until
-from kvindex.events.wire import hashes_to_ints
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire.endpoints import from_source
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BatchDecoder, BlockStored, hashes_to_ints
 from kvindex.indexer.keys import BlockHasher, HashConfig
 
 TOKENS = list(range(1, 16 * 64 + 1))

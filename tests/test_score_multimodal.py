@@ -13,14 +13,14 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from kvindex.api.app import create_app
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import free_port
-from kvindex.events import BlockStored
-from kvindex.events.endpoints import from_source
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.testing import wait_until
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire.endpoints import from_source
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockExtras, BlockHasher, ExtraKeyStyle, HashConfig, MmFeature
 
 POD_A, POD_B = "127.0.0.1:8000", "127.0.0.2:8000"

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from kvindex.indexer.backend import Change, Op, Tier
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import ModelCatalog
 from kvindex.scoring.scorer import PodScore, Scorer, TierWeights
 

@@ -3,7 +3,7 @@
 One message's error is that message's (counted by reason; the next valid batch applies),
 never the ingest thread's; a seq no engine reaches is a restart, not 1.8e19 missed
 batches; and an ingest thread that dies anyway is loud: /healthz fails with the reason,
-every /score warns, and the process exits non-zero (kvindex.api.cli's
+every /score warns, and the process exits non-zero (kvindex.api.serve.cli's
 INGEST_STOPPED_EXIT) for the orchestrator to restart it.
 """
 
@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvindex.api.cli import EXIT_AFTER_INGEST_STOPPED_S, INGEST_STOPPED_EXIT
+from kvindex.api.serve.cli import EXIT_AFTER_INGEST_STOPPED_S, INGEST_STOPPED_EXIT
 from kvindex.api.testing import ServeProcess, eventually, free_port
-from kvindex.events.endpoints import from_source
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.endpoints import from_source
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 
 pytestmark = pytest.mark.slow
 
@@ -153,9 +153,9 @@ def test_seq_2_to_the_64_is_a_restart_not_missed_batches(tmp_path: Path, engine:
 #: receiver's hand-off to the applier raise, or the applier's loop raise after it.
 FAULTY_SERVE = f"""
 import sys
-from kvindex.api.cli import main
-from kvindex.events.applier import Applier
-from kvindex.events.inbox import Inbox
+from kvindex.api.serve.cli import main
+from kvindex.events.ingest.applier import Applier
+from kvindex.events.ingest.inbox import Inbox
 
 target = sys.argv.pop(1)
 armed = []

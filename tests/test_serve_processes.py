@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvindex.api.serve.worker_process import ScoreReports, _report
 from kvindex.api.testing import ServeProcess, eventually, free_port
-from kvindex.api.worker import ScoreReports, _report
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 
 pytestmark = pytest.mark.slow
 
@@ -198,7 +198,9 @@ def test_a_killed_worker_comes_back_and_a_stopped_primary_leaves_nothing(
         assert _score(server.url, fleet.chains[pod])["pods"][0]["matched_blocks"] == 16
     (replacement,) = children(server.process.pid)
     with open(f"/proc/{replacement}/cmdline", "rb") as src:
-        directory = src.read().split(b"\0")[3].decode()  # python -m kvindex.api.worker DIR
+        directory = (
+            src.read().split(b"\0")[3].decode()
+        )  # python -m kvindex.api.serve.worker_process DIR
     assert os.path.isdir(directory)
     server.stop(signal.SIGTERM)
     assert server.process.returncode == 0

@@ -1,4 +1,4 @@
-"""Sessions between turns (``scoring/sessions.py``) and how the in-flight ledger counts
+"""Sessions between turns (``scoring/route/sessions.py``) and how the in-flight ledger counts
 them: a finished route homes its session on its pod, the session's next prompt claims
 the home, and a pod's count is its homes times the share of sessions seen to return."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from kvindex.scoring import sessions
-from kvindex.scoring.inflight import InFlight, InFlightLedger
-from kvindex.scoring.sessions import SessionHomes
+from kvindex.scoring.route import sessions
+from kvindex.scoring.route.inflight import InFlight, InFlightLedger
+from kvindex.scoring.route.sessions import SessionHomes
 
 HASHER = BlockHasher(HashConfig())
 

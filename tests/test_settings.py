@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from kvindex.api import cli
-from kvindex.api.app import create_app
-from kvindex.api.config import ConfigError, discovery_config
-from kvindex.api.service import Service
-from kvindex.api.settings import SECTIONS, Settings
-from kvindex.api.settings_load import LEAVES, decode_settings, from_flags
+from kvindex.api.http.app import create_app
+from kvindex.api.serve import cli
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings import SECTIONS, Settings
+from kvindex.api.serve.settings_derived import ConfigError, discovery_config
+from kvindex.api.serve.settings_sources import LEAVES, decode_settings, from_flags
 from kvindex.api.testing import eventually, free_port
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from kvindex.scoring.route_cost import CostWeights
+from kvindex.scoring.route.cost import CostWeights
 from kvindex.scoring.scorer import TierWeights
 
 

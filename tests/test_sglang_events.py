@@ -5,7 +5,7 @@ own publisher sent indexes exactly by token content.
 0.5.23's own classes encode (``tests/conformance/sglang_driver.py --capture``, run under
 the venv of ``sglang_env.sh``); ``..._truth.json`` what each pod then holds. The older
 layouts are built here from the field lists of each release's ``kv_events.py``
-(events/sglang.py lists them).
+(events/wire/sglang.py lists them).
 """
 
 from __future__ import annotations
@@ -16,20 +16,26 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvindex.api.config import ConfigError, build_catalog
-from kvindex.api.settings_load import from_flags
-from kvindex.events.identity import StreamId
-from kvindex.events.sglang import (
+from kvindex.api.serve.settings_derived import ConfigError, build_catalog
+from kvindex.api.serve.settings_sources import from_flags
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.sglang import (
     LOAD_TOPIC,
     SglangBatchDecoder,
     SglangBlockStored,
     decode_load,
 )
-from kvindex.events.sink import Delivery
-from kvindex.events.wire import AllBlocksCleared, BatchDecoder, BlockRemoved, DecodeError, tokens_of
+from kvindex.events.wire.vllm import (
+    AllBlocksCleared,
+    BatchDecoder,
+    BlockRemoved,
+    DecodeError,
+    tokens_of,
+)
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import HashConfig
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import Engine, KeyMode, ModelCatalog, ModelKeying
 from kvindex.indexer.token_keys import ContentHasher
 from kvindex.scoring.scorer import Scorer

@@ -1,4 +1,4 @@
-"""The memory backend's tables read from another process (``indexer/shared_index.py``):
+"""The memory backend's tables read from another process (``indexer/memory/shared_index.py``):
 a reader in a real second process answers what the writer's own lookups answer, through
 every structural change, and never attributes blocks to the wrong member while the
 writer restructures under it.
@@ -19,8 +19,8 @@ import pytest
 
 from kvindex.indexer import compiled
 from kvindex.indexer.backend import Change, Op, Tier
-from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.shared_index import (
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.memory.shared_index import (
     GENERATION,
     SharedIndexBusy,
     SharedIndexReader,
@@ -313,7 +313,7 @@ def test_a_walk_that_overlapped_a_structural_change_is_walked_again(
     """The race the generation check exists for: a member's id is freed and given to
     another member while a reader walks with the names it mapped before. Walked once, the
     new member's blocks read as the old member's; the reader must notice and walk again."""
-    import kvindex.indexer.shared_index as shared_index
+    import kvindex.indexer.memory.shared_index as shared_index
 
     backend = MemoryBackend(hash_seed=4)
     writer = SharedIndexWriter(backend)
@@ -350,7 +350,7 @@ def test_a_full_shared_memory_is_a_clear_error_not_a_crash(tmp_path: Any) -> Non
 
     script = (
         "import resource, signal, numpy as np\n"
-        "from kvindex.indexer.shared_arrays import SharedArrays, SharedMemoryFull\n"
+        "from kvindex.indexer.memory.shared_arrays import SharedArrays, SharedMemoryFull\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
         f"arrays = SharedArrays({str(tmp_path)!r})\n"

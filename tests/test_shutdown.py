@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from kvindex.api.testing import ServeProcess, eventually, free_port
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockStored
-from kvindex.indexer.snapshot_file import read_snapshot
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
+from kvindex.indexer.memory.snapshot_file import read_snapshot
 from tests.redis_fixtures import RedisServer
 from tests.test_api import make_tokenizer
 from tests.test_redis_event_loop import HungServer

@@ -34,13 +34,13 @@ from bench.sim.workloads import (
     Workload,
     prepare,
 )
-from kvindex.events.identity import StreamId
-from kvindex.events.sink import Delivery
-from kvindex.events.testing import wait_until
-from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import ModelCatalog
 from kvindex.scoring.load import LoadView
 

@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.sim.pool import BlockPool
-from kvindex.events.wire import BlockRemoved, BlockStored
+from kvindex.events.wire.vllm import BlockRemoved, BlockStored
 from tests.support.vllm import run_vllm_driver
 
 # vLLM's own code runs in a subprocess: seconds, outside the everyday subset.

@@ -69,7 +69,7 @@ def _serving_child(sim: subprocess.Popen[bytes]) -> int:
         assert sim.poll() is None, "the simulator ended before it started kvindex"
         for child in _children(sim.pid):
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            if b"kvindex.api.cli" in cmdline and not any(b"detach.py" in a for a in cmdline):
+            if b"kvindex.api.serve.cli" in cmdline and not any(b"detach.py" in a for a in cmdline):
                 found.append(child)
                 return True
         return False

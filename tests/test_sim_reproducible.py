@@ -18,7 +18,7 @@ from bench.sim.results import RunResult
 from bench.sim.runner import RunSpec, run
 from bench.sim.workloads import ChatSpec, prepare
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from kvindex.scoring.router import Router
+from kvindex.scoring.route.decision import Router
 
 
 def figures(result: RunResult) -> dict[str, object]:

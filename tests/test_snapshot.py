@@ -12,17 +12,21 @@ import numpy as np
 import pytest
 import zmq
 
-from kvindex.events import EnginePublisher, PodEndpoint, StreamId, Subscriber, SubscriberConfig
-from kvindex.events.gate import Ownership
-from kvindex.events.sink import Delivery
-from kvindex.events.testing import wait_until
-from kvindex.events.wire import AllBlocksCleared, BlockStored, EventBatch
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.gate import Ownership
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire.endpoints import PodEndpoint
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import AllBlocksCleared, BlockStored, EventBatch
 from kvindex.indexer.backend import Change, Op, Tier
 from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.memory.snapshot import SnapshotGate, Snapshotter, StreamPosition
+from kvindex.indexer.memory.snapshot_file import SnapshotError, read_snapshot, write_snapshot
 from kvindex.indexer.models import KeyMode, ModelCatalog, ModelKeying
-from kvindex.indexer.snapshot import SnapshotGate, Snapshotter, StreamPosition
-from kvindex.indexer.snapshot_file import SnapshotError, read_snapshot, write_snapshot
 
 POD = "127.0.0.1:8000"
 LOOPBACK = "tcp://127.0.0.1:0"
@@ -180,7 +184,7 @@ def test_ingestor_state_keeps_what_shapes_future_events() -> None:
     restored_backend.from_state(backend.to_state())
     restored = Ingestor(restored_backend, catalog)
     restored.from_state(ingestor.to_state())
-    from kvindex.events.wire import BlockRemoved
+    from kvindex.events.wire.vllm import BlockRemoved
 
     future = [BlockRemoved([13, 14]), BlockRemoved([21], medium="CPU"), BlockRemoved([12])]
     for seq, event in enumerate(future, len(past)):
@@ -220,7 +224,7 @@ def test_copies_survive_a_round_trip_in_the_index_and_the_token_key_map() -> Non
     restored_backend.from_state(backend.to_state())
     again = Ingestor(restored_backend, catalog)
     again.from_state(ingestor.to_state())
-    from kvindex.events.wire import BlockRemoved
+    from kvindex.events.wire.vllm import BlockRemoved
 
     again.deliver([Delivery(stream, "m", 1, EventBatch(0.0, [BlockRemoved([12])]), 0.0)])
     assert len(restored_backend.member_keys(POD, "m")) == 2  # the second copy of 12
@@ -353,10 +357,10 @@ def test_cuts_taken_while_a_real_stream_applies_match_their_positions_exactly(
 def test_snapshot_settings_that_cannot_work_are_refused_before_anything_starts(
     tmp_path: Path,
 ) -> None:
-    from kvindex.api.cli import _settings_from, build_parser
-    from kvindex.api.config import ConfigError
-    from kvindex.api.service import Service
-    from kvindex.api.settings_load import from_flags
+    from kvindex.api.serve.cli import _settings_from, build_parser
+    from kvindex.api.serve.service import Service
+    from kvindex.api.serve.settings_derived import ConfigError
+    from kvindex.api.serve.settings_sources import from_flags
 
     with pytest.raises(ConfigError, match="memory backend"):
         Service(from_flags(backend="redis://127.0.0.1:6379/15", snapshot=str(tmp_path / "s")))

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.api.service import Service
-from kvindex.api.settings_load import from_flags
-from kvindex.events import BlockStored, EnginePublisher, make_topic
-from kvindex.events.testing import wait_until
-from kvindex.indexer.snapshot_file import read_snapshot
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
+from kvindex.events.ingest.testing import wait_until
+from kvindex.events.wire.identity import make_topic
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
+from kvindex.indexer.memory.snapshot_file import read_snapshot
 from tests.k8s_fake_api import FakeKubeAPI, make_pod
 
 NS = "llm"

@@ -8,12 +8,14 @@ routing to a pod that no longer exists.
 
 from __future__ import annotations
 
-from kvindex.events import StreamId, Subscriber, SubscriberConfig
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.subscriber import Subscriber
+from kvindex.events.wire.identity import StreamId
 from kvindex.indexer.backend import Change, Op, Tier
 from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.memory.snapshot import SnapshotGate, StreamPosition
 from kvindex.indexer.models import ModelCatalog
-from kvindex.indexer.snapshot import SnapshotGate, StreamPosition
 
 GONE = StreamId("127.0.0.1:8000", 0)
 KEPT = StreamId("127.0.0.2:8000", 0)

@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 
 from kvindex.api.testing import ServeProcess, eventually, free_port
-from kvindex.indexer.snapshot_file import read_snapshot, write_snapshot
+from kvindex.indexer.memory.snapshot_file import read_snapshot, write_snapshot
 from tests.support.engine import MODEL, Engine
 
 pytestmark = pytest.mark.slow
 #: Resuming by replay *with the digest check* and the ``incomplete`` state (cleared by
 #: AllBlocksCleared) are the subscriber's side of the resume interface, in
-#: ``events/recovery.py``; the tests of those outcomes run wherever it is present.
+#: ``events/ingest/recovery.py``; the tests of those outcomes run wherever it is present.
 needs_resume_check = pytest.mark.skipif(
-    importlib.util.find_spec("kvindex.events.recovery") is None,
-    reason="the subscriber's resume check (events/recovery.py) is not in this tree",
+    importlib.util.find_spec("kvindex.events.ingest.recovery") is None,
+    reason="the subscriber's resume check (events/ingest/recovery.py) is not in this tree",
 )
 
 INCOMPLETE = ("incomplete", "gapped")  # the subscriber's name for history it lacks

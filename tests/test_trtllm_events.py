@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.events.identity import StreamId
-from kvindex.events.scanned import scan, scanner
-from kvindex.events.sink import Delivery
-from kvindex.events.wire import BatchDecoder, Layout
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.scanned import scan, scanner
+from kvindex.events.wire.vllm import BatchDecoder, Layout
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import HashConfig
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import Engine, KeyMode, ModelCatalog, ModelKeying
 from kvindex.scoring.scorer import Scorer
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from kvindex.api.testing import ServeProcess, eventually, free_port
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import BlockStored
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import (
     NO_EXTRAS,
     BlockExtras,

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.events.identity import StreamId
-from kvindex.events.sink import Delivery
-from kvindex.events.wire import BatchDecoder
+from kvindex.events.ingest.sink import Delivery
+from kvindex.events.wire.identity import StreamId
+from kvindex.events.wire.vllm import BatchDecoder
 from kvindex.indexer.backend import IndexBackend
 from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.memory import MemoryBackend
+from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.models import ModelCatalog, ModelKeying, ReportMode
 from tests.redis_fixtures import redis_backend_factory
 from tests.support.vllm import run_vllm_driver

@@ -16,9 +16,17 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvindex.events import AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored, wire_format
-from kvindex.events.replay import END_SEQ
-from kvindex.events.wire import hash_to_int, hashes_to_ints, tokens_of
+from kvindex.events.ingest.replay_client import END_SEQ
+from kvindex.events.wire.layouts import wire_format
+from kvindex.events.wire.vllm import (
+    AllBlocksCleared,
+    BatchDecoder,
+    BlockRemoved,
+    BlockStored,
+    hash_to_int,
+    hashes_to_ints,
+    tokens_of,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 RELEASES = sorted(

@@ -1,4 +1,4 @@
-"""A serving worker's relay (``api/relay.py``) against a real server on a Unix
+"""A serving worker's relay (``api/serve/primary_relay.py``) against a real server on a Unix
 socket: streamed answers pass chunk by chunk, headers and status as sent, and a client
 that leaves mid-stream closes the relay's own connection, so the server sees it leave
 (the gateway's signal to stop the pod's request)."""
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from kvindex.api.relay import Relay
+from kvindex.api.serve.primary_relay import Relay
 
 
 class StreamingUpstream:

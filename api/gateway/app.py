@@ -26,16 +26,15 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
-from kvindex.api.asgi import ClientLeft, Receive, Scope, receive_body
 from kvindex.api.client import AsyncClient, Retries
 from kvindex.api.gateway.bodies import Endpoint, RouteRequests, lora_adapters, read_body
 from kvindex.api.gateway.client_watch import ClientWatch
 from kvindex.api.gateway.errors import openai_error_body
 from kvindex.api.gateway.headers import RelayedHeaders, forward_headers
 from kvindex.api.gateway.index_transport import IndexTransport
-from kvindex.api.gateway.metrics import GatewayMetrics, Outcome
 from kvindex.api.gateway.pd import PdMode, PrefillOutcome
 from kvindex.api.gateway.pod_http import PodBroken, PodConnections
+from kvindex.api.gateway.request_metrics import GatewayMetrics, Outcome
 from kvindex.api.gateway.routes import (
     LocalRoutes,
     RemoteRoutes,
@@ -44,13 +43,14 @@ from kvindex.api.gateway.routes import (
     TimedRoutes,
 )
 from kvindex.api.gateway.upstream import PodsUnreachable, RelayedResponse, open_upstream
-from kvindex.api.settings import GatewaySettings, Settings
+from kvindex.api.http.asgi import ClientLeft, Receive, Scope, receive_body
+from kvindex.api.serve.settings import GatewaySettings, Settings
 from kvindex.events.errors import ClientError
-from kvindex.scoring.outlier import Outcome as PodOutcome
-from kvindex.scoring.tokenize import TokenizerRegistry
+from kvindex.scoring.prompt.tokenize import TokenizerRegistry
+from kvindex.scoring.route.outlier import Outcome as PodOutcome
 
 if TYPE_CHECKING:
-    from kvindex.api.service import Service
+    from kvindex.api.serve.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class Gateway:
     def remote(cls, index_url: str, settings: Settings) -> Gateway:
         """For ``kvindex gateway --index URL``: decisions over HTTP, tokenizers from the
         config file's ``models:`` (``tokenizer:`` per model) or the local hub cache."""
-        from kvindex.api.config import check_tokenizer_dirs, tokenizer_dirs
+        from kvindex.api.serve.settings_derived import check_tokenizer_dirs, tokenizer_dirs
 
         dirs = tokenizer_dirs(settings)
         check_tokenizer_dirs(dirs)

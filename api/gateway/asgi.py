@@ -7,7 +7,7 @@ gateway's too (an OpenAI client sent it): its 404 or 405 is in OpenAI's error sh
 names what is served. Everything else goes to the inner app (``kvindex serve
 --gateway``), or is an OpenAI-shaped 404 when the gateway runs alone (which then answers
 ``GET /metrics`` and ``GET /openapi.json`` itself). The gateway's requests get
-:class:`kvindex.api.limits.RequestLimits` of their own, so long streamed answers never
+:class:`kvindex.api.http.limits.RequestLimits` of their own, so long streamed answers never
 use up the slots ``/route`` and ``/score`` are answered from.
 """
 
@@ -18,7 +18,11 @@ from collections.abc import Awaitable, Callable
 
 from starlette.responses import JSONResponse, Response
 
-from kvindex.api.asgi import (
+from kvindex.api.gateway.app import Gateway, openai_error
+from kvindex.api.gateway.bodies import Endpoint
+from kvindex.api.gateway.errors import is_openai_path
+from kvindex.api.gateway.openapi import SUPPORTED, gateway_document
+from kvindex.api.http.asgi import (
     ASGIApp,
     ClientLeft,
     Message,
@@ -27,13 +31,9 @@ from kvindex.api.asgi import (
     Send,
     answer_lifespan,
 )
-from kvindex.api.errors import status_of
-from kvindex.api.gateway.app import Gateway, openai_error
-from kvindex.api.gateway.bodies import Endpoint
-from kvindex.api.gateway.errors import is_openai_path
-from kvindex.api.gateway.openapi import SUPPORTED, gateway_document
-from kvindex.api.limits import RequestLimits, gateway_error_body
-from kvindex.api.settings import Settings
+from kvindex.api.http.errors import status_of
+from kvindex.api.http.limits import RequestLimits, gateway_error_body
+from kvindex.api.serve.settings import Settings
 from kvindex.api.version import VERSION
 from kvindex.events.errors import KvindexError
 

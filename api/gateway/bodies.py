@@ -4,7 +4,7 @@ will compute, and the expected output length.
 Only the fields routing needs are decoded (unknown ones are ignored: the body is
 forwarded to the pod byte for byte, and the pod validates it). The prompt becomes token
 ids here, with the model's own tokenizer and chat template rendered as vLLM 0.33 renders
-them (:class:`kvindex.scoring.tokenize.ModelTokenizer`, the code behind ``/score``'s
+them (:class:`kvindex.scoring.prompt.tokenize.ModelTokenizer`, the code behind ``/score``'s
 ``prompt`` and ``messages``). Without a tokenizer for the model, the text itself goes to
 ``/route``, which tokenizes it if the index has one, or falls back to load-only routing.
 So do messages kvindex cannot tokenize (multimodal content, with its media cut out;
@@ -21,11 +21,11 @@ from typing import Any
 
 import msgspec
 
-from kvindex.api.schemas import MAX_OUTPUT_TOKENS, RouteRequest, TokenId
-from kvindex.api.settings import Settings
+from kvindex.api.http.schemas import MAX_OUTPUT_TOKENS, RouteRequest, TokenId
+from kvindex.api.serve.settings import Settings
 from kvindex.events.errors import ClientError, KvindexError
-from kvindex.scoring.conversation import without_media
-from kvindex.scoring.tokenize import ChatOptions, TokenizerRegistry
+from kvindex.scoring.prompt.conversation import without_media
+from kvindex.scoring.prompt.tokenize import ChatOptions, TokenizerRegistry
 
 log = logging.getLogger(__name__)
 

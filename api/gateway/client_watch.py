@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvindex.api.asgi import Receive
+from kvindex.api.http.asgi import Receive
 
 
 class ClientWatch:

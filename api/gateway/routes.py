@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import Histogram
 
 from kvindex.api.client import ApiError, AsyncClient, KvindexClientError, NoCapacity
-from kvindex.api.errors import status_of
-from kvindex.api.route import NoCapacity as Full
-from kvindex.api.route import decide_route, release_prefill, release_route, route_inputs
-from kvindex.api.schemas import RouteRequest, RouteResponse
+from kvindex.api.http.errors import status_of
+from kvindex.api.http.route import NoCapacity as Full
+from kvindex.api.http.route import decide_route, release_prefill, release_route, route_inputs
+from kvindex.api.http.schemas import RouteRequest, RouteResponse
 from kvindex.events.errors import KvindexError, NotFound
-from kvindex.scoring.outlier import Outcome as PodOutcome
+from kvindex.scoring.route.outlier import Outcome as PodOutcome
 
 if TYPE_CHECKING:
-    from kvindex.api.service import Service
+    from kvindex.api.serve.service import Service
 
 
 class RouteRefused(Exception):
@@ -50,7 +50,7 @@ class RouteSource(Protocol):
 
     def done(self, route_id: str, outcome: PodOutcome | None = None) -> None:
         """Release the route, with how its pod answered (its failure record:
-        :mod:`kvindex.scoring.outlier`), without waiting (never raises: a lost release
+        :mod:`kvindex.scoring.route.outlier`), without waiting (never raises: a lost release
         only waits for its TTL). Not a coroutine, so no cancellation can skip it."""
         ...
 

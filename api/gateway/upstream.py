@@ -4,7 +4,7 @@ fails before any byte reached the client), then relay its answer chunk by chunk.
 A request goes to another pod only while nothing of the answer exists yet
 (:func:`open_upstream` says when); once the pod's status line has arrived the answer is
 the pod's, errors included. Every failure and every relayed answer's ending is reported
-against the pod, which may set it aside for a while (:mod:`kvindex.scoring.outlier`).
+against the pod, which may set it aside for a while (:mod:`kvindex.scoring.route.outlier`).
 The relay (:class:`RelayedResponse`) sends the pod's status, its allowlisted headers and
 its body bytes as they arrive, so server-sent events reach the client one at a time; the
 client is watched throughout (:mod:`.client_watch`), and a client that leaves closes the
@@ -24,10 +24,8 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
-from kvindex.api.asgi import Receive, Scope, Send
 from kvindex.api.gateway.client_watch import ClientWatch
 from kvindex.api.gateway.errors import MAX_POD_ERROR_BYTES, pod_error_body
-from kvindex.api.gateway.metrics import Outcome
 from kvindex.api.gateway.pd import DecodeLeg, PdMode, PrefillOutcome, prepare_decode
 from kvindex.api.gateway.pod_http import (
     Header,
@@ -36,9 +34,11 @@ from kvindex.api.gateway.pod_http import (
     PodResponse,
     PodUnreachable,
 )
+from kvindex.api.gateway.request_metrics import Outcome
 from kvindex.api.gateway.routes import RouteRefused, RouteSource
-from kvindex.api.schemas import RouteRequest, RouteResponse
-from kvindex.scoring.outlier import Outcome as PodOutcome
+from kvindex.api.http.asgi import Receive, Scope, Send
+from kvindex.api.http.schemas import RouteRequest, RouteResponse
+from kvindex.scoring.route.outlier import Outcome as PodOutcome
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from kvindex.events.layouts import wire_format
-from kvindex.events.wire import BlockStored
+from kvindex.events.wire.layouts import wire_format
+from kvindex.events.wire.vllm import BlockStored
 from kvindex.indexer.keys import BlockHasher, HashConfig
 
 BLOCK = 16

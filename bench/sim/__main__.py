@@ -64,7 +64,7 @@ from bench.sim.workloads import (
     workload_stats,
 )
 from kvindex.indexer.keys import BlockHasher, HashConfig
-from kvindex.scoring.route_cost import CostWeights
+from kvindex.scoring.route.cost import CostWeights
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "out"
 DEFAULT_LOADS = "0.25,0.5,0.75,1,1.25,1.5,2,3"

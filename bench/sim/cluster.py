@@ -1,6 +1,6 @@
 """The simulated pods of one run, and their event streams.
 
-Every pod publishes through a real :class:`~kvindex.events.EnginePublisher` (a PUB
+Every pod publishes through a real :class:`~kvindex.events.wire.publisher.EnginePublisher` (a PUB
 socket that connects to kvindex's bound SUB socket, topic ``kv@<pod>@<model>``, one
 seq per batch, a replay ROUTER on a free loopback port) when the run goes through
 kvindex. Runs whose policies never ask the index drop the events instead of publishing
@@ -26,8 +26,8 @@ from bench.sim.pod import SimPod
 from bench.sim.pool import BlockPool, Event
 from bench.sim.service import IndexClient, ServiceError
 from bench.sim.streams import IndexSync
-from kvindex.events.identity import make_topic
-from kvindex.events.publisher import EnginePublisher
+from kvindex.events.wire.identity import make_topic
+from kvindex.events.wire.publisher import EnginePublisher
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvindex.events.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 

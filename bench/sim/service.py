@@ -66,7 +66,7 @@ class KvindexProcess:
                 "--model-config", self._config_path,
                 "--log-level", "warning",
                 *extra_args,
-                command=_detached(sys.executable, "-m", "kvindex.api.cli", "serve"),
+                command=_detached(sys.executable, "-m", "kvindex.api.serve.cli", "serve"),
             )  # fmt: skip
             self.pid = self._server.process.pid
             self.url = self._server.url

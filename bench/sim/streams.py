@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 
 from bench.sim.pool import Event
 from bench.sim.service import IndexClient, ServiceError
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored
 
 #: Decisions between two refreshes of every pod's applied seq (forgets applied batches).
 REFRESH_EVERY = 64

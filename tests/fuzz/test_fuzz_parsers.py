@@ -1,12 +1,12 @@
 """Each compiled parser fuzzed against its Python twin, for a bounded time.
 
-Targets: the KV-event payload scanner (``events/_wire_scan.c``'s ``scan``, against
+Targets: the KV-event payload scanner (``events/wire/_wire_scan.c``'s ``scan``, against
 msgspec), the receiver's compiled drain (the same file's ``drain``: framing, seq,
 grouping, against pyzmq's receive and the door's checks), the ``/score`` body reader
-(``api/_json_tokens.c``, against msgspec), the block-hash chain (``indexer/_chain.c``,
+(``api/http/_json_tokens.c``, against msgspec), the block-hash chain (``indexer/_chain.c``,
 against pickle/cbor2 + hashlib), the memory table's probing kernels
-(``indexer/_probe.c``, against numpy) and the Redis reply reader
-(``indexer/_redis_lookup.c``, against hiredis and ``redis_read.rows_of``).
+(``indexer/memory/_probe.c``, against numpy) and the Redis reply reader
+(``indexer/redis/_redis_lookup.c``, against hiredis and ``redis_read.rows_of``).
 
 For every input, both sides either refuse it in their documented way or give equal
 answers; a crash, a hang (the test's thread timeout) or a divergence fails. Each target
@@ -38,16 +38,16 @@ import msgspec
 import pytest
 import zmq
 
-from kvindex.api import json_tokens
-from kvindex.api.schemas import RouteRequest, ScoreRequest
-from kvindex.events import drain as drain_module
-from kvindex.events import scanned as scanned_module
-from kvindex.events.config import SubscriberConfig
-from kvindex.events.door import Door, Source
-from kvindex.events.ratelog import RateLimitedLog
-from kvindex.events.receiver import Receiver
-from kvindex.events.status import IngestHealth, ReasonCounts
-from kvindex.events.wire import (
+from kvindex.api.http import json_tokens
+from kvindex.api.http.schemas import RouteRequest, ScoreRequest
+from kvindex.events.ingest import drain as drain_module
+from kvindex.events.ingest.config import SubscriberConfig
+from kvindex.events.ingest.door import Door, Source
+from kvindex.events.ingest.ratelog import RateLimitedLog
+from kvindex.events.ingest.receiver import Receiver
+from kvindex.events.ingest.status import IngestHealth, ReasonCounts
+from kvindex.events.wire import scanned as scanned_module
+from kvindex.events.wire.vllm import (
     BatchDecoder,
     BlockStored,
     DecodeError,
@@ -58,9 +58,9 @@ from kvindex.events.wire import (
 from kvindex.indexer import compiled
 from kvindex.indexer.backend import Change, Op, Tier
 from kvindex.indexer.keys import BlockExtras, BlockHasher, ExtraKeyStyle, HashAlgo
-from kvindex.indexer.memory import MemoryBackend
-from kvindex.indexer.redis_compiled import kernels
-from kvindex.indexer.redis_read import rows_of
+from kvindex.indexer.memory.backend import MemoryBackend
+from kvindex.indexer.redis.compiled import kernels
+from kvindex.indexer.redis.read import rows_of
 from tests.fuzz import corpus
 from tests.fuzz.mutations import mutate_bytes, mutated_json, mutated_msgpack
 from tests.test_events_scan import check_never_looser
@@ -136,7 +136,7 @@ def check_payload(payload: bytes) -> None:
     check_never_looser(payload)  # the scanner takes it whole and agrees, or declines
 
 
-@needs(scanned_module.scanner, "events/_wire_scan.c")
+@needs(scanned_module.scanner, "events/wire/_wire_scan.c")
 def test_fuzz_wire_scan() -> None:
     fuzz("wire_scan", PAYLOADS, lambda rng: mutated_msgpack(PAYLOADS, rng), check_payload)
 
@@ -248,12 +248,12 @@ def check_drain(rig: ReceiverRig, monkeypatch: pytest.MonkeyPatch, messages: lis
     assert compiled_path == pure
 
 
-@needs(drain_module.drain(), "events/_wire_scan.c's drain")
+@needs(drain_module.drain(), "events/wire/_wire_scan.c's drain")
 def test_fuzz_drain(rig: ReceiverRig, monkeypatch: pytest.MonkeyPatch) -> None:
     fuzz("drain", MESSAGE_RUNS, mutated_messages, lambda m: check_drain(rig, monkeypatch, m))
 
 
-@needs(drain_module.drain(), "events/_wire_scan.c's drain")
+@needs(drain_module.drain(), "events/wire/_wire_scan.c's drain")
 def test_the_drain_does_not_group_seq_0_after_the_last_seq(rig: ReceiverRig) -> None:
     """Seq 2**64 - 1 then 0 from one sender are two deliveries, as pyzmq's path sees
     them (seq going back: a restart), not one group whose second batch is seq 2**64."""
@@ -266,7 +266,7 @@ def test_the_drain_does_not_group_seq_0_after_the_last_seq(rig: ReceiverRig) -> 
 # -- /score and /route bodies: the token reader against msgspec ----------------------------
 
 
-@needs(json_tokens.reader, "api/_json_tokens.c")
+@needs(json_tokens.reader, "api/http/_json_tokens.c")
 def test_fuzz_json_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     def check(body: bytes) -> None:
         for kind in (ScoreRequest, RouteRequest):
@@ -364,7 +364,7 @@ def table_workload(rng: random.Random) -> tuple[list[list[Change]], list[list[in
     return steps, probes
 
 
-@needs(compiled.probe, "indexer/_probe.c")
+@needs(compiled.probe, "indexer/memory/_probe.c")
 def test_fuzz_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     def check(workload: tuple) -> None:
         steps, probes = workload
@@ -469,7 +469,7 @@ def check_resp(case: tuple[bytes, int, int, bytes, int]) -> None:
     assert (parsed[1], parsed[2]) == rows_of(values, order, per_key)
 
 
-@needs(kernels, "indexer/_redis_lookup.c")
+@needs(kernels, "indexer/redis/_redis_lookup.c")
 def test_fuzz_redis_replies() -> None:
     seeds = [(r, 1, 0, b"", 1) for r in corpus.RESP_REPLIES]
     seeds += [lookup_case(random.Random(i)) for i in range(4)]
@@ -490,7 +490,7 @@ NOT_RESP = [
 ]
 
 
-@needs(kernels, "indexer/_redis_lookup.c")
+@needs(kernels, "indexer/redis/_redis_lookup.c")
 @pytest.mark.parametrize("reply", NOT_RESP)
 def test_the_reply_reader_refuses_what_hiredis_refuses(reply: bytes) -> None:
     assert _hiredis_replies(reply, 2) == "bad"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 from kvindex.api.testing import free_port
-from kvindex.events.publisher import EnginePublisher
-from kvindex.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvindex.events.wire.publisher import EnginePublisher
+from kvindex.events.wire.vllm import AllBlocksCleared, BlockRemoved, BlockStored
 
 MODEL = "acme/chat-7b"
 

@@ -1,0 +1,2 @@
+"""Running kvindex: settings, the composition root, serving workers, metrics wiring, the
+CLI."""

@@ -1,0 +1,1 @@
+"""Kubernetes pod discovery: which pods publish events, and where."""

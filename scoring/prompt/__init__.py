@@ -1,0 +1,1 @@
+"""Prompts to token ids as vLLM makes them: tokenizer, chat templates, conversations."""

@@ -1,0 +1,2 @@
+"""The /route decision: cost model, candidate pass, routing state (in flight, sessions,
+speculative entries)."""

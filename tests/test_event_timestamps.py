@@ -8,7 +8,6 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from kvindex.api.serve.service_metrics import InstrumentedSink
 from kvindex.events.ingest.config import SubscriberConfig
 from kvindex.events.ingest.subscriber import Subscriber
 from kvindex.events.ingest.testing import RecordingSink
@@ -16,6 +15,7 @@ from kvindex.events.wire.endpoints import PodEndpoint
 from kvindex.events.wire.publisher import EnginePublisher
 from kvindex.events.wire.timestamps import MAX_CLOCK_SKEW_S, timestamp_problem
 from kvindex.events.wire.vllm import BlockStored
+from kvindex.indexer.instrumented import InstrumentedSink
 
 NOW = 1_800_000_000.0
 DAY = 86_400.0

@@ -26,7 +26,6 @@ from kvindex.api.serve.route_metrics import (
 )
 from kvindex.api.serve.service_metrics import (
     IndexWorkCollector,
-    InstrumentedSink,
     PeerRecoveryCollector,
     RedisCollector,
     ScoreMetrics,
@@ -52,6 +51,7 @@ from kvindex.events.ingest.config import SubscriberConfig
 from kvindex.events.ingest.subscriber import Subscriber
 from kvindex.indexer.backend import BackendError, IndexBackend
 from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.instrumented import InstrumentedSink
 from kvindex.indexer.kv_groups import is_group_namespace
 from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.indexer.memory.snapshot import IndexImage, SnapshotGate, Snapshotter

@@ -2,24 +2,22 @@
 
 The subscriber, the ingestor, the hash check and the backend keep plain counters; a
 collector reads them at scrape time, so the hot paths pay nothing for metrics. Only
-what must be observed as it happens (event lag, score latency) is recorded inline, by
-a wrapper around the sink and by the /score handler. Per-pod series carry only a pod
-label (and tier or state), so cardinality is bounded by the number of pods.
+what must be observed as it happens is recorded inline: score latency by the /score
+handler, event lag by the wrapper around the sink (:mod:`kvindex.indexer.instrumented`).
+Per-pod series carry only a pod label (and tier or state), so cardinality is bounded by
+the number of pods.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvindex.events.ingest.sink import BatchSink, Delivery
-from kvindex.events.wire.identity import StreamId
-from kvindex.events.wire.timestamps import TIMESTAMP_PROBLEMS, timestamp_problem
 from kvindex.indexer.backend import MemberStats, Tier
 
 if TYPE_CHECKING:
@@ -32,10 +30,8 @@ if TYPE_CHECKING:
     from kvindex.indexer.redis.backend import RedisBackend
     from kvindex.indexer.redis.leases import RedisLeases
     from kvindex.indexer.verify import HashVerifier
-    from kvindex.scoring.route.event_lag import EventLag
     from kvindex.scoring.scorer import ScoreResult
 
-_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _SCORE_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.008, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 _STREAM_STATES = (
     "live",
@@ -144,61 +140,6 @@ def register_process_metrics(registry: CollectorRegistry, version: str, backend:
     )
     info.labels(version, backend.partition(":")[0].removesuffix("s")).set(1)
     ProcessCollector(registry=registry)
-
-
-class InstrumentedSink:
-    """Wraps a BatchSink to record event lag (now - the engine's batch timestamp).
-
-    Timestamps that are no clock reading (NaN, ±inf, <= 0, a day or more away from now:
-    :mod:`kvindex.events.wire.timestamps`) are counted by reason instead, so one broken
-    engine clock cannot wreck the lag histogram for every pod.
-    """
-
-    def __init__(
-        self,
-        inner: BatchSink,
-        registry: CollectorRegistry,
-        clock: Callable[[], float] = time.time,
-        lag: EventLag | None = None,
-    ) -> None:
-        self._inner = inner
-        self._clock = clock
-        self._last_lag = lag  # each member's latest lag, for /route's staleness check
-        self._lag = Histogram(
-            "kvindex_event_lag_seconds",
-            "Delay from an engine making a batch to kvindex applying it (clock skew included).",
-            buckets=_LAG_BUCKETS,
-            registry=registry,
-        )
-        bad = Counter(
-            "kvindex_event_bad_timestamps",
-            "Batches whose engine timestamp is no clock reading, left out of the event lag, "
-            "by reason (not_a_number, infinite, not_positive, too_old, in_the_future).",
-            ["reason"],
-            registry=registry,
-        )
-        self._bad_ts = {reason: bad.labels(reason) for reason in TIMESTAMP_PROBLEMS}
-
-    def deliver(self, deliveries: Sequence[Delivery]) -> None:
-        self._inner.deliver(deliveries)
-        now = self._clock()
-        observe = self._lag.observe
-        for delivery in deliveries:
-            batch = delivery.batch
-            # One observation per engine batch, also when a delivery holds several.
-            for ts in batch.timestamps if delivery.batches > 1 else (batch.ts,):  # type: ignore[union-attr]
-                problem = timestamp_problem(ts, now)
-                if problem is None:
-                    observe(max(0.0, now - ts))
-                    if self._last_lag is not None and not delivery.replayed:
-                        self._last_lag.record(delivery.stream.member, now - ts, ts)
-                else:
-                    self._bad_ts[problem].inc()
-
-    def reset(self, stream: StreamId, reason: str) -> None:
-        self._inner.reset(stream, reason)
-        if self._last_lag is not None:
-            self._last_lag.forget(stream.member)
 
 
 class ServiceCollector(Collector):

@@ -1,10 +1,10 @@
 /* A JSON /score or /route body's token_ids or block_hashes array read straight into
  * native integers (api/http/json_tokens.py wraps it).
  *
- * Why C: msgspec decodes an 8,192-token body's array into 8,192 Python ints (~90 ns
- * each, ~0.75 ms of the request), and the compiled hash chain then reads them back one
- * by one; 512 block hashes cost ~20 us, then a range check and the lookup's reading
- * them back. Here the array's digits become native uint32s (token ids) or uint64s
+ * Why C: msgspec decodes a long body's array into one Python int per item, and the
+ * compiled hash chain (or the range check and the lookup) then reads them back one by
+ * one: most of a request's CPU (bench/README.md). Here the array's digits become
+ * native uint32s (token ids) or uint64s
  * (block hashes) in one pass, and msgspec decodes what is left of the body, with the
  * array replaced by null (a few dozen bytes); the caller sets the field afterwards.
  *
@@ -23,8 +23,8 @@
  * its value an array of plain non-negative integers (digits only, no leading zero, no
  * fraction or exponent, at most 2**32 - 1 or 2**64 - 1); block hashes may also be hex
  * strings that the schema's pattern takes, without escapes, which become their low 64
- * bits as api/http/score_inputs.py's block_keys makes them (hex was the slow form: msgspec's
- * pattern check and a Python loop cost ~0.4 ms for 512 hashes). Being stricter than
+ * bits as api/http/score_inputs.py's block_keys makes them (hex was the slow form:
+ * msgspec's pattern check and a Python loop per hash). Being stricter than
  * msgspec only costs speed. Anything wrong elsewhere in the body (a bad field, malformed
  * JSON after the array) is still in the rest, so msgspec rejects the rest and the caller
  * decodes the whole body to give msgspec's own error for it.

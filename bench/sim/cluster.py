@@ -16,6 +16,7 @@ or what a decision on given block keys depends on: :mod:`bench.sim.streams`).
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -56,10 +57,13 @@ class ClusterSpec:
         engine for ``stream_idle_s`` (an hour). Pods of every run on 127.0.0.1 filled
         that cap after 16 runs of 4 pods; from then on kvindex dropped every event of
         the new pods and each decision waited out the sync deadline.
+
+        The second octet follows the process id, so two simulations on one machine (two
+        test workers) never bind the same pod address.
         """
         if not 0 <= n < 250 * 256:
             raise ValueError(f"run number {n} out of range")
-        host = f"127.1.{n // 250}.{n % 250 + 1}"
+        host = f"127.{1 + os.getpid() % 250}.{n // 250}.{n % 250 + 1}"
         return replace(self, host=host, first_port=10_000 + (n % 2_000) * 16)
 
 

@@ -5,6 +5,8 @@ agreement between the index and the simulated pods."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from bench.sim.workloads import (
     Workload,
     prepare,
 )
+from kvindex.api.testing import free_port
 from kvindex.events.ingest.sink import Delivery
 from kvindex.events.ingest.testing import wait_until
 from kvindex.events.wire.identity import StreamId
@@ -332,6 +335,47 @@ def test_kvindex_scrapes_exactly_the_tick_the_pods_serve() -> None:
     finally:
         view.stop()
         servers.close()
+
+
+@pytest.mark.timeout(60)
+def test_only_kvindex_own_scrapes_prove_it_stored_the_tick() -> None:
+    """Another client on the host GETting the pods' pages (another run's kvindex
+    scraping the same pod addresses) proves nothing: ``wait_scraped`` waits for the
+    scraper process named, and kvindex then holds the tick's gauges."""
+    pods = [SimPod(f"127.0.0.1:{free_port()}", i, BlockPool(64, BS), CostModel()) for i in range(2)]
+    scrapes = ScrapeClock(pods, 0.05)
+    servers = PodMetricsServers(pods, "m", hold_s=0.2, scraper_pid=os.getpid())
+    view = LoadView(interval_s=0.005, timeout_s=5.0, stale_after_s=60.0)
+    view.set_pods([p.pod_id for p in pods])
+    try:
+        view.start()
+        scrapes.advance(0.0)
+        servers.publish(scrapes)
+        assert servers.wait_scraped(10.0)
+        view.stop()  # kvindex stops scraping; only the other client asks from here on
+        pods[1].waiting.append(Job(keyed([1, 2, 3, 4, 5], [1]), 0.0, 1))
+        scrapes.advance(0.05)
+        servers.publish(scrapes)
+        other = [f"http://{p.pod_id}/metrics" for p in pods for _ in range(2)]
+        subprocess.run([sys.executable, "-c", _GET_EACH, *other], check=True, timeout=30)
+        assert not servers.wait_scraped(0.3)  # its GETs are not kvindex's
+        loads = view.snapshot([p.pod_id for p in pods])
+        assert [loads[p.pod_id].waiting for p in pods] == [0, 0]  # type: ignore[union-attr]
+        view.start()
+        assert servers.wait_scraped(10.0)
+        loads = view.snapshot([p.pod_id for p in pods])
+        assert [loads[p.pod_id].waiting for p in pods] == [0, 1]  # type: ignore[union-attr]
+    finally:
+        view.stop()
+        servers.close()
+
+
+#: A client in another process: GET each URL given, in order.
+_GET_EACH = """
+import sys, urllib.request
+for url in sys.argv[1:]:
+    urllib.request.urlopen(url, timeout=10).read()
+"""
 
 
 def test_lag_keeps_a_pods_batches_in_order() -> None:

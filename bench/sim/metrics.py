@@ -18,9 +18,12 @@ clock does, a scrape of a pod already served this tick is held until the next ti
 ``hold_s``, then served again), and before a kvindex decision the runner waits until
 kvindex has *stored* the current tick (:meth:`PodMetricsServers.wait_scraped`): every
 pod served it, and then asked again - kvindex's scraper starts a round only after
-storing the previous one. kvindex runs with a scrape interval of a few ms of wall time
-and a staleness limit far above the hold, so its load view never goes stale in wall
-time while the simulation is busy elsewhere.
+storing the previous one. Only kvindex's own connections count (:class:`ScraperCheck`):
+anyone else on the host may GET a pod's page (another run's kvindex scraping the same
+pod addresses), and such a GET proves nothing about what this kvindex stored. kvindex
+runs with a scrape interval of a few ms of wall time and a staleness limit far above the
+hold, so its load view never goes stale in wall time while the simulation is busy
+elsewhere.
 
 The page holds what ``kvindex.scoring.load_metrics`` reads from vLLM 0.33's Prometheus
 logger: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
@@ -35,6 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -147,8 +153,12 @@ class _Board:
         self.hold_s = hold_s
         self.closed = False
 
-    def serve(self, i: int) -> bytes:
+    def serve(self, i: int, scraper: bool = True) -> bytes:
+        """Pod ``i``'s page. Only kvindex's ``scraper`` moves the board (and is held
+        once served this tick); anyone else just reads the page."""
         with self.cond:
+            if not scraper:
+                return self.pages[i]
             if self.served[i] == self.tick and not self.back[i]:
                 self.back[i] = True
                 self.cond.notify_all()
@@ -184,13 +194,76 @@ class _Board:
             self.cond.notify_all()
 
 
+class ScraperCheck:
+    """Tells whether a connection to a pod's server comes from the kvindex process
+    ``pid``: the client end's socket is one of that process's open files.
+
+    Read from Linux's ``/proc`` (the TCP table gives the client socket's inode, the
+    process's fd links name its sockets), once per connection: kvindex's scraper keeps
+    its connections open. Where ``/proc`` cannot tell (another OS, no permission),
+    every connection counts, as if kvindex were the only client."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __call__(self, connection: socket.socket) -> bool:
+        try:
+            client_end, server_end = connection.getpeername(), connection.getsockname()
+            inode = _client_inode(client_end, server_end)
+            if inode is None:
+                return True  # no TCP table to read: cannot tell
+            fds = f"/proc/{self.pid}/fd"
+            names = os.listdir(fds)
+        except (OSError, ValueError):
+            return True
+        wanted = f"socket:[{inode}]"
+        for name in names:
+            with contextlib.suppress(OSError):  # an fd closed while we look
+                if os.readlink(f"{fds}/{name}") == wanted:
+                    return True
+        return False
+
+
+def _client_inode(client_end: tuple[str, int], server_end: tuple[str, int]) -> str | None:
+    """The inode of the socket whose local end is ``client_end`` and remote end
+    ``server_end`` in ``/proc/net/tcp`` (IPv4: the pods' servers listen on IPv4);
+    "0" when no open socket is listed, None when the table cannot be read."""
+    try:
+        with open("/proc/net/tcp") as table:
+            lines = table.read().splitlines()[1:]
+    except OSError:
+        return None
+    local, remote = _tcp_table_address(*client_end), _tcp_table_address(*server_end)
+    for line in lines:
+        fields = line.split()
+        # inode 0: a closed connection's TIME_WAIT entry, which may share the address pair
+        if len(fields) > 9 and fields[1] == local and fields[2] == remote and fields[9] != "0":
+            return fields[9]
+    return "0"
+
+
+def _tcp_table_address(host: str, port: int) -> str:
+    """``host:port`` as ``/proc/net/tcp`` writes it: the address as a native-order u32
+    and the port, both in upper-case hex."""
+    (address,) = struct.unpack("=I", socket.inet_aton(host))
+    return f"{address:08X}:{port:04X}"
+
+
 class PodMetricsServers:
     """One HTTP server per pod on the pod id's own port serving the tick's page;
-    ``close`` stops them."""
+    ``close`` stops them. ``scraper_pid``: the kvindex process whose scrapes
+    :meth:`wait_scraped` waits for (None: any client's, for a scraper in this process)."""
 
-    def __init__(self, pods: Sequence[SimPod], model: str, hold_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        pods: Sequence[SimPod],
+        model: str,
+        hold_s: float = 0.2,
+        scraper_pid: int | None = None,
+    ) -> None:
         self.model = model
         self._board = _Board(len(pods), hold_s)
+        scraper = ScraperCheck(scraper_pid) if scraper_pid is not None else None
         self._servers: list[ThreadingHTTPServer] = []
         self.waits = 0  # decisions that waited for kvindex to store a new tick
         self.timeouts = 0
@@ -198,7 +271,7 @@ class PodMetricsServers:
         try:
             for i, pod in enumerate(pods):
                 host, _, port = pod.pod_id.rpartition(":")
-                server = ThreadingHTTPServer((host, int(port)), _handler(self._board, i))
+                server = ThreadingHTTPServer((host, int(port)), _handler(self._board, i, scraper))
                 server.daemon_threads = True
                 # polled every 50 ms: close() waits for one poll per server
                 threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
@@ -234,18 +307,21 @@ class PodMetricsServers:
         self._servers = []
 
 
-def _handler(board: _Board, i: int) -> type[BaseHTTPRequestHandler]:
+def _handler(board: _Board, i: int, scraper: ScraperCheck | None) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         # Keep-alive: kvindex's scraper reuses its connection, so a scrape is one request
         # on a connection thread that lives as long as the run (not a thread each).
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True  # headers and body go in two writes
+        from_scraper: bool | None = None  # per connection (one handler each), asked once
 
         def do_GET(self) -> None:  # the stdlib handler's name
             if self.path.split("?")[0] != "/metrics":
                 self.send_error(404)
                 return
-            body = board.serve(i)
+            if self.from_scraper is None:
+                self.from_scraper = scraper is None or scraper(self.connection)
+            body = board.serve(i, self.from_scraper)
             # A scraper may hang up mid-answer (kvindex stopped at the end of a run, or
             # a scrape past its timeout): nothing to report, and no traceback to print.
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):

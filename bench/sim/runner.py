@@ -144,7 +144,10 @@ def run(
         stack.callback(cluster.close)
         metrics = None
         if routes:
-            metrics = PodMetricsServers(cluster.pods, spec.model)
+            assert service is not None  # a kvindex-route run starts its own (above)
+            # Only this run's kvindex proves it stored a tick (another on the host may
+            # scrape the same pod addresses).
+            metrics = PodMetricsServers(cluster.pods, spec.model, scraper_pid=service.pid)
             stack.callback(metrics.close)
         policies = [
             build_policy(

@@ -417,7 +417,7 @@ def test_small_comparison_through_kvindex(vllm_version: str) -> None:
     )
     prepared = prepare(spec.build(3, "chat"), hasher(16))
     # Small pools: evictions happen, so BlockRemoved reaches the index too.
-    cluster = ClusterSpec(pods=3, blocks_per_pod=96, block_size=16)
+    cluster = ClusterSpec(pods=3, blocks_per_pod=96, block_size=16).for_run(1)
     seen: dict[str, object] = {}
 
     def inspect(sim: Cluster, client: IndexClient) -> None:

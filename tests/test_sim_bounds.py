@@ -70,7 +70,7 @@ def test_no_simulated_policy_beats_the_bounds(policy: str) -> None:
         sessions_per_s=4.0,
     )  # fmt: skip
     p = prepare(spec.build(5, "chat"), BlockHasher(HashConfig(block_size=16)))
-    cluster = ClusterSpec(pods=2, blocks_per_pod=48, block_size=16)
+    cluster = ClusterSpec(pods=2, blocks_per_pod=48, block_size=16).for_run(2)
     result = run(p, RunSpec("tiny", policy, cluster, lag=LagModel(0.0)))
     order = [p.by_rid[rid] for _, rid in sorted(result.arrivals)]
     ideal = prefill_bound(order, 16, None)

@@ -53,7 +53,7 @@ def test_kvindex_route_gives_the_same_figures_for_a_seed() -> None:
         sessions_per_s=4.0,
     )
     prepared = prepare(spec.build(5, "chat"), BlockHasher(HashConfig(block_size=16)))
-    cluster = ClusterSpec(pods=3, blocks_per_pod=128, block_size=16)
+    cluster = ClusterSpec(pods=3, blocks_per_pod=128, block_size=16).for_run(3)
     runs = [
         run(prepared, RunSpec("tiny", "kvindex-route", cluster, seed=5, lag=LagModel(0.0)))
         for _ in range(2)

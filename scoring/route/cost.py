@@ -89,6 +89,25 @@ def pod_cost(
     return pod_costs([inputs], prompt_tokens, block_size, weights, load_only, future_tokens)[0]
 
 
+def request_constants(
+    prompt_tokens: int, block_size: int, weights: CostWeights, load_only: bool
+) -> tuple[int, int, float, float, float, float]:
+    """What :func:`pod_costs` computes once per request: the prompt's blocks, the cap on
+    reusable blocks, and each term's weight per prompt token (the prefix term's is 0
+    when the index is not trusted). The compiled loop is handed the same values."""
+    if prompt_tokens > 0:
+        total_blocks = -(-prompt_tokens // block_size)
+        cap = (prompt_tokens - 1) // block_size
+        per_token = 1.0 / prompt_tokens
+    else:
+        total_blocks = cap = 0
+        per_token = 0.0
+    return (
+        total_blocks, cap, 0.0 if load_only else weights.prefix * per_token,
+        weights.queue * per_token, weights.decode * per_token, weights.kv,
+    )  # fmt: skip
+
+
 def pod_costs(
     pods: list[PodInputs],
     prompt_tokens: int,
@@ -101,16 +120,9 @@ def pod_costs(
     computed once and the loop body is plain arithmetic. The formula's one Python
     reference: ``scoring/route/_route_pass.c`` computes the same float operations in the same
     order, and ``tests/test_route_pass.py`` holds the two equal."""
-    if prompt_tokens > 0:
-        total_blocks = -(-prompt_tokens // block_size)
-        cap = (prompt_tokens - 1) // block_size
-        per_token = 1.0 / prompt_tokens
-    else:
-        total_blocks = cap = 0
-        per_token = 0.0
-    w_prefix = 0.0 if load_only else weights.prefix * per_token
-    w_queue = weights.queue * per_token
-    w_decode, w_kv = weights.decode * per_token, weights.kv
+    total_blocks, cap, w_prefix, w_queue, w_decode, w_kv = request_constants(
+        prompt_tokens, block_size, weights, load_only
+    )
     busiest_sharing, busiest_queued = 0.0, 0
     if any(p.waiting is None for p in pods):
         busiest_sharing, busiest_queued = busiest_known(

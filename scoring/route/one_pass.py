@@ -19,7 +19,13 @@ from functools import partial
 from typing import Generic, TypeVar
 
 from kvindex.scoring.load import PodLoad, Unknown
-from kvindex.scoring.route.cost import CostWeights, PodInputs, busiest_known, pod_costs
+from kvindex.scoring.route.cost import (
+    CostWeights,
+    PodInputs,
+    busiest_known,
+    pod_costs,
+    request_constants,
+)
 from kvindex.scoring.route.decision import Reason, Router, prefer_included
 from kvindex.scoring.route.event_lag import Lag
 from kvindex.scoring.route.inflight import InFlight
@@ -145,19 +151,11 @@ def _kernel_consts(
     future_tokens: float,
     busiest: tuple[float, int],
 ) -> tuple:
-    """The compiled loop's per-request constants: :func:`~kvindex.scoring.route.cost.pod_costs`'s,
-    computed as it computes them, and admission's limits."""
-    if prompt_tokens > 0:
-        total_blocks = -(-prompt_tokens // block_size)
-        cap = (prompt_tokens - 1) // block_size
-        per_token = 1.0 / prompt_tokens
-    else:
-        total_blocks = cap = 0
-        per_token = 0.0
+    """The compiled loop's per-request constants: :func:`~kvindex.scoring.route.cost.pod_costs`'s
+    (:func:`~kvindex.scoring.route.cost.request_constants`) and admission's limits."""
     return (
-        load_only, prompt_tokens, block_size, total_blocks, cap,
-        0.0 if load_only else weights.prefix * per_token, weights.queue * per_token,
-        weights.decode * per_token, weights.kv,
+        load_only, prompt_tokens, block_size,
+        *request_constants(prompt_tokens, block_size, weights, load_only),
         max_kv, max_waiting, PENDING_WAITING, future_tokens, *busiest,
     )  # fmt: skip
 

@@ -4,7 +4,6 @@ agreement between the index and the simulated pods."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -534,27 +533,3 @@ def test_command_line_runs_a_partial_comparison(tmp_path: Path) -> None:
     assert code == 0
     assert (tmp_path / "routing.md").read_text().count("| greedy-perfect |") == 1
     assert '"claims"' in (tmp_path / "routing.json").read_text()
-
-
-@pytest.mark.slow
-def test_quick_mode_runs_every_study_end_to_end(tmp_path: Path) -> None:
-    """The issue's CI smoke: ``--quick`` runs all four studies (the standard table, the
-    load sweeps, the replica and fault studies) through a real kvindex, prints every
-    claim, and the index agrees block for block with the pods after every run."""
-    code = main(["--quick", "--no-png", "--no-progress", "--out", str(tmp_path)])
-    assert code == 0
-    report = (tmp_path / "routing.md").read_text()
-    for heading in (
-        "**docqa:",
-        "**chat-load: load sweep",
-        "**shared-load: load sweep",
-        "**agent-load: load sweep",
-        "**replicas study:",
-        "**faults study:",
-    ):
-        assert heading in report, heading
-    claims = json.loads((tmp_path / "routing.json").read_text())["claims"]
-    assert [c["name"][:1] for c in claims[:4]] == ["1", "2", "3", "4"]
-    agreement = claims[-1]
-    assert agreement["passed"], agreement["detail"]
-    assert "no sync timed out" in agreement["detail"]

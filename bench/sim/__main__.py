@@ -1,7 +1,7 @@
 """``python -m bench.sim``: routing policies on a simulated vLLM cluster, under load.
 
     python -m bench.sim                          # the whole comparison (see bench/README.md)
-    python -m bench.sim --quick                  # a small version of everything, < 1 min
+    python -m bench.sim --quick                  # a small version of everything (minutes)
     python -m bench.sim --scenarios chat,docqa --sweep none   # some standard scenarios
     python -m bench.sim --loads 0.5,1,2 --seeds 3 # the load sweep with CIs
     python -m bench.sim --list                   # scenarios and their parameters

@@ -15,10 +15,10 @@ around ``scrape_errors`` and ``snapshot``: this module holds no registry.
 
 A pod that pushes its load has two records, each with one writer: the scraper's and the
 push thread's. ``snapshot`` picks, without a lock: the pushed record while it is fresh
-(every rank heard within ``stale_after_s``: SGLang sends a changed gauge at once and an
-unchanged one every second, so a live push is never older news than a scrape), else the
-scrape while it is fresh, else Unknown. The pushed record carries the scrape's
-``started`` (a pod's restart is seen on its ``/metrics`` page only).
+(every rank heard within ``stale_after_s``, and at least :data:`PUSH_FRESH_S`: SGLang
+sends a changed gauge at once and an unchanged one every second, so a live push is never
+older news than a scrape), else the scrape while it is fresh, else Unknown. The pushed
+record is read with the scrape's ``started`` (a restart shows on ``/metrics`` only).
 """
 
 from __future__ import annotations
@@ -88,6 +88,11 @@ class _PodState:
     silent_in_a_row: int = 0  # scrapes timed out since its last answer
 
 
+#: The least time a push stays fresh: three of SGLang 0.5.23's one-second heartbeats
+#: (``LOAD_PUBLISH_HEARTBEAT_S``, the interval it re-sends an unchanged LoadStat at), so an
+#: idle pod's push does not lapse between two of them under a short --load-stale-after.
+PUSH_FRESH_S = 3.0
+
 #: Scrapes in a row that time out, of a pod that answered one before, that report it to
 #: the outlier detector as a timeout: a frozen engine answers neither requests nor
 #: /metrics, and a non-streamed request would otherwise learn it only at the gateway's
@@ -122,6 +127,7 @@ class LoadView:
         self.timeout_s = timeout_s
         # Three missed rounds before a pod counts as unknown: one slow scrape is noise.
         self.stale_after_s = stale_after_s if stale_after_s is not None else 3 * interval_s
+        self.push_stale_after_s = max(self.stale_after_s, PUSH_FRESH_S)
         self._metrics_url = metrics_url
         self._clock = clock
         # Told of pods whose scrapes keep timing out (a frozen engine): it sets them aside.
@@ -216,7 +222,7 @@ class LoadView:
         """Each of ``pods`` as a PodLoad, or Unknown when its figures are missing or older
         than ``stale_after_s``. No I/O; safe from any thread."""
         now = self._clock()
-        stale_after = self.stale_after_s
+        stale_after, push_stale_after = self.stale_after_s, self.push_stale_after_s
         out: dict[str, PodLoad | Unknown] = {}
         states = self._states
         pushed = self._pushes.current() if self._pushes is not None else None
@@ -224,7 +230,7 @@ class LoadView:
             state = states.get(pod)
             good = state.good if state is not None else None
             push = pushed.get(pod) if pushed else None
-            if push is not None and now - push.scraped_at <= stale_after:
+            if push is not None and now - push.scraped_at <= push_stale_after:
                 started = good.started if good is not None else None
                 out[pod] = push if push.started == started else replace(push, started=started)
             elif good is not None and now - good.scraped_at <= stale_after:

@@ -77,6 +77,7 @@ class _Pod:
     asking: Future | None = None
     ask_at: float = 0.0  # monotonic time of the next /server_info request
     silent_noted: bool = False  # "advertises no load socket" logged once
+    failing: bool = False  # its /server_info failed last time (logged once per episode)
 
 
 class PushedLoads:
@@ -221,19 +222,24 @@ class PushedLoads:
                 continue
             state.asking = None
             body, kind, message = future.result()
-            if body is None:
-                if kind is None:  # no such page: not a pod that pushes load
-                    self._advertises_none(pod, state, message)
-                else:
-                    self._count(pod, kind)
-                    self._bad.warning(f"{kind}:{pod}", "%s (asked again in %gs)", message, RETRY_S)
-                    state.ask_at = time.monotonic() + RETRY_S
+            if kind is not None:
+                self._count(pod, kind)
+                if not state.failing:
+                    log.warning("%s (asked again every %gs)", message, RETRY_S)
+                state.failing = True
+                state.ask_at = time.monotonic() + RETRY_S
+                continue
+            state.failing = False
+            if body is None:  # no such page: not a pod that pushes load
+                self._advertises_none(pod, state, message)
                 continue
             try:
                 endpoints = load_endpoints(body, pod_host(pod))
             except (DecodeError, IdentityError) as exc:
                 self._count(pod, "invalid_server_info")
-                self._bad.warning(f"invalid_server_info:{pod}", "%s /server_info: %s", pod, exc)
+                if not state.failing:
+                    log.warning("%s /server_info: %s (asked again every %gs)", pod, exc, RETRY_S)
+                state.failing = True
                 state.ask_at = time.monotonic() + RETRY_S
                 continue
             if not endpoints:
@@ -251,7 +257,7 @@ class PushedLoads:
                 pod,
                 why,
             )
-        state.ask_at = time.monotonic() + RECHECK_S
+        state.ask_at = time.monotonic() + self._recheck_s
 
     def _subscribe(self, pod: str, state: _Pod, endpoints: list[str]) -> None:
         assert self._context is not None
@@ -354,7 +360,8 @@ class PushedLoads:
 
     def _server_info(self, pod: str) -> tuple[bytes | None, str | None, str]:
         """The body of the pod's /server_info, or (None, kind, why): kind None when the
-        pod has no such page (404), else server_info_unreachable."""
+        pod has no such page (404), invalid_server_info for a body over the bound, else
+        server_info_unreachable."""
         import httpx
 
         client = self._client

@@ -15,14 +15,18 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
 
-from kvindex.api.testing import eventually
+from kvindex.api.serve.service import Service
+from kvindex.api.serve.settings_sources import from_flags
+from kvindex.api.testing import eventually, free_port
+from kvindex.events.wire.publisher import EnginePublisher
 from kvindex.events.wire.sglang import LOAD_TOPIC, LoadStat, load_endpoints
-from kvindex.events.wire.vllm import DecodeError
+from kvindex.events.wire.vllm import BlockStored, DecodeError
 from kvindex.scoring.load import LoadView, PodLoad, Unknown
 from kvindex.scoring.load_metrics import MAX_REQUESTS
 from kvindex.scoring.load_push import MAX_LOAD_MESSAGE, PushedLoads
@@ -167,7 +171,8 @@ def test_server_info_names_one_load_socket_per_rank_at_the_pods_own_host() -> No
 def test_a_pushed_load_sums_the_ranks_and_beats_the_scrape_while_fresh(closing) -> None:
     clock = FakeClock()
     ranks = Ranks(2)
-    pod = Pod(SGLANG_DP2, descriptor(ranks.base, dp_size=2))
+    started = "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.7e+09\n"
+    pod = Pod(SGLANG_DP2 + started, descriptor(ranks.base, dp_size=2))
     pushes = PushedLoads(lambda: [pod.pod], clock=clock)
     view = LoadView(interval_s=1.0, clock=clock, pushes=pushes)  # stale after 3 s
     closing += [ranks, pod, view]
@@ -191,6 +196,7 @@ def test_a_pushed_load_sums_the_ranks_and_beats_the_scrape_while_fresh(closing) 
     assert (pushed.kv_usage, pushed.kv_usage_max) == (0.625, 1.0)
     assert {rank: e.waiting for rank, e in pushed.engines.items()} == {"0": 30, "1": 10}
     assert pushed.scraped_at == 1000.0  # as old as its oldest rank's figure
+    assert pushed.started == 1.7e9  # a restart shows on the scraped page only
     assert view.age(pushed) == 1.0
 
     # A scrape taken later does not override a live push (SGLang's /metrics gauges
@@ -269,3 +275,37 @@ def test_pods_without_a_load_topic_are_scraped_only_and_gone_pods_are_dropped(
     assert pushes.current() == {} and pushing.pod not in pushes.received()
     asked = (plain.asked, vllm.asked)
     assert asked == (1, 1)  # asked again only after a minute
+
+
+def test_the_pods_followed_are_the_known_ones_but_those_of_vllm_models_only(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "models.json"
+    engines = {"mixed": ["vllm", "sglang"], "plain": ["vllm"]}
+    config.write_text(json.dumps({"models": {m: {"engines": e} for m, e in engines.items()}}))
+    port = free_port()
+    settings = {
+        "zmq_bind": [f"tcp://127.0.0.1:{port}"],
+        "model_config": str(config),
+        "bind_allow": ["127.0.0.0/8"],
+        "pod_role": ["127.0.0.1:9001=both"],  # known before it publishes: its engine unknown
+    }
+    service = Service(from_flags(**settings))
+    publishers = []
+    try:
+        service.start()
+        for pod, model in (("127.0.0.1:9002", "mixed"), ("127.0.0.1:9003", "plain")):
+            publisher = EnginePublisher(f"tcp://127.0.0.1:{port}", topic=f"kv@{pod}@{model}")
+            publishers.append(publisher)
+            assert publisher.wait_for_subscribers(1, 5.0)
+            publisher.publish([BlockStored([7], None, list(range(16)), 16)])
+        eventually(lambda: len(service.subscriber.streams()) == 2, "both pods' streams")
+        assert service.may_push_load() == ["127.0.0.1:9001", "127.0.0.1:9002"]
+        assert service.load.pushes is not None
+    finally:
+        for publisher in publishers:
+            publisher.close()
+        service.stop()
+    # Without a model with SGLang pods, or with --no-load-push, nothing is followed.
+    assert Service(from_flags(model="m")).load.pushes is None
+    assert Service(from_flags(**settings, load_push=False)).load.pushes is None

@@ -219,8 +219,9 @@ class LoadView:
                             self._outliers.report(pod, Outcome.TIMEOUT)
 
     def snapshot(self, pods: Iterable[str]) -> dict[str, PodLoad | Unknown]:
-        """Each of ``pods`` as a PodLoad, or Unknown when its figures are missing or older
-        than ``stale_after_s``. No I/O; safe from any thread."""
+        """Each of ``pods`` as a PodLoad (its fresh push, else its fresh scrape), or
+        Unknown when its figures are missing or older than ``stale_after_s`` (a push's:
+        ``push_stale_after_s``). No I/O; safe from any thread."""
         now = self._clock()
         stale_after, push_stale_after = self.stale_after_s, self.push_stale_after_s
         out: dict[str, PodLoad | Unknown] = {}

@@ -1,5 +1,7 @@
-"""Live load per pod, for routing decisions: what each vLLM pod's ``/metrics`` said in its
-last good scrape (:class:`PodLoad`), or why it is not known (:class:`Unknown`).
+"""Live load per pod, for routing decisions: what each vLLM or SGLang pod's ``/metrics``
+said in its last good scrape, or what an SGLang pod last pushed on its load topic
+(:class:`PodLoad`, :mod:`kvindex.scoring.load_push`), or why it is not known
+(:class:`Unknown`).
 
 Only the pods kvindex knows are scraped (``set_pods`` or ``pods_source``), never a name
 taken from a request: that would make kvindex a proxy for GETs to any address. A pod
@@ -10,6 +12,13 @@ engines (data-parallel ranks); KV usage is kept as mean, max and per engine. The
 thread is the only writer of scrape results and publishes each pod's immutable record by
 one dict assignment, so ``snapshot`` takes no lock. Metrics are the caller's to wrap
 around ``scrape_errors`` and ``snapshot``: this module holds no registry.
+
+A pod that pushes its load has two records, each with one writer: the scraper's and the
+push thread's. ``snapshot`` picks, without a lock: the pushed record while it is fresh
+(every rank heard within ``stale_after_s``, and at least :data:`PUSH_FRESH_S`: SGLang
+sends a changed gauge at once and an unchanged one every second, so a live push is never
+older news than a scrape), else the scrape while it is fresh, else Unknown. The pushed
+record is read with the scrape's ``started`` (a restart shows on ``/metrics`` only).
 """
 
 from __future__ import annotations
@@ -20,8 +29,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
+from msgspec.structs import replace
 
 from kvindex.scoring.load_metrics import (
     EngineLoad,
@@ -32,14 +43,17 @@ from kvindex.scoring.load_metrics import (
 )
 from kvindex.scoring.route.outlier import Outcome, OutlierDetector
 
+if TYPE_CHECKING:
+    from kvindex.scoring.load_push import PushedLoads
+
 log = logging.getLogger(__name__)
 
 _MAX_BODY_BYTES = 8 * 1024 * 1024  # far above any vLLM metrics page: a bound, not a size
 
 
 class PodLoad(msgspec.Struct, frozen=True, gc=False):
-    """A pod's load as of its last good scrape (kvindex's own in-flight routes are the
-    ledger's: :class:`kvindex.scoring.route.inflight.InFlightLedger`)."""
+    """A pod's load as of its last good scrape, or its last push (kvindex's own in-flight
+    routes are the ledger's: :class:`kvindex.scoring.route.inflight.InFlightLedger`)."""
 
     pod: str
     running: int
@@ -47,12 +61,14 @@ class PodLoad(msgspec.Struct, frozen=True, gc=False):
     kv_usage: float | None  # mean over engines, 0..1; None if the pod exports none
     kv_usage_max: float | None
     engines: Mapping[str, EngineLoad]
-    #: When the scrape that produced these figures ended, on the view's clock
-    #: (:meth:`LoadView.age` says how long ago).
+    #: When the scrape that produced these figures ended, or when the oldest of a push's
+    #: rank figures arrived, on the view's clock (:meth:`LoadView.age` says how long ago).
     scraped_at: float
     #: ``process_start_time_seconds`` (unix seconds): when the pod's server started;
     #: None when its page has none.
     started: float | None = None
+    #: Where the figures came from: the pod's /metrics, or its load topic (SGLang).
+    source: Literal["scrape", "push"] = "scrape"
 
 
 class Unknown(msgspec.Struct, frozen=True, gc=False):
@@ -61,7 +77,7 @@ class Unknown(msgspec.Struct, frozen=True, gc=False):
     pod: str
     reason: str  # "pending" (first scrape not tried yet), "not_scraped" or "stale"
     last_error: str | None
-    age_s: float | None  # since the last good scrape, None if there was none
+    age_s: float | None  # since the last good scrape or push, None if there was none
 
 
 @dataclass(slots=True)
@@ -71,6 +87,11 @@ class _PodState:
     failures_by_kind: dict[str, int] = field(default_factory=dict)
     silent_in_a_row: int = 0  # scrapes timed out since its last answer
 
+
+#: The least time a push stays fresh: three of SGLang 0.5.23's one-second heartbeats
+#: (``LOAD_PUBLISH_HEARTBEAT_S``, the interval it re-sends an unchanged LoadStat at), so an
+#: idle pod's push does not lapse between two of them under a short --load-stale-after.
+PUSH_FRESH_S = 3.0
 
 #: Scrapes in a row that time out, of a pod that answered one before, that report it to
 #: the outlier detector as a timeout: a frozen engine answers neither requests nor
@@ -98,6 +119,7 @@ class LoadView:
         clock: Callable[[], float] = time.monotonic,
         pods_source: Callable[[], Iterable[str]] | None = None,
         outliers: OutlierDetector | None = None,
+        pushes: PushedLoads | None = None,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("interval_s and timeout_s must be positive")
@@ -105,6 +127,7 @@ class LoadView:
         self.timeout_s = timeout_s
         # Three missed rounds before a pod counts as unknown: one slow scrape is noise.
         self.stale_after_s = stale_after_s if stale_after_s is not None else 3 * interval_s
+        self.push_stale_after_s = max(self.stale_after_s, PUSH_FRESH_S)
         self._metrics_url = metrics_url
         self._clock = clock
         # Told of pods whose scrapes keep timing out (a frozen engine): it sets them aside.
@@ -113,6 +136,8 @@ class LoadView:
         # Asked before every background round, so pods found later are scraped too.
         self._pods_source = pods_source
         self._states: dict[str, _PodState] = {}
+        # The pods' pushed loads (SGLang's load topic), read beside the scrapes.
+        self._pushes = pushes
         self._max_workers = max_workers
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -135,8 +160,17 @@ class LoadView:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="kvindex-load", daemon=True)
         self._thread.start()
+        if self._pushes is not None:
+            self._pushes.start()
+
+    @property
+    def pushes(self) -> PushedLoads | None:
+        """The pushed loads read beside the scrapes, if any pod may push."""
+        return self._pushes
 
     def stop(self) -> None:
+        if self._pushes is not None:
+            self._pushes.stop()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s + 5)
@@ -185,19 +219,25 @@ class LoadView:
                             self._outliers.report(pod, Outcome.TIMEOUT)
 
     def snapshot(self, pods: Iterable[str]) -> dict[str, PodLoad | Unknown]:
-        """Each of ``pods`` as a PodLoad, or Unknown when its figures are missing or older
-        than ``stale_after_s``. No I/O; safe from any thread."""
+        """Each of ``pods`` as a PodLoad (its fresh push, else its fresh scrape), or
+        Unknown when its figures are missing or older than ``stale_after_s`` (a push's:
+        ``push_stale_after_s``). No I/O; safe from any thread."""
         now = self._clock()
-        stale_after = self.stale_after_s
+        stale_after, push_stale_after = self.stale_after_s, self.push_stale_after_s
         out: dict[str, PodLoad | Unknown] = {}
         states = self._states
+        pushed = self._pushes.current() if self._pushes is not None else None
         for pod in pods:
             state = states.get(pod)
             good = state.good if state is not None else None
-            if good is not None and now - good.scraped_at <= stale_after:
+            push = pushed.get(pod) if pushed else None
+            if push is not None and now - push.scraped_at <= push_stale_after:
+                started = good.started if good is not None else None
+                out[pod] = push if push.started == started else replace(push, started=started)
+            elif good is not None and now - good.scraped_at <= stale_after:
                 out[pod] = good  # the usual case: the scrape's own record
             else:
-                out[pod] = self._unknown(pod, state, good, now)
+                out[pod] = self._unknown(pod, state, good, push, now)
         return out
 
     def age(self, load: PodLoad) -> float:
@@ -205,14 +245,20 @@ class LoadView:
         return max(0.0, self._clock() - load.scraped_at)
 
     def _unknown(
-        self, pod: str, state: _PodState | None, good: PodLoad | None, now: float
+        self,
+        pod: str,
+        state: _PodState | None,
+        good: PodLoad | None,
+        push: PodLoad | None,
+        now: float,
     ) -> Unknown:
         error = state.last_error if state is not None else None
-        if good is None:
+        latest = max((r.scraped_at for r in (good, push) if r is not None), default=None)
+        if latest is None:
             # Never tried yet, but about to be: nothing known against it.
             untried = state is None and pod in self._pods
             return Unknown(pod, "pending" if untried else "not_scraped", error, None)
-        return Unknown(pod, "stale", error, max(0.0, now - good.scraped_at))
+        return Unknown(pod, "stale", error, max(0.0, now - latest))
 
     def scrape_errors(self) -> dict[str, dict[str, int]]:
         """Failed scrapes per pod, by kind (connect, timeout, http_status, too_large,

@@ -212,8 +212,12 @@ class RouteCandidate(msgspec.Struct, gc=False):
             "empty cache)"
         ),
     ]
-    running: Annotated[int | None, _doc("Requests running on the pod (scraped; null: unknown).")]
-    waiting: Annotated[int | None, _doc("Requests waiting on the pod (scraped; null: unknown).")]
+    running: Annotated[
+        int | None, _doc("Requests running on the pod (scraped or pushed; null: unknown).")
+    ]
+    waiting: Annotated[
+        int | None, _doc("Requests waiting on the pod (scraped or pushed; null: unknown).")
+    ]
     kv_usage: Annotated[
         float | None, _doc("The pod's KV-cache usage 0..1, mean over its engines (null: unknown).")
     ]

@@ -1,8 +1,8 @@
 """What ``/route`` exports on ``/metrics``: decisions by reason, the speculative entries'
-lifecycle, each pod's scrape errors and staleness, in-flight routes, and each stream's
-event lag. Read at scrape time from the objects that hold the numbers (the routing
-state, the load view, the speculative index, the lag tracker), which hold no registry
-themselves."""
+lifecycle, each pod's scrape errors, load source and staleness, pushed loads (SGLang's
+load topic), in-flight routes, and each stream's event lag. Read at scrape time from the
+objects that hold the numbers (the routing state, the load view, the speculative index,
+the lag tracker), which hold no registry themselves."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ class RouteCollector(Collector):
 
 
 class LoadCollector(Collector):
-    """The load view's scrape failures and staleness, the in-flight ledger per pod and
-    the ejections, read at scrape time."""
+    """The load view's scrape failures, pushes, sources and staleness, the in-flight
+    ledger per pod and the ejections, read at scrape time."""
 
     def __init__(self, view: LoadView, ledger: InFlightLedger, outliers: OutlierDetector) -> None:
         self._view = view
@@ -83,23 +83,63 @@ class LoadCollector(Collector):
         yield errors
         known = GaugeMetricFamily(
             "kvindex_load_known",
-            "1 when the pod's load comes from a fresh scrape, 0 when it is unknown "
+            "1 when the pod's load comes from a fresh scrape or push, 0 when it is unknown "
             "(never scraped, or stale) and /route costs it as busy.",
             labels=["pod"],
         )
+        source = GaugeMetricFamily(
+            "kvindex_load_source",
+            "1 for where /route reads the pod's load now: scrape (its /metrics) or push "
+            "(SGLang's load topic, used while fresh); absent while the load is unknown.",
+            labels=["pod", "source"],
+        )
         age = GaugeMetricFamily(
             "kvindex_load_age_seconds",
-            "Seconds since the pod's last good scrape (absent before the first one); past "
-            "3 load intervals the pod's load is unknown.",
+            "Seconds since the figures /route reads for the pod were taken (its last good "
+            "scrape, or its oldest rank's last push; absent before the first one); past "
+            "--load-stale-after (3 load intervals) the pod's load is unknown.",
             labels=["pod"],
         )
         for pod, load in sorted(self._view.snapshot(self._view.pods).items()):
             known.add_metric([pod], 0.0 if isinstance(load, Unknown) else 1.0)
+            if isinstance(load, PodLoad):
+                source.add_metric([pod, load.source], 1.0)
             seconds = self._view.age(load) if isinstance(load, PodLoad) else load.age_s
             if seconds is not None:
                 age.add_metric([pod], seconds)
         yield known
+        yield source
         yield age
+        pushes = self._view.pushes
+        if pushes is not None:
+            received = CounterMetricFamily(
+                "kvindex_load_pushes",
+                "LoadStat messages applied from the pod's load topic (SGLang).",
+                labels=["pod"],
+            )
+            for pod, count in sorted(pushes.received().items()):
+                received.add_metric([pod], count)
+            yield received
+            push_errors = CounterMetricFamily(
+                "kvindex_load_push_errors",
+                "Load topic messages and /server_info answers kvindex could not use, by "
+                "reason (invalid_load, bad_frame, invalid_server_info, "
+                "server_info_unreachable).",
+                labels=["pod", "reason"],
+            )
+            for pod, kinds in sorted(pushes.errors().items()):
+                for kind, count in sorted(kinds.items()):
+                    push_errors.add_metric([pod, kind], count)
+            yield push_errors
+            ranks = GaugeMetricFamily(
+                "kvindex_load_push_ranks",
+                "Load sockets (data-parallel ranks) followed per pod, as its /server_info "
+                "advertises them; 0: it advertises none (its load is scraped only).",
+                labels=["pod"],
+            )
+            for pod, count in sorted(pushes.advertised().items()):
+                ranks.add_metric([pod], count)
+            yield ranks
         flying = GaugeMetricFamily(
             "kvindex_route_in_flight",
             "Requests /route sent to the pod (or its data-parallel rank, pod/dpN) that are "

@@ -219,7 +219,13 @@ class Service:
         if route_seed is None:
             route_seed = settings.scoring.route_seed
         self.routing = make_routing(
-            settings, self.known_pods, self.event_lag, self.roles, route_seed, clock
+            settings,
+            self.known_pods,
+            self.event_lag,
+            self.roles,
+            route_seed,
+            clock,
+            self.may_push_load if self.catalog.models_with(Engine.SGLANG) else None,
         )
         self.load = self.routing.loads  # started and stopped with the service
         self.speculative = self.routing.speculative  # /score shows them too
@@ -473,6 +479,21 @@ class Service:
             return self.known_without_index()
         pods.update(self.configured_pods())
         return sorted(pods)
+
+    def may_push_load(self) -> list[str]:
+        """The known pods whose load topic is looked for (each one's /server_info says
+        whether it has one): all but those whose events name only models without SGLang
+        pods (a vLLM pod has none)."""
+        sglang = set(self.catalog.models_with(Engine.SGLANG))
+        models: dict[str, set[str]] = {}
+        for stream in self.subscriber.streams():
+            if stream.model:
+                models.setdefault(stream.pod, set()).add(stream.model)
+        return [
+            pod
+            for pod in self.known_pods()
+            if pod not in models or not models[pod].isdisjoint(sglang)
+        ]
 
     def known_without_index(self) -> list[str]:
         """The known pods this process can name without reading the index: those it

@@ -30,6 +30,7 @@ from kvindex.events.wire.identity import IdentityError, normalize_pod
 from kvindex.indexer.backend import IndexBackend
 from kvindex.indexer.memory.backend import MemoryBackend
 from kvindex.scoring.load import LoadView
+from kvindex.scoring.load_push import PushedLoads
 from kvindex.scoring.route.decision import Admission, Router
 from kvindex.scoring.route.event_lag import EventLag
 from kvindex.scoring.route.inflight import InFlightLedger
@@ -188,10 +189,12 @@ def make_routing(
     roles: Callable[[], Mapping[str, Role]],
     seed: int | None = None,
     clock: Callable[[], float] = time.monotonic,
+    push_pods: Callable[[], Iterable[str]] | None = None,
 ) -> Routing:
-    """/route's parts: the load view scraping every known pod, and the routing state and
-    decision over it; ``clock`` ages their state (the ledger, session homes, speculative
-    entries, ejections, scrape ages), ``seed`` seeds the router's tie-breaks."""
+    """/route's parts: the load view scraping every known pod (and following the load
+    topic of ``push_pods``, unless --no-load-push), and the routing state and decision
+    over it; ``clock`` ages their state (the ledger, session homes, speculative entries,
+    ejections, scrape ages), ``seed`` seeds the router's tie-breaks."""
     scoring = settings.scoring
     if scoring.load_interval <= 0 or scoring.load_timeout <= 0:
         raise ConfigError("--load-interval and --load-timeout must be positive")
@@ -222,6 +225,11 @@ def make_routing(
         clock=clock,
         pods_source=pods,
         outliers=outliers,
+        pushes=(
+            PushedLoads(push_pods, clock=clock, timeout_s=scoring.load_timeout)
+            if push_pods is not None and scoring.load_push
+            else None
+        ),
     )
     admission = Admission(scoring.max_kv_usage, scoring.max_waiting)
     least_bad = scoring.when_full == "least_bad"

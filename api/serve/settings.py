@@ -309,11 +309,20 @@ class ScoringSettings(_Section):
     load_stale_after: Annotated[
         float,
         doc(
-            "/route: a pod whose last good scrape is older than this has unknown load; "
-            "0 = 3 load intervals",
+            "/route: a pod whose last good scrape (and last push) is older than this has "
+            "unknown load; 0 = 3 load intervals",
             metavar="SECONDS",
         ),
     ] = 0.0
+    load_push: Annotated[
+        bool,
+        doc(
+            "/route: follow the load topic of each known pod of a model with SGLang pods "
+            "(engines: [sglang]) that advertises one in its /server_info (SGLang "
+            "--load-publish-endpoint): its pushed load beats its scrape while fresh; "
+            "--no-load-push: scrapes only"
+        ),
+    ] = True
     eject_after: Annotated[
         int,
         msgspec.Meta(ge=0),

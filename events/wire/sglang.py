@@ -218,6 +218,51 @@ def decode_load(payload: bytes) -> LoadStat:
         raise DecodeError("invalid_load", str(exc)) from None
 
 
+#: The most load sockets one pod may advertise (its DP ranks): far above any deployment,
+#: a bound on the sockets a broken descriptor can make kvindex open.
+MAX_LOAD_RANKS = 1024
+
+
+class _KvEventsDescriptor(msgspec.Struct, gc=False):
+    """The ``kv_events`` block of SGLang's ``/server_info`` (0.5.23,
+    ``runtime_context.describe_kv_events_publisher``), the keys read here: the load range
+    is advertised only when the pod runs with ``--load-publish-endpoint``."""
+
+    dp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_LOAD_RANKS)] = 1
+    load_endpoint_port_base: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    load_topic: str | None = None
+
+
+class _ServerInfo(msgspec.Struct, gc=False):
+    kv_events: _KvEventsDescriptor | None = None
+
+
+_SERVER_INFO = msgspec.json.Decoder(_ServerInfo)
+
+
+def load_endpoints(server_info: bytes, host: str) -> list[str]:
+    """The load sockets a pod's ``/server_info`` body advertises, rank r's at index r:
+    ``tcp://<host>:<load_endpoint_port_base + r>`` for each of its ``dp_size`` ranks,
+    ``host`` being the pod's own (SGLang advertises a bind wildcard there); empty when
+    the pod publishes no load. Raises DecodeError (``invalid_server_info``) for a body
+    that is not SGLang's descriptor."""
+    try:
+        info = _SERVER_INFO.decode(server_info)
+    except msgspec.DecodeError as exc:
+        raise DecodeError("invalid_server_info", str(exc)) from None
+    except RecursionError:
+        raise DecodeError("invalid_server_info", "nested too deeply") from None
+    kv = info.kv_events
+    if kv is None or kv.load_endpoint_port_base is None:
+        return []
+    if kv.load_topic is not None and kv.load_topic != LOAD_TOPIC.decode():
+        raise DecodeError("invalid_server_info", f"load_topic {kv.load_topic!r} is not 'load'")
+    base = kv.load_endpoint_port_base
+    if base + kv.dp_size - 1 > 65535:
+        raise DecodeError("invalid_server_info", f"load ports from {base} pass 65535")
+    return [f"tcp://{host}:{base + rank}" for rank in range(kv.dp_size)]
+
+
 class SglangBatchDecoder:
     """:class:`~kvindex.events.wire.vllm.BatchDecoder`'s contract for models served by SGLang
     pods (alone or beside vLLM ones): same skip reasons, events normalised.

@@ -16,6 +16,9 @@ evictions as ``BlockRemoved``. Usage:
     sglang_driver.py --check VERSION           import check (sglang_env.sh)
     sglang_driver.py --publish ENDPOINT MODEL REPLAY_PORT  publish, print the truth
     sglang_driver.py --capture DIR             write the payloads as fixtures
+    sglang_driver.py --load BASE DP_SIZE       a pod's load topic: one SGLang
+                                               SchedulerLoadPublisher per rank; commands on
+                                               stdin (serve_load says which)
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import select
 import sys
 import time
 import types
@@ -52,7 +57,11 @@ def load_sglang() -> types.ModuleType:
     context = types.ModuleType("sglang.srt.runtime_context")
 
     def get_parallel() -> Any:
-        raise RuntimeError("not a scheduler process")
+        # --load sets the scheduler's parallel layout before building each rank's publisher
+        parallel = getattr(context, "parallel", None)
+        if parallel is None:
+            raise RuntimeError("not a scheduler process")
+        return parallel
 
     context.get_parallel = get_parallel  # type: ignore[attr-defined]
     sys.modules[context.__name__] = context
@@ -212,6 +221,107 @@ def capture(directory: Path) -> None:
     )
 
 
+#: The pod's KV-event endpoint as --kv-events-config names it; never bound here (the load
+#: publisher reads it to place its own range and to check the two do not overlap).
+KV_EVENTS_CONFIG = json.dumps({"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""})
+
+
+def serve_load(base: int, dp_size: int) -> None:
+    """One SGLang pod's load topic: a ``SchedulerLoadPublisher`` per data-parallel rank,
+    built as each rank's scheduler builds it (``--load-publish-endpoint tcp://*:BASE``,
+    rank r binding BASE + r), driven as its scheduler loop drives it when idle: a forced
+    ``publish_load_stat`` every 50 ms, which SGLang sends when the figures changed and
+    otherwise once a second (its heartbeat). Prints the ``kv_events`` block /server_info
+    serves, from the resolver ``describe_kv_events_publisher`` calls, then reads commands:
+
+    * ``load RANK RUNNING WAITING TOKENS CAPACITY``: the rank's scheduler state from now on
+    * ``garbage RANK``: two payloads that are no LoadStat, on the rank's own socket
+    * ``stop``: close every socket (the pod's pushes stop)
+
+    and answers each with one JSON line once it is done."""
+    kv = load_sglang()
+    publisher_module = sys.modules["sglang.srt.managers.scheduler_components.load_publisher"]
+    context = sys.modules["sglang.srt.runtime_context"]
+    endpoint = f"tcp://*:{base}"
+    publishers = []
+    for rank in range(dp_size):
+        context.parallel = types.SimpleNamespace(  # pure DP: rank r is dp_rank r
+            pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, num_dp_ranks=dp_size,
+            attn_dp_size=1, attn_dp_rank=0, dp_rank=rank,
+        )  # fmt: skip
+        publisher = publisher_module.SchedulerLoadPublisher(
+            kv_events_config=KV_EVENTS_CONFIG, load_publish_endpoint=endpoint
+        )
+        assert publisher.enable, f"rank {rank}'s load socket did not bind"
+        publishers.append(publisher)
+    resolved, reason = kv.resolve_load_pub_range(
+        kv_endpoint="tcp://*:5557",
+        replay_endpoint=None,
+        dp_size=dp_size,
+        load_publish_endpoint=endpoint,
+    )
+    assert resolved is not None, reason
+    descriptor = {
+        "publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557, "topic": "",
+        "block_size": PAGE, "dp_size": dp_size,
+        "load_endpoint_port_base": resolved[1], "load_topic": kv.LOAD_TOPIC,
+    }  # fmt: skip
+    print(json.dumps({"kv_events": descriptor}), flush=True)
+    # The fields publish_load_stat reads from SGLang's LoadSnapshot
+    # (sglang/srt/managers/load_snapshot.py), per rank; idle to begin with.
+    snapshots = [
+        types.SimpleNamespace(
+            num_running_reqs=0,
+            num_waiting_reqs=0,
+            num_used_tokens=0,
+            max_total_num_tokens=16384,
+            num_waiting_uncached_tokens=0,
+            num_total_tokens=0,
+            max_running_requests=256,
+            total_prefill_uncached_tokens=0,
+            total_prefill_busy_us=0,
+        )
+        for _ in range(dp_size)
+    ]
+    pending = b""
+    while True:
+        for publisher, snapshot in zip(publishers, snapshots, strict=True):
+            publisher.publish_load_stat(
+                lambda snapshot=snapshot: snapshot, force=True, snapshot=snapshot
+            )
+        ready, _, _ = select.select([sys.stdin.fileno()], [], [], 0.05)
+        if not ready:
+            continue
+        chunk = os.read(sys.stdin.fileno(), 4096)
+        if not chunk:
+            break
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            command, *args = line.decode().split()
+            if command == "load":
+                rank, running, waiting, tokens, capacity = map(int, args)
+                snapshot = snapshots[rank]
+                snapshot.num_running_reqs, snapshot.num_waiting_reqs = running, waiting
+                snapshot.num_used_tokens, snapshot.max_total_num_tokens = tokens, capacity
+                publishers[rank].publish_load_stat(
+                    lambda snapshot=snapshot: snapshot, force=True, snapshot=snapshot
+                )
+                print(json.dumps({"load": rank}), flush=True)
+            elif command == "garbage":
+                sock = publishers[int(args[0])]._socket
+                seq = (2**62).to_bytes(8, "big")
+                # not msgpack; a LoadStat whose num_running_reqs is -1
+                for payload in (b"\xc1 not msgpack", b"\x95\xa8LoadStat\xff\x00\x00\x00"):
+                    sock.send_multipart((kv.LOAD_TOPIC.encode(), seq, payload))
+                print(json.dumps({"garbage": int(args[0])}), flush=True)
+            elif command == "stop":
+                for publisher in publishers:
+                    publisher.close()
+                print(json.dumps({"stopped": True}), flush=True)
+                return
+
+
 def main() -> None:
     command = sys.argv[1]
     if command == "--check":
@@ -222,6 +332,8 @@ def main() -> None:
         publish(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif command == "--capture":
         capture(Path(sys.argv[2]))
+    elif command == "--load":
+        serve_load(int(sys.argv[2]), int(sys.argv[3]))
     else:
         raise SystemExit(__doc__)
 

@@ -19,6 +19,7 @@ import numpy as np
 from kvindex.events.ingest.sink import Delivery
 from kvindex.events.wire.identity import StreamId
 from kvindex.events.wire.runs import CLEARED, STORED, event_at, runs_of
+from kvindex.events.wire.sessions import stored_sessions
 from kvindex.events.wire.vllm import (
     AllBlocksCleared,
     BlockRemoved,
@@ -33,6 +34,7 @@ from kvindex.indexer.event_extras import read_event_extras
 from kvindex.indexer.keys import BlockExtras
 from kvindex.indexer.kv_groups import FULL_ATTENTION_KINDS, KvLayouts, group_model
 from kvindex.indexer.models import KeyMode, ModelCatalog, ReportMode
+from kvindex.indexer.sessions import SessionPods
 from kvindex.indexer.token_keys import ContentHasher, EngineKeyMap, TokenRangeError
 from kvindex.indexer.verify import HashVerifier
 
@@ -110,6 +112,10 @@ class Ingestor:
       (member, hash, tier), so a block two residencies hold stays while either does
       (tests/test_vllm_offload.py runs vLLM's own tracker). ``origin`` (proposed, NEW or
       REUSED) is not read either: a reused block is one the index already holds.
+    * ``session_id`` (vLLM 0.30, SGLang 0.5.20) on GPU stores goes to ``sessions``
+      (:class:`~kvindex.indexer.sessions.SessionPods`): the member is where those sessions
+      were last computed. A reset or an ``AllBlocksCleared`` forgets the member's sessions
+      (a batch's stores are learned after its clears).
     """
 
     def __init__(
@@ -118,6 +124,7 @@ class Ingestor:
         catalog: ModelCatalog,
         verifier: HashVerifier | None = None,
         layouts: KvLayouts | None = None,
+        sessions: SessionPods | None = None,
     ) -> None:
         self._backend = backend
         self._catalog = catalog
@@ -127,12 +134,16 @@ class Ingestor:
         self._primary_group: dict[str, int] = {}
         self._grouped: set[str] = set()  # members whose stores name their KV group's kind
         self.layouts = layouts if layouts is not None else KvLayouts()
+        self.sessions = sessions if sessions is not None else SessionPods()
         self.counts = IngestCounts()
 
     def deliver(self, deliveries: Sequence[Delivery]) -> None:
         changes = ChangeList()
         for delivery in deliveries:
             self._changes_for(delivery, changes)
+            sessions = stored_sessions(delivery.batch)
+            if sessions:
+                self.sessions.stored(delivery.model, delivery.stream.member, sessions)
         if changes:
             self._backend.apply(changes.finish())
 
@@ -140,6 +151,7 @@ class Ingestor:
         member = stream.member
         self.counts.resets[reason] += 1
         self._engine_map.clear(member)
+        self.sessions.forget(member)
         self._primary_group.pop(member, None)
         self._grouped.discard(member)
         if self._verifier is not None:
@@ -192,6 +204,7 @@ class Ingestor:
             tag, first, count, start, stop, parent_none = run[:6]
             if tag == CLEARED:
                 counts.events["AllBlocksCleared"] += count
+                self.sessions.forget(member)
                 for _ in range(count):
                     self._engine_map.clear(member)
                     changes.clear(member, model)
@@ -262,6 +275,7 @@ class Ingestor:
                     changes.add(Op.REMOVE, member, target, tier, _packed(keys))
             elif isinstance(event, AllBlocksCleared):
                 counts.events["AllBlocksCleared"] += 1
+                self.sessions.forget(member)
                 self._engine_map.clear(member)
                 changes.clear(member, model)
 

@@ -45,8 +45,9 @@ BLOCK_SIZE = 16
 
 
 class FakeVllmPod:
-    """One pod serving ``model`` on ``127.0.0.1:<port>`` (``self.pod``), publishing its
-    KV events to the kvindex SUB socket bound at ``events_endpoint``."""
+    """One pod serving ``model`` on ``<host>:<port>`` (``self.pod``; ``host`` a loopback
+    address, 127.0.0.1 unless given), publishing its KV events to the kvindex SUB socket
+    bound at ``events_endpoint``."""
 
     def __init__(
         self,
@@ -57,6 +58,7 @@ class FakeVllmPod:
         num_blocks: int = 4096,
         chunk_pause_s: float = 0.01,
         kv_transfer: bool = True,
+        host: str = "127.0.0.1",
     ) -> None:
         import transformers
 
@@ -73,9 +75,10 @@ class FakeVllmPod:
         self.aborted = 0
         self.running = 0
         self.waiting = 0  # what /metrics says is queued (set by tests to look busy)
+        self.kv_usage = 0.0  # what /metrics says of its KV cache (set by tests to look full)
         self._lock = threading.Lock()
-        self._sock = bind("127.0.0.1", 0)
-        self.pod = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        self._sock = bind(host, 0)
+        self.pod = f"{host}:{self._sock.getsockname()[1]}"
         self.publisher = EnginePublisher(
             events_endpoint, topic=f"kv@{self.pod}@{model}", bind=False
         )
@@ -154,6 +157,7 @@ class FakeVllmPod:
         async def metrics() -> Response:
             page = with_values(DP1_IDLE, "vllm:num_requests_running", "0", self.running)
             page = with_values(page, "vllm:num_requests_waiting", "0", self.waiting)
+            page = with_values(page, "vllm:kv_cache_usage_perc", "0", self.kv_usage)
             return Response(page, media_type="text/plain; version=0.0.4")
 
         @app.get("/health")

@@ -8,7 +8,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvindex.api.gateway.bodies import Endpoint, RouteRequests, lora_adapters, read_body
+from kvindex.api.gateway.bodies import (
+    Endpoint,
+    RouteRequests,
+    lora_adapters,
+    read_body,
+    session_of,
+)
+from kvindex.api.gateway.headers import first_header
 from kvindex.api.gateway.upstream import _rank_header
 from kvindex.api.http.schemas import MAX_OUTPUT_TOKENS, RouteCandidate, RouteResponse
 from kvindex.api.serve.settings import Settings
@@ -184,3 +191,38 @@ def test_a_lora_adapter_named_as_model_is_routed_as_its_base_model(tmp_path: Pat
         read_body(Endpoint.COMPLETIONS, b'{"model": "oss", "prompt": "Hi"}'), "r"
     )
     assert (plain.model, plain.lora_name) == ("oss", None)
+
+
+@pytest.mark.parametrize(
+    ("fields", "header", "expected"),
+    [
+        ({"session_id": "body"}, b"header", "body"),  # vLLM: the body's field first,
+        ({"session_id": ""}, b"header", "header"),  # then the header,
+        ({"vllm_xargs": {"session_id": "xargs"}}, None, "xargs"),  # then vllm_xargs
+        ({"session_id": 7, "vllm_xargs": {"session_id": "xargs"}}, b"", "xargs"),
+        ({"vllm_xargs": {"session_id": 7}}, None, None),
+        ({"vllm_xargs": "not a map"}, None, None),
+        ({}, None, None),
+        ({"session_id": "s" * 257}, b"header", None),  # longer than /route takes: none
+    ],
+)
+def test_the_session_id_is_read_as_vllm_reads_it(
+    fields: dict, header: bytes | None, expected: str | None
+) -> None:
+    for endpoint, base in (
+        (Endpoint.CHAT, {"model": "m", "messages": MESSAGES}),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": [1, 2, 3]}),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": [[1, 2], [3]]}),  # a batch
+    ):
+        parsed = read_body(endpoint, msgspec.json.encode({**base, **fields}))
+        session = session_of(parsed, header)
+        assert session == expected
+        assert RouteRequests(TokenizerRegistry()).build(parsed, "r", session).session_id == (
+            expected
+        )
+
+
+def test_the_first_session_header_counts() -> None:
+    headers = [(b"x-session-id", b"first"), (b"x-session-id", b"second")]
+    assert first_header(headers, b"x-session-id") == b"first"
+    assert first_header(headers, b"x-other") is None

@@ -37,6 +37,7 @@ class Ask:
     request_id: str | None = None
     max_tokens: int | None = None
     role: str | None = None
+    session_id: str | None = None
 
 
 class FixedLoads:
@@ -58,18 +59,22 @@ def make_routing(
     *,
     router: Router | None = None,
     roles: Mapping[str, Role] | None = None,
+    sessions: Mapping[str, str] | None = None,
+    event_lag: EventLag | None = None,
 ) -> Routing:
     clock = FakeClock()
+    where = dict(sessions or {})  # session id -> member, for model "m"
     return Routing(
         router or Router(seed=0),
         FixedLoads(loads),  # type: ignore[arg-type]
         InFlightLedger(clock),
         SpeculativeIndex(ttl_s=2.0, clock=clock),
         OutlierDetector(EjectionPolicy(), clock),
-        EventLag(clock=clock),
+        event_lag or EventLag(clock=clock),
         lambda: roles or {},
         route_ttl=60.0,
         pd_threshold=0,
+        sessions=lambda model, session: where.get(session) if model == "m" else None,
     )
 
 
@@ -122,3 +127,73 @@ def test_pd_enters_both_legs_and_the_first_token_ends_the_prefill_leg() -> None:
     assert routing.first_token("r") == "d"
     assert set(routing.ledger.all()) == {"d"}  # the prefill pod's share ended
     assert routing.done("r") == "d" and routing.ledger.all() == {}
+
+
+def unscored(reason: Reason = Reason.FALLBACK_MULTIMODAL, **doubts: str) -> IndexView:
+    return IndexView(0, fallback=reason, doubts=doubts)
+
+
+def busy(pod: str, kv_usage: float = 0.6) -> PodLoad:
+    return PodLoad(pod, 0, 0, kv_usage, kv_usage, {}, 100.0)
+
+
+def test_an_unscored_turn_goes_to_its_sessions_pod() -> None:
+    """A load-only decision would take the idle pod b; the session last ran on a."""
+    routing = make_routing({"a": busy("a"), "b": idle("b")}, sessions={"chat": "a"})
+    for fallback in (
+        Reason.FALLBACK_MULTIMODAL,
+        Reason.FALLBACK_UNTOKENIZABLE,
+        Reason.FALLBACK_TOKENIZER_UNAVAILABLE,
+    ):
+        routed = routing.decide(Ask(session_id="chat"), ["a", "b"], unscored(fallback), BS, row)
+        assert (routed.pod, routed.reason) == ("a", Reason.SESSION)
+    # No session id, an unknown one, or a fallback where the prompt was never the issue
+    routed = routing.decide(Ask(), ["a", "b"], unscored(), BS, row)
+    assert (routed.pod, routed.reason) == ("b", Reason.FALLBACK_MULTIMODAL)
+    routed = routing.decide(Ask(session_id="other"), ["a", "b"], unscored(), BS, row)
+    assert (routed.pod, routed.reason) == ("b", Reason.FALLBACK_MULTIMODAL)
+    down = unscored(Reason.FALLBACK_BACKEND_DOWN)
+    routed = routing.decide(Ask(session_id="chat"), ["a", "b"], down, BS, row)
+    assert (routed.pod, routed.reason) == ("b", Reason.FALLBACK_BACKEND_DOWN)
+    assert routing.decision_counts()[Reason.SESSION] == 3
+    # A doubt that keeps a pod's prefix credit keeps its session: late events still say
+    # truly where the session ran.
+    routed = routing.decide(Ask(session_id="chat"), ["a", "b"], unscored(a="lagging"), BS, row)
+    assert (routed.pod, routed.reason) == ("a", Reason.SESSION)
+
+
+def test_a_session_never_outweighs_a_prefix() -> None:
+    """A prompt the index can read is decided by its cost: b holds its prefix."""
+    routing = make_routing({"a": idle("a"), "b": idle("b")}, sessions={"chat": "a"})
+    view = view_of([1, 2, 3, 4], {"b": 3})
+    routed = routing.decide(Ask(session_id="chat"), ["a", "b"], view, BS, row)
+    assert (routed.pod, routed.reason) == ("b", Reason.PREFIX)
+
+
+@pytest.mark.parametrize("case", ["doubted", "ejected", "unknown_load", "restarted", "refused",
+                                  "saturated", "not_a_candidate"])  # fmt: skip
+def test_the_sessions_pod_is_not_taken_when_it_cannot_be_trusted_or_serve(case: str) -> None:
+    loads: dict[str, PodLoad | Unknown] = {"a": busy("a"), "b": idle("b"), "c": idle("c")}
+    router, view, lag = Router(seed=0), unscored(), EventLag()
+    pods = ["a", "b"]
+    if case == "doubted":  # its entries earn no credit: lost batches may have cleared it
+        view = unscored(a="gapped")
+    elif case == "unknown_load":
+        loads["a"] = Unknown("a", "not_scraped", "refused", None)
+    elif case == "restarted":  # its server started after the last batch heard from it
+        lag.record("a", 0.0, ts=50.0)
+        loads["a"] = PodLoad("a", 0, 0, 0.6, 0.6, {}, 100.0, started=60.0)
+    elif case == "refused":
+        router = Router(admission=Admission(max_kv_usage=0.5), seed=0)
+    elif case == "saturated":  # no pod has KV room: the session is no reason to add to a
+        router = Router(admission=Admission(max_kv_usage=0.5), seed=0, least_bad=True)
+        loads["b"] = busy("b", 0.7)
+    elif case == "not_a_candidate":
+        pods = ["b", "c"]
+    routing = make_routing(loads, router=router, sessions={"chat": "a"}, event_lag=lag)
+    if case == "ejected":
+        routing.decide(Ask(request_id="failed"), ["a"], unscored(), BS, row)
+        routing.done("failed", Outcome.HTTP_5XX)
+    routed = routing.decide(Ask(session_id="chat"), pods, view, BS, row)
+    assert routed.reason is Reason.FALLBACK_MULTIMODAL
+    assert routed.pod != "a" or case == "saturated"

@@ -158,3 +158,53 @@ def test_one_quick_return_does_not_shorten_the_wait() -> None:
         slow.leave("p", i, 0.0)
         slow.claim([i], 40.0)
     assert slow.wait_s == 80.0
+
+
+def test_a_session_id_claims_its_home_when_the_prompt_was_rewritten() -> None:
+    """An agent that compacted its context sends a prompt without the previous prompt's
+    last block: its session id still claims the home, so the pod's count of sessions
+    between turns stays right."""
+    clock = Clock()
+    ledger = InFlightLedger(clock)
+    first = turns(1, 1)[0]
+    ledger.begin("p", "t1", len(first), 60, tail=first[-1], session="agent")
+    ledger.done("t1")
+    serve(ledger, "q", "x1", turns(9, 1)[0])  # another session: claims nothing of agent's
+    assert ledger.homes.returning == 0.0
+    rewritten = turns(2, 1)[0]
+    assert first[-1] not in rewritten
+    assert ledger.arrive(rewritten, "agent")  # it continues a session
+    assert ledger.homes.returning == 1.0 and len(ledger.homes) == 1  # q's home stays
+    assert ledger.arrive(rewritten, "agent") is False  # claimed once
+    assert ledger.arrive(rewritten) is False  # a prompt alone does not claim it either
+
+
+def test_a_turn_without_a_full_block_is_homed_by_its_session_id() -> None:
+    """An image chat's turn has no block keys (kvindex cannot read it): with a session
+    id its route still leaves a home, claimed by the session's next turn."""
+    clock = Clock()
+    ledger = InFlightLedger(clock)
+    ledger.arrive([], "chat")
+    ledger.begin("p", "i1", 4, 60, session="chat")
+    ledger.done("i1")
+    assert len(ledger.homes) == 1
+    clock.now += 1.0
+    assert ledger.arrive([], "chat")
+    assert len(ledger.homes) == 0
+    ledger.begin("p", "i2", 4, 60)  # no session id, no block: no home
+    ledger.done("i2")
+    assert len(ledger.homes) == 0
+
+
+def test_a_session_ids_claim_follows_its_latest_home_only() -> None:
+    homes = SessionHomes()
+    homes.leave("p", 11, 1.0, "s")
+    homes.leave("q", 22, 2.0, "s")  # the session's next turn ended elsewhere
+    homes.leave("r", 11, 3.0)  # another request ends in the same block: that home is r's
+    assert homes.claim([], 4.0, "s") == ["q"]
+    assert homes.claim([], 4.0, "s") == []
+    assert homes.claim([11], 4.0) == ["r"]
+    homes.leave("p", None, 5.0, "t")
+    homes.wait_s = 1.0
+    assert homes.expire(10.0) == ["p"]  # forgotten with its claim by session id
+    assert homes.claim([], 10.0, "t") == []

@@ -27,10 +27,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.responses import Response
 
 from kvindex.api.client import AsyncClient, Retries
-from kvindex.api.gateway.bodies import Endpoint, RouteRequests, lora_adapters, read_body
+from kvindex.api.gateway.bodies import (
+    SESSION_ID_HEADER,
+    Endpoint,
+    RouteRequests,
+    lora_adapters,
+    read_body,
+    session_of,
+)
 from kvindex.api.gateway.client_watch import ClientWatch
 from kvindex.api.gateway.errors import openai_error_body
-from kvindex.api.gateway.headers import RelayedHeaders, forward_headers
+from kvindex.api.gateway.headers import RelayedHeaders, first_header, forward_headers
 from kvindex.api.gateway.index_transport import IndexTransport
 from kvindex.api.gateway.pd import PdMode, PrefillOutcome
 from kvindex.api.gateway.pod_http import PodBroken, PodConnections
@@ -171,7 +178,8 @@ class Gateway:
         metrics = self.metrics
         try:
             parsed = read_body(endpoint, body)
-            route_request = self.requests.build(parsed, self._ids.next())
+            session = session_of(parsed, first_header(scope["headers"], SESSION_ID_HEADER))
+            route_request = self.requests.build(parsed, self._ids.next(), session)
             # vLLM sends a streamed answer's status line before any work, a whole
             # answer's only once generated: only the first is bounded by the first byte.
             first_byte = self.settings.first_byte_timeout if parsed.stream else None

@@ -9,7 +9,10 @@ them (:class:`kvindex.scoring.prompt.tokenize.ModelTokenizer`, the code behind `
 ``/route``, which tokenizes it if the index has one, or falls back to load-only routing.
 So do messages kvindex cannot tokenize (multimodal content, with its media cut out;
 a template failing): ``/route`` routes them by load (``fallback_multimodal``,
-``fallback_untokenizable``), and the pod gets the client's body untouched.
+``fallback_untokenizable``), and the pod gets the client's body untouched. The client's
+session id, read as vLLM reads it (:func:`session_of`), goes to ``/route`` with them: a
+turn whose prompt cannot be scored then goes back to the pod that computed its session's
+last turn.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import msgspec
 from kvindex.api.http.schemas import MAX_OUTPUT_TOKENS, RouteRequest, TokenId
 from kvindex.api.serve.settings import Settings
 from kvindex.events.errors import ClientError, KvindexError
+from kvindex.events.wire.sessions import MAX_SESSION_ID_CHARS
 from kvindex.scoring.prompt.conversation import without_media
 from kvindex.scoring.prompt.tokenize import ChatOptions, TokenizerRegistry
 
@@ -44,6 +48,9 @@ class CompletionBody(msgspec.Struct):
     max_tokens: int | None = None
     cache_salt: str | None = None
     stream: bool | None = None  # a streamed answer's head comes before any work
+    # vLLM's session id fields, read as they come: the pod validates them, not the gateway
+    session_id: Any = None
+    vllm_xargs: Any = None
 
 
 class SingleCompletion(msgspec.Struct):
@@ -56,6 +63,9 @@ class SingleCompletion(msgspec.Struct):
     max_tokens: int | None = None
     cache_salt: str | None = None
     stream: bool | None = None  # a streamed answer's head comes before any work
+    # vLLM's session id fields, read as they come: the pod validates them, not the gateway
+    session_id: Any = None
+    vllm_xargs: Any = None
 
 
 class ChatBody(msgspec.Struct):
@@ -72,6 +82,9 @@ class ChatBody(msgspec.Struct):
     chat_template_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
     stream: bool | None = None  # a streamed answer's head comes before any work
+    # vLLM's session id fields, read as they come: the pod validates them, not the gateway
+    session_id: Any = None
+    vllm_xargs: Any = None
 
 
 def expected_output(max_tokens: int | None) -> int | None:
@@ -129,6 +142,26 @@ def lora_adapters(settings: Settings) -> dict[str, str]:
     }
 
 
+#: The header vLLM 0.33 reads a session id from (``SESSION_ID_HEADER``).
+SESSION_ID_HEADER = b"x-session-id"
+
+
+def session_of(body: Body, header: bytes | None) -> str | None:
+    """The request's session id as vLLM 0.33 takes it
+    (``GenerateBaseServing._get_session_id``): the body's ``session_id``, else the
+    ``X-Session-ID`` header, else ``vllm_xargs.session_id``, the first that is a non-empty
+    string. None when there is none, or when it is longer than ``/route`` takes (the
+    request is then routed without it; the pod still gets it)."""
+    session: Any = body.session_id if isinstance(body.session_id, str) else None
+    if not session and header:
+        session = header.decode("latin-1")  # as the ASGI server decodes header values
+    if not session and isinstance(body.vllm_xargs, dict):
+        session = body.vllm_xargs.get("session_id")
+    if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_ID_CHARS:
+        return None
+    return session
+
+
 class RouteRequests:
     """Builds the ``/route`` request for an OpenAI body, tokenizing with ``tokenizers``
     (the index's own registry when the gateway runs inside ``kvindex serve``).
@@ -145,11 +178,15 @@ class RouteRequests:
         self.tokenizers = tokenizers
         self.adapters = dict(adapters or {})
 
-    def build(self, parsed: Body, request_id: str) -> RouteRequest:
+    def build(self, parsed: Body, request_id: str, session_id: str | None = None) -> RouteRequest:
+        """The ``/route`` request for ``parsed``, under ``request_id``, for the client's
+        ``session_id`` (:func:`session_of`)."""
         if isinstance(parsed, ChatBody):
             request = self._chat(parsed, request_id)
         else:
             request = self._completion(parsed, request_id)
+        if session_id is not None:
+            request.session_id = session_id
         base = self.adapters.get(request.model)
         if base is not None:
             return msgspec.structs.replace(request, model=base, lora_name=request.model)

@@ -59,6 +59,15 @@ def forward_headers(raw: list[Header]) -> list[Header]:
     return [header for header in kept if header[0] not in named]
 
 
+def first_header(raw: list[Header], name: bytes) -> bytes | None:
+    """The value of the first ``name`` header (lower case) in ``raw``, as Starlette's
+    ``Headers.get`` (vLLM's reader) takes it; None when absent."""
+    for header, value in raw:
+        if header == name:
+            return value
+    return None
+
+
 class RelayedHeaders:
     """The allowlist of a pod's answer headers: exact names, and prefixes (``openai-*``)."""
 

@@ -249,10 +249,11 @@ def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> IndexVi
                 service, req, settings.http.max_prompt_tokens, settings.http.max_prompt_chars
             )
     except TokenizerUnavailable as exc:
-        return IndexView(0, fallback=Reason.FALLBACK_TOKENIZER_UNAVAILABLE, warnings=[exc.detail])
+        fallback, warnings = Reason.FALLBACK_TOKENIZER_UNAVAILABLE, [exc.detail]
+        return _unscored(service, req, pods, fallback, warnings)
     except UntokenizablePrompt as exc:  # the pod may serve it: a router must not refuse it
         reason = Reason.FALLBACK_MULTIMODAL if exc.multimodal else Reason.FALLBACK_UNTOKENIZABLE
-        return IndexView(0, fallback=reason, warnings=[exc.detail])
+        return _unscored(service, req, pods, reason, [exc.detail])
     if keys is None:
         prompt_tokens = len(tokens)
     else:
@@ -276,12 +277,7 @@ def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> IndexVi
     wanted = set(pods)
     matches = {p.pod: p for p in result.pods if p.pod in wanted or member_pod(p.pod) in wanted}
     view = IndexView(prompt_tokens, result.keys, matches, result=result)
-    doubts = service.route_view.doubts(req.model, pods)
-    max_lag = settings.scoring.max_event_lag
-    for pod, lag in service.event_lag.lagging(pods, max_lag).items():
-        doubts.setdefault(
-            pod, (LAGGING, f"event lag {lag:.1f} s, above --max-event-lag {max_lag:g}")
-        )
+    doubts = _doubts(service, req, pods)
     if doubts:
         view.doubts = {pod: doubt for pod, (doubt, _) in doubts.items()}
         view.warnings = [
@@ -289,4 +285,27 @@ def _index_view(service: Service, req: RouteRequest, pods: list[str]) -> IndexVi
             + ("" if credits_prefix(doubt) else "; its index entries are not credited")
             for pod, (doubt, why) in sorted(doubts.items())
         ]
+    return view
+
+
+def _doubts(service: Service, req: RouteRequest, pods: list[str]) -> dict[str, tuple[str, str]]:
+    """Of ``pods``, those whose entries for the model are in doubt: (doubt, why)."""
+    doubts = service.route_view.doubts(req.model, pods)
+    max_lag = service.settings.scoring.max_event_lag
+    for pod, lag in service.event_lag.lagging(pods, max_lag).items():
+        doubts.setdefault(
+            pod, (LAGGING, f"event lag {lag:.1f} s, above --max-event-lag {max_lag:g}")
+        )
+    return doubts
+
+
+def _unscored(
+    service: Service, req: RouteRequest, pods: list[str], fallback: Reason, warnings: list[str]
+) -> IndexView:
+    """The view of a prompt the index cannot score: a load-only decision, unless the
+    request's session id names a pod (the routing decides; a pod in doubt does not
+    count, so the doubts are read then)."""
+    view = IndexView(0, fallback=fallback, warnings=warnings)
+    if req.session_id is not None:
+        view.doubts = {pod: doubt for pod, (doubt, _) in _doubts(service, req, pods).items()}
     return view

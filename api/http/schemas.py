@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvindex.events.wire.sessions import MAX_SESSION_ID_CHARS
 from kvindex.scoring.route.outlier import Outcome
 from kvindex.scoring.scorer import PodScore
 
@@ -179,6 +180,18 @@ class RouteRequest(ScoreRequest, forbid_unknown_fields=True):
             "candidate has a role, the answer names a decode_pod and a prefill_pod."
         ),
     ] = None
+    session_id: Annotated[
+        Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_ID_CHARS)] | None,
+        _doc(
+            f"The client's session id (1 to {MAX_SESSION_ID_CHARS} characters), as vLLM reads "
+            "it: body session_id, header X-Session-ID, vllm_xargs.session_id. Where the "
+            "prompt cannot be scored (fallback_multimodal, fallback_untokenizable, "
+            "fallback_tokenizer_unavailable), the request goes to the pod that computed the "
+            "session's latest turn (reason session) when that pod is a candidate with known "
+            "load, not ejected, credited its entries (not gapped or hash_mismatch) and "
+            "admitted; it also claims the session's home. It never outweighs a prefix."
+        ),
+    ] = None
 
 
 class RouteCandidate(msgspec.Struct, gc=False):
@@ -299,8 +312,9 @@ class RouteResponse(msgspec.Struct):
         str,
         msgspec.Meta(
             description="prefix, load, least_bad, fallback_backend_down, "
-            "fallback_unknown_model, fallback_tokenizer_unavailable, fallback_multimodal "
-            "or fallback_untokenizable (a doubted candidate changes no decision's reason: "
+            "fallback_unknown_model, fallback_tokenizer_unavailable, fallback_multimodal, "
+            "fallback_untokenizable or session (a prompt that could not be scored sent to "
+            "the pod of its session_id) (a doubted candidate changes no decision's reason: "
             "its row's doubt says why)"
         ),
     ]

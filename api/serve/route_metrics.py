@@ -35,6 +35,7 @@ class RouteCollector(Collector):
             "Routing decisions by reason: prefix, load, "
             "fallback_backend_down, fallback_unknown_model, fallback_tokenizer_unavailable, "
             "fallback_multimodal, fallback_untokenizable, "
+            "session (a prompt that could not be scored, sent to its session's pod), "
             "least_bad (no pod admissible, the cheapest chosen), no_capacity (answered 429).",
             labels=["reason"],
         )

@@ -219,14 +219,10 @@ class Service:
         if route_seed is None:
             route_seed = settings.scoring.route_seed
         self.routing = make_routing(
-            settings,
-            self.known_pods,
-            self.event_lag,
-            self.roles,
-            route_seed,
-            clock,
+            settings, self.known_pods, self.event_lag, self.roles, route_seed, clock,
             self.may_push_load if self.catalog.models_with(Engine.SGLANG) else None,
-        )
+            self.ingestor.sessions.member_of,
+        )  # fmt: skip
         self.load = self.routing.loads  # started and stopped with the service
         self.speculative = self.routing.speculative  # /score shows them too
         self.registry.register(RouteCollector(self.routing))
@@ -396,6 +392,7 @@ class Service:
         removed = 0
         for member in members:
             removed += self.backend.clear_member(member)
+            self.ingestor.sessions.forget(member)
             if self.snapshot_gate is not None:
                 self.snapshot_gate.purged(member)
         log.info("operator purged pod %s (%d entries)", pod, removed)

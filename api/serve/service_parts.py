@@ -190,11 +190,14 @@ def make_routing(
     seed: int | None = None,
     clock: Callable[[], float] = time.monotonic,
     push_pods: Callable[[], Iterable[str]] | None = None,
+    sessions: Callable[[str, str], str | None] | None = None,
 ) -> Routing:
     """/route's parts: the load view scraping every known pod (and following the load
     topic of ``push_pods``, unless --no-load-push), and the routing state and decision
     over it; ``clock`` ages their state (the ledger, session homes, speculative entries,
-    ejections, scrape ages), ``seed`` seeds the router's tie-breaks."""
+    ejections, scrape ages), ``seed`` seeds the router's tie-breaks, ``sessions`` says
+    where a client session last ran (the ingestor's
+    :meth:`~kvindex.indexer.sessions.SessionPods.member_of`)."""
     scoring = settings.scoring
     if scoring.load_interval <= 0 or scoring.load_timeout <= 0:
         raise ConfigError("--load-interval and --load-timeout must be positive")
@@ -243,6 +246,7 @@ def make_routing(
         roles,
         route_ttl=scoring.route_ttl,
         pd_threshold=scoring.pd_threshold,
+        sessions=sessions,
     )
 
 

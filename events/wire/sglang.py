@@ -43,7 +43,8 @@ _EXTERNAL = "EXTERNAL"
 
 
 class SglangBlockStored(ReceivedBlockStored, tag="BlockStored"):
-    """A store as ingest sees it, with the session that caused it (SGLang >= 0.5.20)."""
+    """A store as ingest sees it, with the session that caused it (SGLang >= 0.5.20: the
+    request's ``session_id``, a field of SGLang's OpenAI bodies; no header)."""
 
     session_id: str | None = None
 

@@ -92,7 +92,15 @@ class AllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
 
 
 class BlockStoredMap(BlockStored, array_like=False, tag_field="type", tag="BlockStored"):
-    """BlockStored in the map layout of vLLM >= 0.24."""
+    """BlockStored in the map layout of vLLM >= 0.24.
+
+    ``session_id`` (0.30; only maps carry it, so an array event's extra trailing items
+    stay ignored): the client session of the request that stored, or under report mode
+    "full" reused, these blocks - vLLM's ``Request.session_id``, from the request's
+    ``session_id``, header ``X-Session-ID`` or ``vllm_xargs.session_id``. Not ownership:
+    other sessions may share the blocks."""
+
+    session_id: str | None = None
 
 
 class BlockRemovedMap(BlockRemoved, array_like=False, tag_field="type", tag="BlockRemoved"):

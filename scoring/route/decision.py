@@ -9,7 +9,10 @@ Pure apart from its tie-breaking state (a seeded RNG and a round-robin counter).
 - Ejected pods (:mod:`kvindex.scoring.route.outlier`) are chosen only when all admitted are.
 - The lowest cost wins, equal costs broken at random; ``reason`` is ``prefix`` when the
   chosen pod has the longest reusable match, else ``load``. Fallbacks (the index cannot
-  be asked) take the least loaded pod, equal ones in turn.
+  be asked) take the least loaded pod, equal ones in turn; but a request whose session's
+  pod is known (``preferred``) goes there when that pod is admitted and some pod had KV
+  room (``session``): with no prefix to compare, where the session last ran is the best
+  guess of where its history is cached.
 """
 
 from __future__ import annotations
@@ -35,8 +38,21 @@ class Reason(StrEnum):
     FALLBACK_TOKENIZER_UNAVAILABLE = "fallback_tokenizer_unavailable"
     FALLBACK_MULTIMODAL = "fallback_multimodal"
     FALLBACK_UNTOKENIZABLE = "fallback_untokenizable"
+    SESSION = "session"
     NO_CAPACITY = "no_capacity"
     LEAST_BAD = "least_bad"
+
+
+#: The fallbacks where the prompt itself could not be read, so a request's session id may
+#: say where it goes (:meth:`Router.choose`'s ``preferred``). Not the others: with the
+#: backend down or the model unknown, the session's pod is no better known than the prefix.
+SESSION_FALLBACKS = frozenset(
+    {
+        Reason.FALLBACK_MULTIMODAL,
+        Reason.FALLBACK_UNTOKENIZABLE,
+        Reason.FALLBACK_TOKENIZER_UNAVAILABLE,
+    }
+)
 
 
 class Candidate(msgspec.Struct, frozen=True, gc=False):
@@ -125,12 +141,14 @@ class Router:
         fallback: Reason | None = None,
         future_tokens: float = 0.0,
         excluded: Collection[str] = (),
+        preferred: str | None = None,
     ) -> Decision:
         """Choose among ``pods``; ``kv_usage_max`` is each pod's fullest engine (for
         admission); ``fallback`` set means load only, and is the decision's reason;
         ``future_tokens``: the prefill the request's session will bring in later turns
         (:func:`~kvindex.scoring.route.cost.pod_costs`'s ``F``); ``excluded``: the
-        ejected pods (:func:`prefer_included`).
+        ejected pods (:func:`prefer_included`); ``preferred``: the session's pod
+        (:meth:`choose`).
         (``/route`` without P/D or data-parallel ranks takes the same decision in one
         pass over its candidates: :mod:`kvindex.scoring.route.one_pass`.)"""
         admission = self.admission
@@ -152,17 +170,20 @@ class Router:
                 continue
             candidates.append(Candidate(p, terms, None))
             admitted.append(i)
-        admitted = prefer_included([p.pod for p in pods], admitted, excluded)
+        names = [p.pod for p in pods]
+        admitted = prefer_included(names, admitted, excluded)
+        saturated = admission.saturated(max_kv)
         chosen, reason = self.choose(
-            [p.pod for p in pods],
+            names,
             [t.total for t in costs],
             [t.load for t in costs],
             [t.usable_blocks for t in costs],
             admitted,
             fallback,
+            None if preferred is None or saturated else names.index(preferred),
         )
         pod = None if chosen is None else pods[chosen].pod
-        return Decision(pod, reason, candidates, admission.saturated(max_kv))
+        return Decision(pod, reason, candidates, saturated)
 
     def choose(
         self,
@@ -172,10 +193,14 @@ class Router:
         usable: list[int],
         admitted: list[int],
         fallback: Reason | None,
+        preferred: int | None = None,
     ) -> tuple[int | None, Reason]:
         """The chosen candidate's index and the reason, from each candidate's cost,
         load terms and reusable blocks, and the indices of the admitted ones (ascending):
-        the rules of the module docstring. The one place ties are broken, so every path
+        the rules of the module docstring. ``preferred``: the index of the request's
+        session's pod, taken (reason ``session``) in a fallback in
+        :data:`SESSION_FALLBACKS` when admitted; the caller leaves it out when no
+        candidate had KV room. The one place ties are broken, so every path
         to a decision draws from the RNG and the round-robin counter alike."""
         if not admitted:
             if not self.least_bad or not pods:
@@ -185,6 +210,8 @@ class Router:
             tied = [i for i, value in enumerate(key) if value <= best + _EPSILON]
             return (tied[0] if len(tied) == 1 else self._rng.choice(tied)), Reason.LEAST_BAD
         if fallback is not None:
+            if preferred in admitted and fallback in SESSION_FALLBACKS:
+                return preferred, Reason.SESSION
             best = min([loads[i] for i in admitted])
             tied = sorted(
                 (i for i in admitted if loads[i] <= best + _EPSILON), key=pods.__getitem__

@@ -41,6 +41,7 @@ class _Route:
     serial: int  # tells this entry from an earlier one that reused the route id
     prefilling: bool = True
     tail: int | None = None  # the prompt's last full block key: its session's home
+    session: str | None = None  # the client's session id: its home's other claim
 
 
 class InFlightLedger:
@@ -69,13 +70,14 @@ class InFlightLedger:
         prefill_tokens: int = 0,
         tail: int | None = None,
         continues: bool = False,
+        session: str | None = None,
     ) -> None:
         """Count ``route_id`` against ``pod`` for at most ``ttl_s`` seconds, with
         ``prefill_tokens`` of prefill queued until its first token. Beginning a route id
         that is still open moves it (a gateway retrying on another pod). With ``tail``,
-        the prompt's last full block key, its session is homed on ``pod`` when done.
-        ``continues``: the request claimed a home (``arrive``), so its prefill is a
-        continuation turn's."""
+        the prompt's last full block key, or ``session``, the client's session id, its
+        session is homed on ``pod`` when done. ``continues``: the request claimed a home
+        (``arrive``), so its prefill is a continuation turn's."""
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
         if prompt_blocks < 0 or prefill_tokens < 0:
@@ -88,23 +90,30 @@ class InFlightLedger:
             self._serial += 1
             deadline = now + ttl_s
             self._routes[route_id] = _Route(
-                pod, prompt_blocks, prefill_tokens, deadline, self._serial, tail=tail
+                pod,
+                prompt_blocks,
+                prefill_tokens,
+                deadline,
+                self._serial,
+                tail=tail,
+                session=session,
             )
             self._count(pod, 1, prompt_blocks, 1, prefill_tokens)
             self._expiry.setdefault(ttl_s, deque()).append((deadline, route_id, self._serial))
             if continues:
                 self._homes.turn(prefill_tokens)
 
-    def arrive(self, keys: list[int]) -> bool:
-        """A request whose prompt holds the block ``keys`` is being routed: the sessions
-        it continues are no longer between turns (claimed before its decision, so a
-        session's own home does not count against its pod). Whether it continues one."""
-        if not keys:
+    def arrive(self, keys: list[int], session: str | None = None) -> bool:
+        """A request whose prompt holds the block ``keys`` (and that names the client's
+        ``session``) is being routed: the sessions it continues are no longer between
+        turns (claimed before its decision, so a session's own home does not count
+        against its pod). Whether it continues one."""
+        if not keys and session is None:
             return False
         with self._lock:
             now = self._clock()
             self._expire(now)
-            claimed = self._homes.claim(keys, now)
+            claimed = self._homes.claim(keys, now, session)
             self._rehome(claimed, -1)
             return bool(claimed)
 
@@ -137,8 +146,8 @@ class InFlightLedger:
             if route is None:
                 return None
             self._release(route_id)
-            if route.tail is not None:
-                replaced = self._homes.leave(route.pod, route.tail, self._clock())
+            if route.tail is not None or route.session is not None:
+                replaced = self._homes.leave(route.pod, route.tail, self._clock(), route.session)
                 self._rehome([] if replaced is None else [replaced], -1)
                 self._rehome([route.pod], 1)
             return route.pod

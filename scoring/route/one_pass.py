@@ -96,6 +96,7 @@ def one_pass(
     heard: Mapping[str, Lag] | None = None,
     future_tokens: float = 0.0,
     excluded: Collection[str] = (),
+    preferred: str | None = None,
 ) -> Pass[R] | None:
     """The decision over ``pods`` (each one routing target, rank 0, role ``both``: no
     P/D) and their answer rows; None when a pod has data-parallel ranks (the general
@@ -107,7 +108,9 @@ def one_pass(
     the decision and it is named in :attr:`Pass.dropped` (the general path drops them
     beforehand: :class:`kvindex.scoring.route.routing.Routing`). ``future_tokens``: the prefill
     the request's session will bring in later turns (the cost's ``F``); ``excluded``:
-    the ejected pods (:func:`~kvindex.scoring.route.decision.prefer_included`)."""
+    the ejected pods (:func:`~kvindex.scoring.route.decision.prefer_included`);
+    ``preferred``: the request's session's pod
+    (:meth:`~kvindex.scoring.route.decision.Router.choose`)."""
     if has_ranks(matches) or has_ranks(speculative):
         return None
     weights, admission = router.weights, router.admission
@@ -133,7 +136,8 @@ def one_pass(
         return None
     rows, totals, loads_terms, usables, admitted, dropped, refused = done
     admitted = prefer_included(pods, admitted, excluded)
-    chosen, reason = router.choose(pods, totals, loads_terms, usables, admitted, fallback)
+    session = None if preferred is None or saturated else pods.index(preferred)
+    chosen, reason = router.choose(pods, totals, loads_terms, usables, admitted, fallback, session)
     if chosen is None:
         return Pass(None, reason, rows, 0, 0, dropped, refused, saturated)
     match = matches.get(pods[chosen])

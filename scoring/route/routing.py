@@ -20,8 +20,8 @@ from typing import Generic, Protocol, TypeVar
 from kvindex.events.errors import Unavailable
 from kvindex.events.wire.identity import member_pod
 from kvindex.scoring.load import LoadView, PodLoad, Unknown
-from kvindex.scoring.route.decision import Decision, Reason, Router
-from kvindex.scoring.route.doubt import discredit
+from kvindex.scoring.route.decision import SESSION_FALLBACKS, Decision, Reason, Router
+from kvindex.scoring.route.doubt import credits_prefix, discredit
 from kvindex.scoring.route.event_lag import EventLag
 from kvindex.scoring.route.inflight import InFlight, InFlightLedger
 from kvindex.scoring.route.one_pass import Pass, RowMaker, one_pass
@@ -47,6 +47,8 @@ class RouteAsk(Protocol):
     def max_tokens(self) -> int | None: ...
     @property
     def role(self) -> str | None: ...
+    @property
+    def session_id(self) -> str | None: ...
 
 
 @dataclass(slots=True)
@@ -100,14 +102,17 @@ class _Request:
     block_size: int
     speculative: dict[str, int]  # member -> speculative blocks past its match
     continues: bool  # the request claimed a session's home
+    session_member: str | None = None  # where its session last ran, when it may decide
 
 
 class Routing:
     """Decides ``/route`` requests and owns the state they share.
 
     ``loads`` (scraped) and ``event_lag`` (written by ingest) are read, never written;
-    ``roles`` gives each pod's P/D role. The ledger, the speculative entries and the
-    outlier detector are thread-safe; the counts take their own lock."""
+    ``roles`` gives each pod's P/D role; ``sessions(model, session_id)``, the member
+    where a client session's latest turn was computed (learned by ingest:
+    :class:`~kvindex.indexer.sessions.SessionPods`), or None. The ledger, the speculative
+    entries and the outlier detector are thread-safe; the counts take their own lock."""
 
     def __init__(
         self,
@@ -121,6 +126,7 @@ class Routing:
         *,
         route_ttl: float,
         pd_threshold: int,
+        sessions: Callable[[str, str], str | None] | None = None,
     ) -> None:
         self.router = router
         self.loads = loads
@@ -131,6 +137,7 @@ class Routing:
         self._roles = roles
         self._route_ttl = route_ttl
         self._pd_threshold = pd_threshold
+        self._sessions = sessions
         self._counts_lock = threading.Lock()
         self._decisions: dict[str, int] = {}  # reason -> decisions, first seen first
         self._prefill_outcomes: dict[str, int] = {}  # "local" or "remote" -> P/D routes
@@ -167,7 +174,8 @@ class Routing:
         speculative = annotate(view.result, self.speculative) if view.result else {}
         discredit(view.matches, speculative, view.doubts)
         ledger = self.ledger
-        continues = ledger.arrive(view.keys)  # the session this request continues is back
+        # the session this request continues is back
+        continues = ledger.arrive(view.keys, ask.session_id)
         loads, in_flight = self.loads.snapshot(pods), ledger.all()
         roles = self._roles()
         split = disaggregated(roles, pods)
@@ -176,11 +184,14 @@ class Routing:
         future = 0.0 if continues or split else ledger.future_prefill()
         excluded = self.outliers.excluded(pods)
         request = _Request(ask, view, block_size, speculative, continues)
+        request.session_member = self._session_member(ask, view, pods, loads, excluded)
         if ask.role is None and not split:
+            preferred = request.session_member
             done = one_pass(
                 self.router, pods, view.matches, speculative, loads, in_flight,
                 view.prompt_tokens, block_size, view.fallback, row,
                 self._event_lag.batches(), future, excluded,
+                None if preferred is None else member_pod(preferred),
             )  # fmt: skip
             if done is not None:
                 for pod in done.dropped:  # each a PodLoad with a start time (the loop's rule)
@@ -270,6 +281,7 @@ class Routing:
                 view.fallback,
                 future,
                 ejected,
+                _session_target(targets, request.session_member),
             )
         self._count(decision.reason)
         if decision.saturated or (prefill is not None and prefill.saturated):
@@ -335,11 +347,48 @@ class Routing:
         tail = view.keys[-1] if view.keys and prefill_leg is None else None
         # A continuation turn's prefill, once per request: where it is computed.
         turn = request.continues and usable_blocks is not None
-        self.ledger.begin(member, route_id, held, self._route_ttl, prefill, tail, continues=turn)
+        session = ask.session_id if prefill_leg is None else None
+        self.ledger.begin(
+            member, route_id, held, self._route_ttl, prefill, tail, continues=turn, session=session
+        )
         # Speculative: the blocks past what the chosen engine's index entries already hold.
         if len(view.keys) > confirmed_blocks:
             self.speculative.add(ask.model, member, view.keys, confirmed_blocks)
         return route_id
+
+    def _session_member(
+        self,
+        ask: RouteAsk,
+        view: IndexView,
+        pods: list[str],
+        loads: Mapping[str, PodLoad | Unknown],
+        excluded: Mapping[str, str],
+    ) -> str | None:
+        """The member where ``ask``'s session last ran, when it may take a load-only
+        decision's place: the prompt could not be scored (a fallback in
+        :data:`~kvindex.scoring.route.decision.SESSION_FALLBACKS`), and its pod is a
+        candidate whose load is known, that is not ejected, whose entries would be
+        credited their prefix (:func:`~kvindex.scoring.route.doubt.credits_prefix`: not
+        ``gapped`` or ``hash_mismatch``, whose lost batches or wrong keys may hide that
+        the session's blocks are gone; a ``lagging`` or ``replaying`` stream still says
+        truly where the session ran), and that has not restarted since its last batch
+        (its cache would be empty). Admission still applies (:meth:`Router.choose`)."""
+        session = ask.session_id
+        if session is None or self._sessions is None or view.fallback not in SESSION_FALLBACKS:
+            return None
+        member = self._sessions(ask.model, session)
+        if member is None:
+            return None
+        pod = member_pod(member)
+        if pod in excluded or not credits_prefix(view.doubts.get(pod)) or pod not in pods:
+            return None
+        load = loads.get(pod)
+        if type(load) is not PodLoad:
+            return None
+        heard = self._event_lag.last_batch_ts(member)
+        if load.started is not None and (heard is None or heard < load.started):
+            return None
+        return member
 
     def _drop_restarted(self, request: _Request, loads: Mapping[str, PodLoad | Unknown]) -> None:
         """A pod whose server started (``process_start_time_seconds``, its clock) after the
@@ -392,6 +441,19 @@ def _ignore_restarted(request: _Request, member: str, started: float) -> None:
         f"pod {member}: restarted (process start {started:.0f}) and no KV events "
         "since; its index entries are ignored"
     )
+
+
+def _session_target(targets: Sequence[Target], member: str | None) -> str | None:
+    """The routing target (a member) standing for the session's ``member``: itself, or
+    its pod's target when the pod's ranks are not separate targets; None when neither
+    is a candidate."""
+    if member is None:
+        return None
+    members = {t.member for t in targets}
+    if member in members:
+        return member
+    pod = member_pod(member)
+    return pod if pod in members else None
 
 
 def target_rows(

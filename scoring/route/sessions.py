@@ -5,11 +5,15 @@ A chat user reading or an agent waiting on a tool has no request in flight, yet 
 back to the pod holding its history; counting those sessions keeps ``/route`` from
 packing new sessions onto pods that only look idle. A finished route leaves a *home*
 (its prompt's last full block key, on its pod), claimed by the session's next request,
-whose prompt holds that key. Homes are forgotten after twice the 90th percentile of the
-return gaps seen, and count as the share of homes that were claimed (traffic that never
-comes back counts nothing). :attr:`SessionHomes.future_prefill` estimates the prefill a
-session's later turns will bring. Not thread-safe:
-:class:`~kvindex.scoring.route.inflight.InFlightLedger` calls it under its lock.
+whose prompt holds that key. A request that names the client's session id also claims
+that session's home whatever its prompt holds (an agent that compacted or rewrote its
+context); a route with a session id and no full block (a prompt that could not be read,
+such as an image chat) leaves a home keyed by the session id alone. Homes are forgotten
+after twice the 90th percentile of the return gaps seen, and count as the share of homes
+that were claimed (traffic that never comes back counts nothing).
+:attr:`SessionHomes.future_prefill` estimates the prefill a session's later turns will
+bring. Not thread-safe: :class:`~kvindex.scoring.route.inflight.InFlightLedger` calls it
+under its lock.
 """
 
 from __future__ import annotations
@@ -33,12 +37,18 @@ MAX_RETURNING = 0.9
 _TURN_WEIGHT = 0.1  # the weight of the newest turn in the mean continuation prefill
 
 
+#: A home's key: a prompt's last full block key, or (no block) the client's session id.
+HomeKey = int | str
+
+
 class SessionHomes:
-    """Homes by block key, oldest first."""
+    """Homes by block key (or session id), oldest first; the session ids of homes left
+    with one, to claim them by it (each names a live home whose own session it is)."""
 
     def __init__(self) -> None:
-        self._homes: dict[int, tuple[str, float]] = {}  # key -> (pod, left at)
-        self._order: deque[tuple[float, int]] = deque()  # (left at, key); stale ones skipped
+        self._homes: dict[HomeKey, tuple[str, float, str | None]] = {}  # (pod, left at, session)
+        self._order: deque[tuple[float, HomeKey]] = deque()  # (left at, key); stale ones skipped
+        self._by_session: dict[str, HomeKey] = {}
         self._gaps: deque[float] = deque(maxlen=_GAPS_KEPT)
         self._unsorted = 0
         self._outcomes: deque[bool] = deque(maxlen=_OUTCOMES_KEPT)  # True: claimed
@@ -51,29 +61,54 @@ class SessionHomes:
     def __len__(self) -> int:
         return len(self._homes)
 
-    def leave(self, pod: str, tail: int, now: float) -> str | None:
-        """A route of the prompt ending in block ``tail`` finished on ``pod``: its
-        session is homed there. The pod of the home this one replaces (the same prompt
-        finished earlier), or None."""
-        replaced = self._homes.pop(tail, None)
-        self._homes[tail] = (pod, now)
-        self._order.append((now, tail))
+    def leave(
+        self, pod: str, tail: int | None, now: float, session: str | None = None
+    ) -> str | None:
+        """A route of the prompt ending in block ``tail`` (None: no full block) for the
+        client's ``session`` (None: not named) finished on ``pod``: its session is homed
+        there, under ``tail`` or else ``session``. The pod of the home this one replaces
+        (the same prompt or session finished earlier), or None."""
+        key: HomeKey | None = tail if tail is not None else session
+        if key is None:
+            return None
+        replaced = self._homes.pop(key, None)
+        if replaced is not None:
+            self._unlink(key, replaced[2])
+        self._homes[key] = (pod, now, session)
+        self._order.append((now, key))
+        if session is not None:
+            self._by_session[session] = key
         return None if replaced is None else replaced[0]
 
-    def claim(self, keys: list[int], now: float) -> list[str]:
-        """A request whose prompt holds ``keys`` arrived: the pods of the homes it
-        claims (the sessions it continues)."""
+    def claim(self, keys: list[int], now: float, session: str | None = None) -> list[str]:
+        """A request whose prompt holds ``keys``, for the client's ``session`` (None: not
+        named), arrived: the pods of the homes it claims (the sessions it continues)."""
         homes = self._homes
-        if not homes or homes.keys().isdisjoint(keys):  # a set operation, in C
+        if not homes:
             return []
         pods = []
+        if session is not None:
+            key = self._by_session.get(session)
+            if key is not None:
+                self._claim(key, now, pods)
+        if homes.keys().isdisjoint(keys):  # a set operation, in C
+            return pods
         for key in keys:
-            home = homes.pop(key, None)
-            if home is not None:
-                pods.append(home[0])
-                self._returned(now - home[1])
-                self._outcome(True)
+            self._claim(key, now, pods)
         return pods
+
+    def _claim(self, key: HomeKey, now: float, pods: list[str]) -> None:
+        home = self._homes.pop(key, None)
+        if home is not None:
+            self._unlink(key, home[2])
+            pods.append(home[0])
+            self._returned(now - home[1])
+            self._outcome(True)
+
+    def _unlink(self, key: HomeKey, session: str | None) -> None:
+        """The home ``key`` of ``session`` is gone: so is its claim by session id."""
+        if session is not None and self._by_session.get(session) == key:
+            del self._by_session[session]
 
     def turn(self, prefill_tokens: int) -> None:
         """A request that continued a session (it claimed a home) was routed with
@@ -104,6 +139,7 @@ class SessionHomes:
             home = homes.get(key)
             if home is not None and home[1] == left:
                 del homes[key]
+                self._unlink(key, home[2])
                 pods.append(home[0])
                 self._outcome(False)
         return pods

@@ -14,7 +14,9 @@ The workload is the radix cache's (``sglang/srt/mem_cache/events.py``, 0.5.23): 
 evictions as ``BlockRemoved``. Usage:
 
     sglang_driver.py --check VERSION           import check (sglang_env.sh)
-    sglang_driver.py --publish ENDPOINT MODEL REPLAY_PORT  publish, print the truth
+    sglang_driver.py --publish ENDPOINT MODEL REPLAY_PORT [POD_A,POD_B]
+                                               publish (as these two pod ids), print
+                                               the truth
     sglang_driver.py --capture DIR             write the payloads as fixtures
     sglang_driver.py --load BASE DP_SIZE       a pod's load topic: one SGLang
                                                SchedulerLoadPublisher per rank; commands on
@@ -94,7 +96,9 @@ def page_hashes(tokens: list[int], salt: str | None = None) -> list[int]:
     return out
 
 
-def workload(kv: types.ModuleType) -> tuple[dict[str, list[Any]], dict[str, Any]]:
+def workload(
+    kv: types.ModuleType, pod_a: str = POD_A, pod_b: str = POD_B
+) -> tuple[dict[str, list[Any]], dict[str, Any]]:
     """Batches per pod (KVEventBatch objects) and the truth: per pod and tier, the token
     prefixes of the blocks it holds; per pod, the sessions it stored for."""
     chat = list(range(1000, 1016))  # 4 pages
@@ -133,24 +137,24 @@ def workload(kv: types.ModuleType) -> tuple[dict[str, list[Any]], dict[str, Any]
     b.append(kv.KVEventBatch(ts=now, events=[kv.AllBlocksCleared()]))
     b.append(kv.KVEventBatch(ts=now, events=[stored(other, 0, 3, session="s4")]))
     truth = {
-        POD_A: {
+        pod_a: {
             "gpu": [turn2[: (i + 1) * PAGE] for i in range(5)],
             "cpu": [chat[:PAGE], chat[: 2 * PAGE]],
             "salted_gpu": [salted[:PAGE], salted[: 2 * PAGE]],
         },
-        POD_B: {"gpu": [other[: (i + 1) * PAGE] for i in range(3)], "cpu": [], "salted_gpu": []},
+        pod_b: {"gpu": [other[: (i + 1) * PAGE] for i in range(3)], "cpu": [], "salted_gpu": []},
         "prompts": {"chat": turn2, "salted": salted, "other": other},
         "chat_ids": page_hashes(turn2),  # what SGLang published for the chat's pages
         "salt": "tenant-a",
     }
-    return {POD_A: a, POD_B: b}, truth
+    return {pod_a: a, pod_b: b}, truth
 
 
-def publish(endpoint: str, model: str, replay_port: int) -> None:
+def publish(endpoint: str, model: str, replay_port: int, pods: tuple[str, str]) -> None:
     import zmq
 
     kv = load_sglang()
-    batches, truth = workload(kv)
+    batches, truth = workload(kv, *pods)
     publishers = {}
     for pod in batches:
         host = pod.rsplit(":", 1)[0]
@@ -329,7 +333,8 @@ def main() -> None:
         version = sys.modules["sglang.version"].__version__
         assert version == sys.argv[2], version
     elif command == "--publish":
-        publish(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        pod_a, pod_b = sys.argv[5].split(",") if len(sys.argv) > 5 else (POD_A, POD_B)
+        publish(sys.argv[2], sys.argv[3], int(sys.argv[4]), (pod_a, pod_b))
     elif command == "--capture":
         capture(Path(sys.argv[2]))
     elif command == "--load":

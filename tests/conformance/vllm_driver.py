@@ -329,6 +329,7 @@ class Pod:
         salt: str | None = None,
         report_mode: str = "incremental",
         mm: list[list[Any]] | None = None,
+        session: str | None = None,
     ) -> Request:
         self.next_request += 1
         params = SamplingParams(
@@ -347,6 +348,7 @@ class Pod:
             lora_request=lora_request,
             cache_salt=salt,
             block_hasher=self.hasher,
+            session_id=session,  # what the API server takes from the client (0.30+)
         )
         self.history.append({"tokens": list(prompt), "lora": lora, "salt": salt, "mm": mm})
         return request
@@ -704,7 +706,18 @@ def multimodal(pod: Pod, rng: random.Random) -> None:
         pod.drain(rng)
 
 
+def image_chat_session(pod: Pod, rng: random.Random) -> None:
+    """One image chat's first turn under the client session ``image-chat@<pod>``, as the
+    API server hands it to the engine (``Request.session_id``): its stores carry it."""
+    image = (f"{rng.getrandbits(128):032x}", BLOCK + 5)
+    prompt, mm = with_images(rng, [20, image, 30])
+    session = f"image-chat@{pod.config.pod}"
+    pod.scheduler.add(pod.request(prompt, 3, mm=mm, session=session))
+    pod.drain(rng)
+
+
 WORKLOADS = {
+    "image_chat_session": image_chat_session,
     "multimodal": multimodal,
     "chat": chat,
     "shared": shared,

@@ -29,7 +29,7 @@ from kvindex.api.testing import ServeProcess, eventually, free_port
 from tests.chat_models import model_directory
 from tests.conformance.harness import DriverProcess, Kvindex
 from tests.support.lazy import LazyModule
-from tests.support.sglang import sglang_python
+from tests.support.sglang import require_sglang_python
 from tests.support.vllm import vllm_python
 
 openai = LazyModule("openai", reason="the gateway tests need the test extra (openai)")
@@ -64,6 +64,19 @@ def metric(url: str, line: str) -> float:
 
 # One process, and a primary with a serving worker (--processes 2), whose relay carries
 # the gateway's requests and /route to the primary, which ingests and decides.
+def wait_scraped(client: Client, pods: list[str], busier: str) -> None:
+    """Until /route has scraped every pod and sees ``busier`` at KV usage 0.5. The probe
+    names a model kvindex does not know: no prompt keys, so no session home left behind."""
+
+    def scraped() -> bool:
+        probe = client.route(model="probe/unknown", token_ids=[7] * 16, request_id="probe")
+        client.done("probe")
+        rows = {c.pod: c for c in probe.candidates}
+        return rows.keys() == set(pods) and rows[busier].kv_usage == 0.5
+
+    eventually(scraped, f"every pod scraped, {busier} busier")
+
+
 @pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "with-worker"])
 def cluster(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
@@ -129,14 +142,7 @@ def cluster(
         session_pod.kv_usage = 0.5
         client = Client(server.url, timeout=10.0)
 
-        def scraped() -> bool:
-            # a model kvindex does not know: no prompt keys, so no session home left behind
-            probe = client.route(model="probe/unknown", token_ids=[7] * 16, request_id="probe")
-            client.done("probe")
-            rows = {c.pod: c for c in probe.candidates}
-            return rows.keys() == {p.pod for p in pods} and rows[session_pod.pod].kv_usage == 0.5
-
-        eventually(scraped, "both pods scraped, the session's pod busier")
+        wait_scraped(client, [p.pod for p in pods], busier=session_pod.pod)
         yield {
             "server": server,
             "client": client,
@@ -237,11 +243,7 @@ def test_an_sglang_pods_session_takes_its_image_chat_back(tmp_path: Path) -> Non
     """SGLang 0.5.23's own publisher: pod A stored for sessions s1 and s2, pod B for s3,
     then cleared its cache, then stored for s4 (``sglang_driver.py``'s workload). SGLang
     reads a session id from the body's ``session_id`` only."""
-    python = sglang_python()
-    if python is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("no SGLang interpreter (set KVTEST_SGLANG_PYTHON)")
-        pytest.skip("no SGLang interpreter (set KVTEST_SGLANG_PYTHON)")
+    python = require_sglang_python()
     tokenizer = model_directory("gpt-oss", tmp_path)
     config = tmp_path / "kvindex.json"
     model = {"tokenizer": str(tokenizer), "block_size": 4, "engines": ["sglang"]}
@@ -291,13 +293,7 @@ def test_an_sglang_pods_session_takes_its_image_chat_back(tmp_path: Path) -> Non
         pod_a.kv_usage = 0.5  # busier: a load-only decision takes pod B
         client = Client(server.url, timeout=10.0)
 
-        def scraped() -> bool:
-            probe = client.route(model="probe/unknown", token_ids=[7] * 16, request_id="p")
-            client.done("p")
-            rows = {c.pod: c for c in probe.candidates}
-            return rows.keys() == {p.pod for p in pods} and rows[pod_a.pod].kv_usage == 0.5
-
-        eventually(scraped, "both pods scraped, pod A busier")
+        wait_scraped(client, [p.pod for p in pods], busier=pod_a.pod)
         cluster = {"server": server}
         for session, pod, reason in [
             ("s1", pod_a, "session"),

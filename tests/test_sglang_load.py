@@ -29,7 +29,7 @@ from kvindex.api.serve.service import Service
 from kvindex.api.serve.settings_sources import from_flags
 from kvindex.api.testing import eventually, free_port
 from kvindex.scoring.load import PodLoad
-from tests.support.sglang import sglang_python
+from tests.support.sglang import require_sglang_python
 from tests.test_load import SGLANG_DP2
 from tests.test_load_push import Pod
 from tests.test_route_live import two_free_ports
@@ -84,15 +84,7 @@ class SglangPod:
 
 @pytest.fixture
 def sglang(tmp_path: Path) -> Iterator[SglangPod]:
-    python = sglang_python()
-    if python is None:
-        reason = (
-            "no SGLang interpreter: run `bash tests/conformance/sglang_env.sh` (makes "
-            ".venv-sglang) or set KVTEST_SGLANG_PYTHON to a Python with sglang 0.5.23"
-        )
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but {reason}")
-        pytest.skip(reason)
+    python = require_sglang_python()
     pod = SglangPod(python, tmp_path / "driver.log")
     yield pod
     pod.close()

@@ -27,7 +27,7 @@ import pytest
 from kvindex.api.testing import ServeProcess, eventually, free_port
 from kvindex.events.wire.publisher import EnginePublisher
 from kvindex.events.wire.vllm import BlockStored
-from tests.support.sglang import sglang_python
+from tests.support.sglang import require_sglang_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -58,15 +58,7 @@ def score(client: httpx.Client, tokens: list[int], **extra: object) -> dict[str,
 
 
 def test_sglang_publisher_and_a_vllm_pod_score_exactly_in_one_model(tmp_path: Path) -> None:
-    python = sglang_python()
-    if python is None:
-        reason = (
-            "no SGLang interpreter: run `bash tests/conformance/sglang_env.sh` (makes "
-            ".venv-sglang) or set KVTEST_SGLANG_PYTHON to a Python with sglang 0.5.23"
-        )
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but {reason}")
-        pytest.skip(reason)
+    python = require_sglang_python()
     bind_port, replay_port = free_port(), free_port()
     config = tmp_path / "models.json"
     config.write_text(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 #: What ``tests/conformance/sglang_env.sh`` links in the checkout (git-ignored).
 CHECKOUT_SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
@@ -17,3 +19,18 @@ def sglang_python() -> str | None:
     if configured:
         return configured
     return str(CHECKOUT_SGLANG_PYTHON) if CHECKOUT_SGLANG_PYTHON.exists() else None
+
+
+def require_sglang_python() -> str:
+    """:func:`sglang_python`, or the test skips (fails under ``CI=true``) saying how to
+    make one."""
+    python = sglang_python()
+    if python is not None:
+        return python
+    reason = (
+        "no SGLang interpreter: run `bash tests/conformance/sglang_env.sh` (makes "
+        ".venv-sglang) or set KVTEST_SGLANG_PYTHON to a Python with sglang 0.5.23"
+    )
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true but {reason}")
+    pytest.skip(reason)

@@ -14,3 +14,12 @@ def ctx() -> Iterator[zmq.Context]:
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with a ``slow`` test run first. The workers are handed whole files in
+    collection order (``--dist loadfile``), so a long file handed out last keeps one
+    worker busy while the other idles; with the slow files first, the many short ones
+    fill in at the end. Order within a file is kept (the sort is stable)."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -153,8 +154,24 @@ def world(tmp_path: Path) -> Iterator[Callable[..., object]]:
         engine.pub.close()
 
 
+#: Sockets bound but never listening, held until the module ends: a connection to one is
+#: refused at once, and no other test can take the port in the meantime (a port that is
+#: merely free can be, which turns "unreachable" into a timeout).
+_CLOSED_PORTS: list[socket.socket] = []
+
+
 def closed_port_url() -> str:
-    return f"http://127.0.0.1:{free_port()}"
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    _CLOSED_PORTS.append(held)
+    return f"http://127.0.0.1:{held.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_closed_ports() -> Iterator[None]:
+    yield
+    while _CLOSED_PORTS:
+        _CLOSED_PORTS.pop().close()
 
 
 def ingest(replica: Replica, engines: list[Engine], batches: int) -> None:

@@ -41,6 +41,12 @@ def chain(seed: int, n: int = 8) -> list[int]:
     return [rng.getrandbits(63) for _ in range(n)]
 
 
+#: How long kvindex may take to subscribe after its health probe answers: a build without
+#: the C modules, with two serving processes on a busy machine, once took over 10 s (the
+#: wait ends as soon as it subscribes).
+SUBSCRIBED_S = 30.0
+
+
 def matched(url: str, hashes: list[int]) -> int:
     with httpx.Client(base_url=url, timeout=10) as client:  # a fresh connection each time
         reply = client.post("/score", json={"model": MODEL, "block_hashes": hashes})
@@ -108,7 +114,7 @@ def test_a_deeply_nested_batch_is_counted_and_the_next_one_applied(
 ) -> None:
     before, after = chain(1), chain(2)
     with serve(tmp_path, *engine.flags, "--processes", str(processes)) as server:
-        assert engine.pub.wait_for_subscribers(1, timeout_s=10.0)
+        assert engine.pub.wait_for_subscribers(1, timeout_s=SUBSCRIBED_S)
         engine.store(before)
         eventually(lambda: matched(server.url, before) == len(before), "the first batch")
         engine.pub.publish_payload(NESTED_1000_DEEP)
@@ -128,7 +134,7 @@ def test_a_deeply_nested_batch_is_counted_and_the_next_one_applied(
 def test_seq_2_to_the_64_is_a_restart_not_missed_batches(tmp_path: Path, engine: Engine) -> None:
     before, hostile, after = chain(1), chain(3), chain(2)
     with serve(tmp_path, *engine.flags) as server:
-        assert engine.pub.wait_for_subscribers(1, timeout_s=10.0)
+        assert engine.pub.wait_for_subscribers(1, timeout_s=SUBSCRIBED_S)
         engine.store(before)
         eventually(lambda: matched(server.url, before) == len(before), "the first batch")
         topic = engine.pub.topic.encode()
@@ -195,8 +201,8 @@ def test_a_dead_ingest_thread_fails_healthz_warns_and_exits(
     before = chain(1)
     server = serve(tmp_path, *flags, command=command)
     try:
-        assert engine.pub.wait_for_subscribers(1, timeout_s=10.0)
-        assert faulty.wait_for_subscribers(1, timeout_s=10.0)
+        assert engine.pub.wait_for_subscribers(1, timeout_s=SUBSCRIBED_S)
+        assert faulty.wait_for_subscribers(1, timeout_s=SUBSCRIBED_S)
         engine.store(before)
         eventually(lambda: matched(server.url, before) == len(before), "the first batch")
         faulty.publish([BlockStored(chain(9), None, [], 16)])

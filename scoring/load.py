@@ -70,6 +70,23 @@ class PodLoad(msgspec.Struct, frozen=True, gc=False):
     #: Where the figures came from: the pod's /metrics, or its load topic (SGLang).
     source: Literal["scrape", "push"] = "scrape"
 
+    @classmethod
+    def of_engines(
+        cls,
+        pod: str,
+        engines: Mapping[str, EngineLoad],
+        at: float,
+        started: float | None = None,
+        source: Literal["scrape", "push"] = "scrape",
+    ) -> PodLoad:
+        """The pod's load from its engines' (data-parallel ranks') figures, summed once
+        here rather than per request."""
+        total = totals(engines)
+        return cls(
+            pod, total.running, total.waiting, total.kv_usage, total.kv_usage_max, engines,
+            at, started, source,
+        )  # fmt: skip
+
 
 class Unknown(msgspec.Struct, frozen=True, gc=False):
     """A pod whose load kvindex cannot see now; route to it as a last resort only."""
@@ -323,20 +340,11 @@ class LoadView:
             return ("connect", f"GET {url}: {type(exc).__name__}")
         try:
             engines = parse_engine_loads(text)
-            total = totals(engines)  # over the engines, once per scrape, not per request
             started = parse_start_time(text)
+            scraped = PodLoad.of_engines(pod, engines, self._clock(), started)
         except MetricsError as exc:
             return ("bad_metrics", f"GET {url}: {exc}")
         except Exception as exc:  # a page the checks missed is still this pod's failure
             log.warning("reading %s's metrics page failed: %r", pod, exc)
             return ("bad_metrics", f"GET {url}: unreadable page ({type(exc).__name__})")
-        return PodLoad(
-            pod,
-            total.running,
-            total.waiting,
-            total.kv_usage,
-            total.kv_usage_max,
-            engines,
-            self._clock(),
-            started,
-        )
+        return scraped

@@ -39,7 +39,7 @@ from kvindex.events.wire.identity import IdentityError, pod_host
 from kvindex.events.wire.sglang import LOAD_TOPIC, LoadStat, decode_load, load_endpoints
 from kvindex.events.wire.vllm import DecodeError
 from kvindex.scoring.load import PodLoad
-from kvindex.scoring.load_metrics import MAX_REQUESTS, EngineLoad, totals
+from kvindex.scoring.load_metrics import MAX_REQUESTS, EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -343,18 +343,8 @@ class PushedLoads:
             str(rank): EngineLoad(stat.num_running_reqs, stat.num_waiting_reqs, stat.kv_usage)
             for rank, (stat, _) in enumerate(stats)
         }
-        total = totals(engines)
         oldest = min(at for _, at in stats)
-        self._loads[pod] = PodLoad(
-            pod,
-            total.running,
-            total.waiting,
-            total.kv_usage,
-            total.kv_usage_max,
-            engines,
-            oldest,
-            source="push",
-        )
+        self._loads[pod] = PodLoad.of_engines(pod, engines, oldest, source="push")
 
     # -- /server_info, on the pool ---------------------------------------------------
 
